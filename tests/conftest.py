@@ -1,0 +1,81 @@
+"""Tiny randomly initialised decoders built from configs: fast, offline."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+VOCAB = 96
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA: 2 query heads per KV head
+    max_position_embeddings=1024,
+)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**COMMON),
+    "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
+    "qwen2": lambda: Qwen2Config(**COMMON, use_sliding_window=False),
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16),  # q/k norms
+}
+
+
+def tiny_model(arch: str = "llama", attn: str = "sdpa", dtype: torch.dtype = torch.float32, seed: int = 0) -> PreTrainedModel:
+    torch.manual_seed(seed)
+    config = CONFIGS[arch]()
+    config._attn_implementation = attn
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).eval()
+    # Random init keeps attention nearly uniform; sharper logits make eviction matter.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4.0)
+    return model
+
+
+def prompt(length: int, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (1, length), generator=generator)
+
+
+def greedy(model: PreTrainedModel, ids: torch.Tensor, cache=None, new_tokens: int = 8):
+    """Greedy generation returning (sequences, per-step logits)."""
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        past_key_values=cache,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    return out.sequences, torch.stack(out.logits, dim=1)
+
+
+def reference_logits(model: PreTrainedModel, cache, token: torch.Tensor) -> torch.Tensor:
+    """Next-token logits recomputed by the model over exactly the entries ``cache`` retained,
+    held in a plain transformers DynamicCache, at the token's absolute position."""
+    reference = DynamicCache()
+    for idx, layer in enumerate(cache.layers):
+        reference.update(layer.keys.clone(), layer.values.clone(), idx)
+    position = torch.tensor([[cache.get_seq_length()]])
+    with torch.no_grad():
+        return model(input_ids=token, position_ids=position, past_key_values=reference).logits[:, -1]
+
+
+@pytest.fixture(params=["sdpa", "eager"])
+def attn(request) -> str:
+    return request.param
