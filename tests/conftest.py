@@ -79,3 +79,24 @@ def reference_logits(model: PreTrainedModel, cache, token: torch.Tensor) -> torc
 @pytest.fixture(params=["sdpa", "eager"])
 def attn(request) -> str:
     return request.param
+
+
+def capture_passes(layer) -> list[dict]:
+    """Record the query, scaling and (pre-eviction) keys of each pass through ``layer``."""
+    passes: list[dict] = []
+    original = layer.after_attention
+
+    def spy(query, scaling):
+        passes.append({"query": query, "scaling": scaling, "keys": layer.keys.clone(), "positions": layer.positions.clone()})
+        original(query, scaling)
+
+    layer.after_attention = spy
+    return passes
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M-Instruct (loaded once per test session, offline)."""
+    import kvevict
+
+    return kvevict.load_model("smollm2")

@@ -1,0 +1,47 @@
+import pytest
+
+import kvevict
+from kvevict.policies import POLICIES
+
+
+def test_registry_lists_every_baseline() -> None:
+    assert kvevict.list_policies() == ["full", "random", "knorm", "streamingllm", "tova", "h2o", "snapkv"]
+    assert all(summary for _, summary in kvevict.describe_policies())
+
+
+def test_every_policy_documents_its_paper() -> None:
+    for cls in POLICIES.values():
+        assert cls.__doc__ and len(cls.__doc__) > 30
+
+
+def test_unknown_policy_lists_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown policy 'snapkvv'; known policies: full, random, knorm, .*snapkv"):
+        kvevict.make_policy("snapkvv")
+
+
+def test_bad_parameters_name_the_policy() -> None:
+    with pytest.raises(ValueError, match=r"bad parameters for policy 'snapkv'.*'windw'"):
+        kvevict.make_policy("snapkv", windw=8)
+    with pytest.raises(ValueError, match="regime 'sometimes' is not supported; allowed: both, prefill, decode"):
+        kvevict.make_policy("streamingllm", regime="sometimes")
+    with pytest.raises(ValueError, match="kernel must be a positive odd number"):
+        kvevict.make_policy("snapkv", kernel=4)
+
+
+def test_budget_smaller_than_sinks_and_window_is_refused() -> None:
+    from tests.conftest import tiny_model
+
+    with pytest.raises(ValueError, match=r"budget 20 is smaller than h2o's sinks \(4\) \+ recent window \(30\) = 34"):
+        kvevict.EvictionCache(tiny_model(), kvevict.make_policy("h2o", window=30), budget=20)
+
+
+def test_cache_argument_errors() -> None:
+    from tests.conftest import tiny_model
+
+    model = tiny_model()
+    with pytest.raises(ValueError, match="not both"):
+        kvevict.EvictionCache(model, "snapkv", budget=64, keep=0.5)
+    with pytest.raises(ValueError, match="'h2o' needs a budget: give budget= .* or keep="):
+        kvevict.EvictionCache(model, "h2o")
+    with pytest.raises(ValueError, match="interval must be an integer >= 1"):
+        kvevict.EvictionCache(model, "h2o", budget=64, interval=0)

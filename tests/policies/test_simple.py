@@ -1,0 +1,65 @@
+import pytest
+import torch
+
+import kvevict
+from kvevict.policies.simple import knorm_scores
+from tests.conftest import greedy, prompt, tiny_model
+
+
+def test_knorm_score_is_minus_the_key_norm() -> None:
+    keys = torch.tensor([[3.0, 4.0], [1.0, 0.0], [0.0, 2.0]])[None, None]  # [1, 1, 3, 2]
+    assert knorm_scores(keys).tolist() == [[[-5.0, -1.0, -2.0]]]
+
+
+def test_knorm_keeps_the_low_norm_keys() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "knorm", budget=40)
+    with torch.no_grad():
+        model(input_ids=prompt(96), past_key_values=cache)
+    full = kvevict.EvictionCache(model, "full")
+    with torch.no_grad():
+        model(input_ids=prompt(96), past_key_values=full)
+    for layer, reference in zip(cache.layers, full.layers):
+        expected = reference.keys.norm(dim=-1).topk(40, dim=-1, largest=False).indices.sort(dim=-1).values
+        assert torch.equal(layer.positions, expected)
+
+
+def test_streamingllm_keeps_sinks_and_the_most_recent() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "streamingllm", budget=40)
+    sequences, _ = greedy(model, prompt(96), cache, new_tokens=5)
+    seen = sequences.shape[1] - 1
+    expected = list(range(4)) + list(range(seen - 36, seen))
+    for layer in cache.layers:
+        assert layer.positions[0, 0].tolist() == expected
+        assert torch.equal(layer.positions[0, 0], layer.positions[0, 1])
+
+
+def test_random_is_reproducible_and_seeded() -> None:
+    model = tiny_model()
+
+    def positions(seed: int) -> torch.Tensor:
+        cache = kvevict.EvictionCache(model, kvevict.make_policy("random", seed=seed), budget=40)
+        with torch.no_grad():
+            model(input_ids=prompt(96), past_key_values=cache)
+        return cache.layers[0].positions
+
+    assert torch.equal(positions(0), positions(0))
+    assert not torch.equal(positions(0), positions(1))
+
+
+def test_full_never_evicts() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "full")
+    greedy(model, prompt(96), cache, new_tokens=4)
+    assert cache.layer_lengths() == [99, 99]
+
+
+@pytest.mark.parametrize("regime", ["prefill", "decode", "both"])
+def test_regime_decides_when_knorm_evicts(regime: str) -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, kvevict.make_policy("knorm", regime=regime), budget=40)
+    greedy(model, prompt(96), cache, new_tokens=4)
+    # prefill: compressed once then grows; decode: prompt kept whole, then cut at the first step
+    expected = {"prefill": 43, "decode": 40, "both": 40}[regime]
+    assert cache.layer_lengths() == [expected, expected]

@@ -1,0 +1,137 @@
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import repeat_kv
+
+import kvevict
+from kvevict import attention
+from kvevict.attention import attention_rows, column_sums, compute_signals
+from kvevict.policies.base import NOTHING, Requirements
+from tests.conftest import prompt, tiny_model
+
+
+def full_attention(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Brute force: the whole causal attention matrix, queries at the end of the keys."""
+    keys = repeat_kv(keys, query.shape[1] // keys.shape[1])
+    q, n = query.shape[-2], keys.shape[-2]
+    logits = query @ keys.transpose(-1, -2) * scaling
+    future = torch.arange(n)[None, :] > torch.arange(n - q, n)[:, None]
+    return logits.masked_fill(future, float("-inf")).softmax(dim=-1)
+
+
+@pytest.fixture
+def qk() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 4, 10, 8, generator=generator)
+    keys = torch.randn(1, 2, 25, 8, generator=generator)
+    return query, keys
+
+
+def test_attention_rows_equal_the_causal_attention_matrix_rows(qk) -> None:
+    query, keys = qk
+    expected = full_attention(query, keys, 0.3)
+    torch.testing.assert_close(attention_rows(query[:, :, -4:], keys, 0.3), expected[:, :, -4:])
+    torch.testing.assert_close(attention_rows(query, keys, 0.3), expected)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 256])
+def test_column_sums_in_chunks_equal_the_matrix_columns(qk, chunk: int) -> None:
+    query, keys = qk
+    expected = full_attention(query, keys, 0.3).sum(dim=2)
+    torch.testing.assert_close(column_sums(query, keys, 0.3, chunk=chunk), expected)
+
+
+def test_only_requested_signals_are_computed(qk) -> None:
+    query, keys = qk
+    nothing = compute_signals(NOTHING, "prefill", query, keys, 0.3, 10)
+    assert nothing.last_query_attention is None and nothing.window_attention is None and nothing.column_sums is None
+    some = compute_signals(Requirements(window=4), "prefill", query, keys, 0.3, 10)
+    assert some.window_attention.shape == (1, 4, 4, 25) and some.column_sums is None
+
+
+@pytest.mark.parametrize(("policy", "calls"), [("full", 0), ("streamingllm", 0), ("knorm", 0), ("snapkv", 2), ("tova", 2 * 4)])
+def test_attention_work_is_limited_to_what_the_policy_asks(monkeypatch, policy: str, calls: int) -> None:
+    seen = []
+    original = attention.attention_rows
+
+    def counting(query, keys, scaling):
+        seen.append((query.shape[-2], keys.shape[-2]))
+        return original(query, keys, scaling)
+
+    monkeypatch.setattr(attention, "attention_rows", counting)
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, policy, budget=None if policy == "full" else 40)
+    with torch.no_grad():
+        model(input_ids=prompt(96), past_key_values=cache)
+        for token in range(3):
+            model(input_ids=torch.tensor([[token + 5]]), past_key_values=cache)
+    assert len(seen) == calls  # 2 layers; snapkv at prefill only, tova at every pass
+
+
+def test_column_sums_never_build_an_n_by_n_matrix(monkeypatch) -> None:
+    rows = []
+    original = attention.attention_rows
+    monkeypatch.setattr(attention, "attention_rows", lambda q, k, s: rows.append(q.shape[-2]) or original(q, k, s))
+    model = tiny_model()
+    with torch.no_grad():
+        model(input_ids=prompt(700), past_key_values=kvevict.EvictionCache(model, "h2o", budget=64))
+    assert max(rows) <= attention.COLUMN_SUM_CHUNK < 700
+
+
+def test_wrapper_is_a_pure_pass_through_without_an_eviction_cache(attn: str) -> None:
+    plain, wrapped = tiny_model(attn=attn), tiny_model(attn=attn)
+    kvevict.EvictionCache(wrapped, "snapkv", budget=40)  # installs the wrapper
+    assert wrapped.config._attn_implementation == f"kvevict_{attn}"
+    ids = prompt(50)
+    with torch.no_grad():
+        assert torch.equal(wrapped(input_ids=ids).logits, plain(input_ids=ids).logits)
+        mine = wrapped(input_ids=ids, past_key_values=DynamicCache()).logits
+        assert torch.equal(mine, plain(input_ids=ids, past_key_values=DynamicCache()).logits)
+    out_plain = plain.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    out_wrapped = wrapped.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(out_plain, out_wrapped)
+
+
+def test_layers_of_different_lengths_get_their_own_mask(attn: str) -> None:
+    """A multi-token pass over layers that retained different numbers of entries."""
+    model = tiny_model(attn=attn)
+    cache = kvevict.EvictionCache(model, "streamingllm", budget=40)
+    ids = prompt(96)
+    with torch.no_grad():
+        model(input_ids=ids[:, :80], past_key_values=cache)
+    cache.layers[1].keep(torch.arange(30).expand(1, 2, 30))  # layer 1 now holds 30, layer 0 40
+    reference = DynamicCache()
+    for idx, layer in enumerate(cache.layers):
+        reference.update(layer.keys.clone(), layer.values.clone(), idx)
+    chunk = ids[:, 80:]
+    positions = torch.arange(80, 96)[None]
+    with torch.no_grad():
+        logits = model(input_ids=chunk, past_key_values=cache).logits
+        # reference: per-layer mask built by hand for a plain cache, through the model's own eager kernel
+        expected = manual_forward(model, chunk, positions, reference)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+
+
+def manual_forward(model, ids, positions, past: DynamicCache) -> torch.Tensor:
+    """The decoder written out with hooks-free module calls and an explicit per-layer mask."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    inner = model.model
+    hidden = inner.embed_tokens(ids)
+    cos, sin = inner.rotary_emb(hidden, positions)
+    q_len = ids.shape[1]
+    for idx, block in enumerate(inner.layers):
+        attn = block.self_attn
+        residual, x = hidden, block.input_layernorm(hidden)
+        shape = (1, q_len, -1, attn.head_dim)
+        q = attn.q_proj(x).view(shape).transpose(1, 2)
+        k = attn.k_proj(x).view(shape).transpose(1, 2)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        keys = torch.cat([past.layers[idx].keys, k], dim=2)
+        values = torch.cat([past.layers[idx].values, v], dim=2)
+        weights = full_attention(q, keys, attn.scaling)
+        out = (weights @ repeat_kv(values, attn.num_key_value_groups)).transpose(1, 2).reshape(1, q_len, -1)
+        hidden = residual + attn.o_proj(out)
+        hidden = hidden + block.mlp(block.post_attention_layernorm(hidden))
+    return model.lm_head(inner.norm(hidden))

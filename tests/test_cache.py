@@ -1,0 +1,122 @@
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+import kvevict
+from kvevict.cache import EvictionLayer
+from kvevict.policies.h2o import ACCUMULATED
+from tests.conftest import COMMON, greedy, prompt, reference_logits, tiny_model
+
+
+def test_seq_length_counts_seen_tokens_and_mask_sizes_the_retained() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "streamingllm", budget=40)
+    with torch.no_grad():
+        model(input_ids=prompt(96), past_key_values=cache)
+    assert cache.get_seq_length() == 96
+    assert cache.get_mask_sizes(query_length=1, layer_idx=0) == (41, 56)
+    assert cache.get_mask_sizes(query_length=5, layer_idx=1) == (45, 56)
+
+
+def test_retained_bytes_shrink_to_the_budget() -> None:
+    model = tiny_model()
+    full, evicting = kvevict.EvictionCache(model, "full"), kvevict.EvictionCache(model, "snapkv", budget=40)
+    with torch.no_grad():
+        model(input_ids=prompt(160), past_key_values=full)
+        model(input_ids=prompt(160), past_key_values=evicting)
+    per_token = 2 * 2 * 2 * 16 * 4  # layers × (K, V) × KV heads × head_dim × fp32 bytes
+    assert full.kv_bytes() == 160 * per_token
+    assert evicting.kv_bytes() == 40 * per_token
+    assert all(layer.keys.shape == (1, 2, 40, 16) for layer in evicting.layers)  # physically smaller
+
+
+def test_policy_state_stays_aligned_with_entries() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "h2o", budget=1000)
+    with torch.no_grad():
+        model(input_ids=prompt(60), past_key_values=cache)
+    layer = cache.layers[0]
+    keys, scores = layer.keys.clone(), layer.state[ACCUMULATED].clone()
+    keep = torch.tensor([[[0, 5, 7], [1, 2, 59]]])
+    layer.keep(keep)
+    assert layer.positions.tolist() == keep.tolist()
+    assert torch.equal(layer.state[ACCUMULATED], scores.gather(2, keep))
+    assert torch.equal(layer.keys, keys.gather(2, keep[..., None].expand(-1, -1, -1, 16)))
+
+
+def test_each_kv_head_keeps_its_own_tokens() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "knorm", budget=40)
+    with torch.no_grad():
+        model(input_ids=prompt(96), past_key_values=cache)
+    assert any(not torch.equal(layer.positions[0, 0], layer.positions[0, 1]) for layer in cache.layers)
+
+
+@pytest.mark.parametrize(("interval", "expected"), [(1, [40] * 8), (4, [41, 42, 43, 40, 41, 42, 43, 40])])
+def test_decode_eviction_runs_every_interval_steps(interval: int, expected: list[int]) -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "h2o", budget=40, interval=interval)
+    lengths = []
+    with torch.no_grad():
+        model(input_ids=prompt(96), past_key_values=cache)
+        assert cache.layer_lengths() == [40, 40]
+        for token in range(8):
+            model(input_ids=torch.tensor([[token + 3]]), past_key_values=cache)
+            lengths.append(cache.layer_lengths()[0])
+    assert lengths == expected
+
+
+def test_keep_fraction_resolves_against_the_prompt() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "snapkv", keep=0.5)
+    with torch.no_grad():
+        model(input_ids=prompt(100), past_key_values=cache)
+    assert cache.layer_lengths() == [50, 50]
+
+
+def test_keep_below_the_window_is_a_clear_error() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "snapkv", keep=0.1)
+    with pytest.raises(ValueError, match=r"budget 10 is smaller than snapkv's .* = 32"):
+        model(input_ids=prompt(100), past_key_values=cache)
+
+
+def test_sliding_window_layers_keep_their_own_window() -> None:
+    torch.manual_seed(0)
+    config = Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+    model = Qwen2ForCausalLM(config).eval()
+    cache = kvevict.EvictionCache(model, "streamingllm", budget=40)
+    assert isinstance(cache.layers[0], DynamicSlidingWindowLayer) and isinstance(cache.layers[1], EvictionLayer)
+    sequences, _ = greedy(model, prompt(96), cache, new_tokens=4)
+    assert cache.layer_lengths() == [15, 40]
+    with torch.no_grad():
+        logits = model(input_ids=sequences[:, -1:], past_key_values=cache).logits[:, -1]
+    assert torch.isfinite(logits).all()
+
+
+def test_batch_size_above_one_is_refused_with_a_reason() -> None:
+    model = tiny_model()
+    with pytest.raises(ValueError, match="batch size 2 is not supported yet"):
+        model(input_ids=prompt(20).repeat(2, 1), past_key_values=kvevict.EvictionCache(model, "h2o", budget=40))
+
+
+def test_cache_cannot_be_cropped() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "h2o", budget=40)
+    with torch.no_grad():
+        model(input_ids=prompt(20), past_key_values=cache)
+    with pytest.raises(NotImplementedError, match="cannot be cropped"):
+        cache.crop(-2)
+
+
+def test_reset_clears_positions_and_state() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "h2o", budget=40)
+    greedy(model, prompt(96), cache, new_tokens=3)
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.layers[0].state == {}
+    sequences, _ = greedy(model, prompt(96), cache, new_tokens=3)
+    expected = reference_logits(model, cache, sequences[:, -1:])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=sequences[:, -1:], past_key_values=cache).logits[:, -1], expected, rtol=0, atol=1e-5)
