@@ -1,0 +1,1 @@
+"""Evaluation: offline haystacks and tasks, metrics, runner and reports."""

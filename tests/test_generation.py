@@ -1,0 +1,53 @@
+import pytest
+import torch
+
+import kvevict
+from kvevict.bench.haystack import needle_sample
+from kvevict.generation import split_prompt
+
+
+@pytest.mark.slow
+def test_split_prompt_puts_the_context_before_the_rest(smollm2) -> None:
+    _, tokenizer = smollm2
+    head, tail = split_prompt(tokenizer, "The sky is green today.", "What color is the sky?", "The sky is")
+    assert tokenizer.decode(head[0]).endswith("The sky is green today.")
+    assert tokenizer.decode(head[0]).startswith("<|im_start|>")
+    rest = tokenizer.decode(tail[0])
+    assert "What color is the sky?" in rest and rest.endswith("assistant\nThe sky is")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("query_aware", "compressed"), [(False, "context"), (True, "everything")])
+def test_answer_compresses_the_context_or_the_whole_prompt(smollm2, query_aware: bool, compressed: str) -> None:
+    model, tokenizer = smollm2
+    sample = needle_sample(tokenizer, 400, seed=3)
+    head, tail = split_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
+    cache = kvevict.EvictionCache(model, "snapkv", budget=128)
+    text = kvevict.answer(
+        model, tokenizer, sample.context, sample.question, answer_prefix=sample.answer_prefix,
+        query_aware=query_aware, max_new_tokens=4, cache=cache,
+    )
+    assert text
+    layer = cache.layers[0]
+    assert layer.prompt_length == head.shape[-1] + (tail.shape[-1] if compressed == "everything" else 0)
+    retained_after_prefill = 128 if query_aware else 128 + tail.shape[-1]
+    assert layer.length == retained_after_prefill + 3  # then grows while decoding (prefill policy)
+
+
+@pytest.mark.slow
+def test_full_cache_finds_the_needle(smollm2) -> None:
+    model, tokenizer = smollm2
+    sample = needle_sample(tokenizer, 600, seed=1)
+    text = kvevict.answer(model, tokenizer, sample.context, sample.question, answer_prefix=sample.answer_prefix, max_new_tokens=12)
+    assert sample.answer in text
+
+
+@pytest.mark.slow
+def test_decode_time_policy_holds_the_budget_while_answering(smollm2) -> None:
+    model, tokenizer = smollm2
+    sample = needle_sample(tokenizer, 600, seed=1)
+    cache = kvevict.EvictionCache(model, "h2o", budget=96)
+    kvevict.answer(model, tokenizer, sample.context, sample.question, answer_prefix=sample.answer_prefix, max_new_tokens=6, cache=cache)
+    assert set(cache.layer_lengths()) == {96}
+    assert cache.kv_bytes() == 30 * 2 * 3 * 96 * 64 * 4  # layers × (K, V) × KV heads × budget × head_dim × fp32
+    assert torch.isfinite(cache.layers[0].keys).all()
