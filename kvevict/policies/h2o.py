@@ -43,8 +43,8 @@ class H2O(Policy):
         group: GroupReduce = "mean",
         regime: Regime | None = None,
     ):
-        super().__init__(sinks=sinks, window=window or 0, regime=regime)
-        self.window = window
+        super().__init__(sinks=sinks, regime=regime)
+        self.window = window  # None: scales with the budget, see recent_window
         self.group = group
 
     def recent_window(self, budget: int) -> int:

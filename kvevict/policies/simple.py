@@ -21,9 +21,6 @@ class Full(Policy):
     def evicts_in(self, phase: Phase) -> bool:
         return False
 
-    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
-        return layer.positions.float()
-
 
 class Random(Policy):
     """Keeps a uniformly random subset (seeded, reproducible)."""

@@ -62,9 +62,10 @@ def test_absolute_positions_survive_eviction(policy: str) -> None:
             torch.testing.assert_close(mine[comparable], expected[comparable], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("policy", EVICTING)
-def test_bf16_generation_stays_finite(policy: str) -> None:
-    model = tiny_model(dtype=torch.bfloat16)
+def test_half_precision_generation_stays_finite(policy: str, dtype: torch.dtype) -> None:
+    model = tiny_model(dtype=dtype)
     cache = kvevict.EvictionCache(model, policy, budget=BUDGET)
     _, logits = greedy(model, prompt(PROMPT), cache, new_tokens=6)
     assert torch.isfinite(logits).all()
