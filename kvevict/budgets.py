@@ -20,7 +20,9 @@ class Budget:
                 f"give either budget= (tokens per KV head per layer) or keep= (fraction of the prompt), "
                 f"not both (got budget={self.tokens}, keep={self.keep})"
             )
-        if self.tokens is not None and (isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1):
+        if self.tokens is not None and (
+            isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1
+        ):
             raise ValueError(f"budget must be a positive integer number of tokens, got {self.tokens!r}")
         if self.keep is not None and not 0 < self.keep <= 1:
             raise ValueError(f"keep must be a fraction of the prompt in (0, 1], got {self.keep!r}")

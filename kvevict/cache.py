@@ -70,7 +70,9 @@ class EvictionLayer(DynamicLayer):
         self.values = value_states.new_empty(b, h, 0, value_states.shape[-1])
         self.positions = torch.empty(b, h, 0, dtype=torch.long, device=self.device)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, h, num_new = key_states.shape[:3]

@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--length", type=int, default=2048, help="prompt length in tokens (default: 2048)")
     demo.add_argument("--budgets", default="256,1024", help="comma-separated budgets (default: 256,1024)")
     demo.add_argument(
-        "--context-only", action="store_true", help="compress the context before the question is seen (default: query-aware)"
+        "--context-only",
+        action="store_true",
+        help="compress the context before the question is seen (default: query-aware)",
     )
     return parser
 

@@ -18,7 +18,9 @@ def split_prompt(
     answer prefix), ``[1, n]`` each. The chat template is applied when the tokenizer has one."""
     user = context + (CONTEXT_QUESTION_SEPARATOR + question if question else "")
     if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False
+        )
         special = False  # the template already holds the special tokens
     else:
         text, special = user, True

@@ -30,18 +30,26 @@ def smollm2_gguf() -> Path:
     return path
 
 
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
 def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
-    """``None`` → fp32 (CPU friendly); strings like ``"bf16"``/``"bfloat16"`` → torch dtypes."""
+    """``None`` → fp32 (CPU friendly); names like ``"bf16"``/``"bfloat16"`` → torch dtypes."""
     if dtype is None:
         return torch.float32
     if isinstance(dtype, torch.dtype) or dtype == "auto":
         return dtype
-    aliases = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
-    name = aliases.get(dtype, dtype)
-    value = getattr(torch, name, None)
-    if not isinstance(value, torch.dtype):
+    if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; use float32, float16, bfloat16 or auto")
-    return value
+    return DTYPES[dtype]
 
 
 def load_model(

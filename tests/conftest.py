@@ -15,15 +15,15 @@ from transformers import (
 )
 
 VOCAB = 96
-COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,  # GQA: 2 query heads per KV head
-    max_position_embeddings=1024,
-)
+COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,  # GQA: 2 query heads per KV head
+    "max_position_embeddings": 1024,
+}
 CONFIGS = {
     "llama": lambda: LlamaConfig(**COMMON),
     "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
@@ -32,7 +32,9 @@ CONFIGS = {
 }
 
 
-def tiny_model(arch: str = "llama", attn: str = "sdpa", dtype: torch.dtype = torch.float32, seed: int = 0) -> PreTrainedModel:
+def tiny_model(
+    arch: str = "llama", attn: str = "sdpa", dtype: torch.dtype = torch.float32, seed: int = 0
+) -> PreTrainedModel:
     torch.manual_seed(seed)
     config = CONFIGS[arch]()
     config._attn_implementation = attn
@@ -87,7 +89,9 @@ def capture_passes(layer) -> list[dict]:
     original = layer.after_attention
 
     def spy(query, scaling):
-        passes.append({"query": query, "scaling": scaling, "keys": layer.keys.clone(), "positions": layer.positions.clone()})
+        passes.append(
+            {"query": query, "scaling": scaling, "keys": layer.keys.clone(), "positions": layer.positions.clone()}
+        )
         original(query, scaling)
 
     layer.after_attention = spy

@@ -49,7 +49,9 @@ def test_only_requested_signals_are_computed(qk) -> None:
     assert some.window_attention.shape == (1, 4, 4, 25) and some.column_sums is None
 
 
-@pytest.mark.parametrize(("policy", "calls"), [("full", 0), ("streamingllm", 0), ("knorm", 0), ("snapkv", 2), ("tova", 2 * 4)])
+@pytest.mark.parametrize(
+    ("policy", "calls"), [("full", 0), ("streamingllm", 0), ("knorm", 0), ("snapkv", 2), ("tova", 2 * 4)]
+)
 def test_attention_work_is_limited_to_what_the_policy_asks(monkeypatch, policy: str, calls: int) -> None:
     seen = []
     original = attention.attention_rows

@@ -84,7 +84,9 @@ def test_keep_below_the_window_is_a_clear_error() -> None:
 
 def test_sliding_window_layers_keep_their_own_window() -> None:
     torch.manual_seed(0)
-    config = Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+    config = Qwen2Config(
+        **COMMON, use_sliding_window=True, sliding_window=16, layer_types=["sliding_attention", "full_attention"]
+    )
     model = Qwen2ForCausalLM(config).eval()
     cache = kvevict.EvictionCache(model, "streamingllm", budget=40)
     assert isinstance(cache.layers[0], DynamicSlidingWindowLayer) and isinstance(cache.layers[1], EvictionLayer)
@@ -119,4 +121,6 @@ def test_reset_clears_positions_and_state() -> None:
     sequences, _ = greedy(model, prompt(96), cache, new_tokens=3)
     expected = reference_logits(model, cache, sequences[:, -1:])
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=sequences[:, -1:], past_key_values=cache).logits[:, -1], expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            model(input_ids=sequences[:, -1:], past_key_values=cache).logits[:, -1], expected, rtol=0, atol=1e-5
+        )

