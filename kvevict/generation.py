@@ -53,7 +53,10 @@ def answer(
     the answer is decoded greedily; decode-time policies keep evicting while it is written.
     Pass ``cache`` to inspect the cache afterwards (its policy and budget are used).
     """
-    cache = cache or EvictionCache(model, policy, budget=budget, keep=keep)
+    if cache is None:
+        cache = EvictionCache(model, policy, budget=budget, keep=keep)
+    elif policy != "full" or budget is not None or keep is not None:
+        raise ValueError("give either cache= or policy=/budget=/keep= (the cache already has its policy and budget)")
     head, tail = split_prompt(tokenizer, context, question, answer_prefix)
     ids = torch.cat([head, tail], dim=-1).to(model.device)
     if not query_aware:

@@ -67,3 +67,11 @@ def test_decode_time_policy_holds_the_budget_while_answering(smollm2) -> None:
     assert set(cache.layer_lengths()) == {96}
     assert cache.kv_bytes() == 30 * 2 * 3 * 96 * 64 * 4  # layers × (K, V) × KV heads × budget × head_dim × fp32
     assert torch.isfinite(cache.layers[0].keys).all()
+
+
+def test_cache_and_policy_arguments_are_exclusive() -> None:
+    from tests.conftest import tiny_model
+
+    model = tiny_model()
+    with pytest.raises(ValueError, match="either cache= or policy="):
+        kvevict.answer(model, None, "context", cache=kvevict.EvictionCache(model, "h2o", budget=64), budget=32)
