@@ -85,7 +85,7 @@ class EvictionLayer(DynamicLayer):
         if self.passes == 1:
             self.prompt_length = num_new
             self.budget = self.owner.budget.resolve(num_new)
-            if self.budget is not None and self.policy.evicts_in("prefill"):
+            if self.owner.budget.keep is not None:  # a token budget was checked up front
                 self.policy.check_budget(self.budget)
         for name, value in self.policy.new_tokens(self, num_new).items():
             old = self.state.get(name)

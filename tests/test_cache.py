@@ -82,6 +82,13 @@ def test_keep_below_the_window_is_a_clear_error() -> None:
         model(input_ids=prompt(100), past_key_values=cache)
 
 
+def test_keep_is_checked_for_decode_time_policies_too() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, kvevict.make_policy("streamingllm", sinks=8, regime="decode"), keep=0.05)
+    with pytest.raises(ValueError, match=r"budget 5 is smaller than streamingllm's sinks \(8\)"):
+        model(input_ids=prompt(100), past_key_values=cache)
+
+
 def test_sliding_window_layers_keep_their_own_window() -> None:
     torch.manual_seed(0)
     config = Qwen2Config(

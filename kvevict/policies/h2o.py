@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import GroupReduce, Phase, Policy, Regime, Requirements, Signals, group_reduce
+from kvevict.policies.base import NOTHING, GroupReduce, Phase, Policy, Regime, Requirements, Signals, group_reduce
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
@@ -51,8 +51,9 @@ class H2O(Policy):
         return min(128, budget // 4) if self.window is None else self.window
 
     def requirements(self, phase: Phase, evicting: bool) -> Requirements:
-        # Scores accumulate over the whole sequence, so H2O observes every pass.
-        return Requirements(column_sums=True)
+        # Scores accumulate over the whole sequence: observe every pass that can still
+        # lead to an eviction.
+        return Requirements(column_sums=True) if phase == "prefill" or self.evicts_in("decode") else NOTHING
 
     def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
         b, h = layer.positions.shape[:2]
