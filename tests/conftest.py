@@ -104,3 +104,14 @@ def smollm2():
     import kvevict
 
     return kvevict.load_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The embedded SmolLM2 tokenizer alone (a few seconds, offline)."""
+    from transformers import AutoTokenizer
+
+    from kvevict.models import smollm2_gguf
+
+    path = smollm2_gguf()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
