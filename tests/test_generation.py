@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import kvevict
-from kvevict.bench.haystack import needle_sample
+from kvevict.bench.ruler import TASKS
 from kvevict.generation import split_prompt
 
 
@@ -20,7 +20,7 @@ def test_split_prompt_puts_the_context_before_the_rest(smollm2) -> None:
 @pytest.mark.parametrize(("query_aware", "compressed"), [(False, "context"), (True, "everything")])
 def test_answer_compresses_the_context_or_the_whole_prompt(smollm2, query_aware: bool, compressed: str) -> None:
     model, tokenizer = smollm2
-    sample = needle_sample(tokenizer, 400, seed=3)
+    sample = TASKS["niah_single_2"].samples(tokenizer, length=400, count=1, seed=3)[0]
     head, tail = split_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
     cache = kvevict.EvictionCache(model, "snapkv", budget=128)
     text = kvevict.answer(
@@ -35,25 +35,25 @@ def test_answer_compresses_the_context_or_the_whole_prompt(smollm2, query_aware:
     )
     assert text
     layer = cache.layers[0]
-    assert layer.prompt_length == head.shape[-1] + (tail.shape[-1] if compressed == "everything" else 0)
-    retained_after_prefill = 128 if query_aware else 128 + tail.shape[-1]
+    assert layer.prompt_length == head.shape[-1] + (tail.shape[-1] - 1 if compressed == "everything" else 0)
+    retained_after_prefill = 128 + (1 if query_aware else tail.shape[-1])
     assert layer.length == retained_after_prefill + 3  # then grows while decoding (prefill policy)
 
 
 @pytest.mark.slow
 def test_full_cache_finds_the_needle(smollm2) -> None:
     model, tokenizer = smollm2
-    sample = needle_sample(tokenizer, 600, seed=1)
+    sample = TASKS["niah_single_2"].samples(tokenizer, length=600, count=1, seed=1)[0]
     text = kvevict.answer(
         model, tokenizer, sample.context, sample.question, answer_prefix=sample.answer_prefix, max_new_tokens=12
     )
-    assert sample.answer in text
+    assert sample.answers[0] in text
 
 
 @pytest.mark.slow
 def test_decode_time_policy_holds_the_budget_while_answering(smollm2) -> None:
     model, tokenizer = smollm2
-    sample = needle_sample(tokenizer, 600, seed=1)
+    sample = TASKS["niah_single_2"].samples(tokenizer, length=600, count=1, seed=1)[0]
     cache = kvevict.EvictionCache(model, "h2o", budget=96)
     kvevict.answer(
         model,
