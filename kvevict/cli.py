@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 EXIT_USAGE = 2
 
@@ -41,20 +42,61 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     _model_args(generate)
 
+    commands.add_parser("tasks", help="list the benchmark tasks", description="List every benchmark task.")
+
+    bench = commands.add_parser(
+        "bench",
+        help="run tasks × policies × budgets into a results directory",
+        description="Run every task × policy × budget; one JSON line per sample in OUT/results.jsonl. "
+        "Resumable: finished samples are skipped when the same command runs again.",
+    )
+    bench.add_argument("tasks", type=_names, help="comma-separated task names (see `kvevict tasks`)")
+    bench.add_argument("--policies", type=_names, default=("full",), help="comma-separated policies (default: full)")
+    budgets = bench.add_mutually_exclusive_group()
+    budgets.add_argument(
+        "--budgets", type=_ints, default=(), help="comma-separated budgets, tokens per KV head per layer"
+    )
+    budgets.add_argument("--keep", type=_floats, default=(), help="comma-separated fractions of the prompt to keep")
+    bench.add_argument("--length", type=int, default=2048, help="prompt length in tokens (default: 2048)")
+    bench.add_argument("--samples", type=int, default=4, help="samples per task (default: 4)")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the generated samples (default: 0)")
+    bench.add_argument("--out", type=Path, required=True, help="results directory (created; resumed if it exists)")
+    bench.add_argument("--query-aware", action="store_true", help="compress context + question (default: context only)")
+    bench.add_argument("--interval", type=int, default=1, help="decode-time eviction every N steps (default: 1)")
+    bench.add_argument(
+        "--fidelity", action="store_true", help="also replay the full cache's answer: top-1, KL, perplexity"
+    )
+    bench.add_argument("--max-new-tokens", type=int, default=None, help="override every task's generation length")
+    _model_args(bench)
+
+    report = commands.add_parser(
+        "report", help="summarise a results directory", description="Mean score per task × policy × budget, % of full."
+    )
+    report.add_argument("directory", type=Path, help="a directory written by `kvevict bench`")
+    report.add_argument("--plot", type=Path, default=None, help="also draw score vs budget into this PNG")
+
     demo = commands.add_parser(
         "demo",
-        help="needle retrieval under every baseline at two budgets",
-        description="Answer a ~2k-token needle-in-a-haystack prompt under each baseline and print a table.",
+        help="a small offline suite on the embedded model, with its report and plot",
+        description="Run a few RULER-style tasks on the embedded SmolLM2 for full and several baselines at two "
+        "budgets, print the report and write the plot.",
     )
-    demo.add_argument("--model", default="smollm2", help="model to load (default: the embedded smollm2)")
-    demo.add_argument("--length", type=int, default=2048, help="prompt length in tokens (default: 2048)")
-    demo.add_argument("--budgets", default="256,1024", help="comma-separated budgets (default: 256,1024)")
     demo.add_argument(
-        "--context-only",
-        action="store_true",
-        help="compress the context before the question is seen (default: query-aware)",
+        "--out", type=Path, default=Path("results/demo"), help="results directory (default: results/demo)"
     )
     return parser
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(value) for value in _names(text))
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(value) for value in _names(text))
 
 
 def _version() -> str:
@@ -96,19 +138,76 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from kvevict.demo import format_table, run_demo
+def _tasks() -> int:
+    from kvevict.bench.tasks import all_tasks
 
-    budgets = tuple(int(value) for value in args.budgets.split(","))
-    rows = run_demo(args.model, length=args.length, budgets=budgets, query_aware=not args.context_only)
-    print(format_table(rows))
+    tasks = all_tasks()
+    width = max(map(len, tasks))
+    for name, task in tasks.items():
+        print(f"{name.ljust(width)}  {task.source:7}  {task.metric}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvevict.bench.report import format_report, summarize
+    from kvevict.bench.runner import BenchConfig, BenchRunner
+
+    config = BenchConfig(
+        tasks=args.tasks,
+        model=args.model,
+        policies=args.policies,
+        budgets=args.budgets,
+        keeps=args.keep,
+        length=args.length,
+        samples=args.samples,
+        seed=args.seed,
+        query_aware=args.query_aware,
+        interval=args.interval,
+        fidelity=args.fidelity,
+        max_new_tokens=args.max_new_tokens,
+        dtype=args.dtype,
+        device=args.device,
+        attn=args.attn,
+    )
+    store = BenchRunner(config, args.out).run()
+    print(format_report(summarize(store)))
+    print(f"results: {store.path}", file=sys.stderr)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from kvevict.bench.report import format_report, plot_report, summarize
+    from kvevict.bench.store import ResultStore
+
+    if not (args.directory / "results.jsonl").is_file():
+        raise FileNotFoundError(
+            f"{args.directory} has no results.jsonl; run `kvevict bench ... --out {args.directory}`"
+        )
+    rows = summarize(ResultStore(args.directory))
+    print(format_report(rows))
+    if args.plot:
+        print(f"plot: {plot_report(rows, args.plot)}", file=sys.stderr)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvevict.demo import run_demo
+
+    run_demo(args.out)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    handlers = {"policies": lambda: _policies(), "generate": lambda: _generate(args), "demo": lambda: _demo(args)}
+    handlers = {
+        "policies": _policies,
+        "generate": lambda: _generate(args),
+        "tasks": _tasks,
+        "bench": lambda: _bench(args),
+        "report": lambda: _report(args),
+        "demo": lambda: _demo(args),
+    }
     try:
         return handlers[args.command]()
     except (ValueError, FileNotFoundError) as err:

@@ -12,19 +12,25 @@ CONTEXT_QUESTION_SEPARATOR = "\n\n"
 
 
 def split_prompt(
-    tokenizer: PreTrainedTokenizerBase, context: str, question: str = "", answer_prefix: str = ""
+    tokenizer: PreTrainedTokenizerBase,
+    context: str,
+    question: str = "",
+    answer_prefix: str = "",
+    *,
+    chat_template: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids of the context part and of the rest (question + generation prompt +
-    answer prefix), ``[1, n]`` each. The chat template is applied when the tokenizer has one."""
+    answer prefix), ``[1, n]`` each. The chat template is applied when the tokenizer has one
+    (and ``chat_template`` is true); otherwise the text is ``context\\n\\nquestion prefix``."""
     user = context + (CONTEXT_QUESTION_SEPARATOR + question if question else "")
-    if tokenizer.chat_template:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False
-        )
+    if chat_template and tokenizer.chat_template:
+        messages = [{"role": "user", "content": user}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         special = False  # the template already holds the special tokens
+        text += answer_prefix
     else:
         text, special = user, True
-    text += answer_prefix
+        text += " " + answer_prefix if answer_prefix else ""
     split = text.index(context) + len(context)
     head = tokenizer(text[:split], add_special_tokens=special, return_tensors="pt").input_ids
     tail = tokenizer(text[split:], add_special_tokens=False, return_tensors="pt").input_ids
@@ -32,6 +38,36 @@ def split_prompt(
 
 
 @torch.inference_mode()
+def prefill(model: PreTrainedModel, ids: torch.Tensor, cache: EvictionCache) -> None:
+    """Process ``ids`` into ``cache`` (the first pass compresses it under its policy)."""
+    model(input_ids=ids.to(model.device), past_key_values=cache, use_cache=True)
+
+
+@torch.inference_mode()
+def continue_greedy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    ids: torch.Tensor,
+    cache: EvictionCache,
+    max_new_tokens: int,
+) -> torch.Tensor:
+    """Greedy generation after ``ids``, of which ``cache`` may already hold a prefix; returns
+    the new token ids ``[n]`` (decode-time policies keep evicting)."""
+    ids = ids.to(model.device)
+    output = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        past_key_values=cache,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    )
+    return output[0, ids.shape[-1] :]
+
+
 def answer(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -49,7 +85,7 @@ def answer(
     """Answer ``question`` about ``context`` with a KV cache compressed by ``policy``.
 
     The context is compressed once on its own (*context-only*); with ``query_aware`` the
-    question is part of the compressed prompt. Question and answer prefix are then fed and
+    question is part of the compressed prompt (all of it but its last token). Question and answer prefix are then fed and
     the answer is decoded greedily; decode-time policies keep evicting while it is written.
     Pass ``cache`` to inspect the cache afterwards (its policy and budget are used).
     """
@@ -58,18 +94,8 @@ def answer(
     elif policy != "full" or budget is not None or keep is not None:
         raise ValueError("give either cache= or policy=/budget=/keep= (the cache already has its policy and budget)")
     head, tail = split_prompt(tokenizer, context, question, answer_prefix)
-    ids = torch.cat([head, tail], dim=-1).to(model.device)
-    if not query_aware:
-        model(input_ids=ids[:, : head.shape[-1]], past_key_values=cache, use_cache=True)
-    output = model.generate(
-        input_ids=ids,
-        attention_mask=torch.ones_like(ids),
-        past_key_values=cache,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        temperature=None,
-        top_p=None,
-        top_k=None,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-    )
-    return tokenizer.decode(output[0, ids.shape[-1] :], skip_special_tokens=True).strip()
+    ids = torch.cat([head, tail], dim=-1)
+    # query-aware: everything but the last prompt token is compressed; that token starts decoding
+    prefill(model, ids[:, :-1] if query_aware else head, cache)
+    new_tokens = continue_greedy(model, tokenizer, ids, cache, max_new_tokens)
+    return tokenizer.decode(new_tokens, skip_special_tokens=True).strip()

@@ -33,10 +33,11 @@ CONFIGS = {
 
 
 def tiny_model(
-    arch: str = "llama", attn: str = "sdpa", dtype: torch.dtype = torch.float32, seed: int = 0
+    arch: str = "llama", attn: str = "sdpa", dtype: torch.dtype = torch.float32, seed: int = 0, vocab: int = VOCAB
 ) -> PreTrainedModel:
     torch.manual_seed(seed)
     config = CONFIGS[arch]()
+    config.vocab_size = vocab
     config._attn_implementation = attn
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn).eval()
     # Random init keeps attention nearly uniform; sharper logits make eviction matter.

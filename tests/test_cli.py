@@ -11,7 +11,14 @@ def test_policies_lists_name_and_summary(capsys) -> None:
     assert all(len(line.split()) > 2 for line in lines)
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["policies", "--help"], ["demo", "--help"]])
+@pytest.mark.parametrize("command", ["generate", "policies", "demo", "tasks", "bench", "report"])
+def test_help_for_every_command(command: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code == 0 and f"usage: kvevict {command}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--help"]])
 def test_help_everywhere(argv, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
@@ -58,3 +65,31 @@ def test_generate_on_the_embedded_model(capsys) -> None:
     captured = capsys.readouterr()
     assert captured.out.strip()
     assert "[streamingllm, budget=16]" in captured.err and "retained 16 per KV head" in captured.err
+
+
+def test_tasks_lists_the_offline_and_hub_suites(capsys) -> None:
+    assert main(["tasks"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()}
+    assert rows["niah_single_1"] == ["offline", "string_match_all"]
+    assert rows["longbench_hotpotqa"][0] == "hub" and rows["gsm8k"][0] == "hub"
+    assert len(rows) == 11 + 16 + 3
+
+
+def test_report_prints_the_table_and_plots(tmp_path, capsys) -> None:
+    from pathlib import Path
+
+    run = Path(__file__).parent / "bench" / "data" / "report_run"
+    assert main(["report", str(run), "--plot", str(tmp_path / "p.png")]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[0].split()[:3] == ["task", "policy", "budget"]
+    assert (tmp_path / "p.png").is_file() and "plot:" in captured.err
+
+
+def test_report_on_a_missing_run_exits_2(tmp_path, capsys) -> None:
+    assert main(["report", str(tmp_path / "nothing")]) == 2
+    assert "has no results.jsonl" in capsys.readouterr().err
+
+
+def test_bench_refuses_unknown_tasks_before_loading(tmp_path, capsys) -> None:
+    assert main(["bench", "niah_single_9", "--out", str(tmp_path)]) == 2
+    assert "unknown task 'niah_single_9'; known tasks: niah_single_1" in capsys.readouterr().err

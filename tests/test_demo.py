@@ -1,12 +1,34 @@
-from kvevict.demo import DemoRow, format_table
+import dataclasses
+
+import pytest
+
+from kvevict.demo import DEMO, run_demo
 
 
-def test_table_shows_bytes_share_and_correctness() -> None:
-    rows = [
-        DemoRow("full", None, 100 * 2**20, "8056020.", True, 5.0),
-        DemoRow("snapkv", 256, 25 * 2**20, "8056", False, 4.0),
+def test_demo_runs_full_and_several_baselines_at_two_budgets() -> None:
+    assert DEMO.settings[0].policy == "full"
+    assert len(DEMO.budgets) == 2 and len([p for p in DEMO.policies if p != "full"]) >= 3
+    assert all(DEMO.length == 2048 for _ in DEMO.tasks)
+
+
+@pytest.mark.slow
+def test_a_small_demo_prints_the_report_and_writes_the_plot(smollm2, tmp_path, capsys) -> None:
+    model, tokenizer = smollm2
+    small = dataclasses.replace(
+        DEMO,
+        tasks=("niah_single_1",),
+        policies=("full", "streamingllm"),
+        budgets=(64,),
+        length=256,
+        samples=1,
+        fidelity=True,
+    )
+    run_demo(tmp_path, small, model, tokenizer)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:3] == ["task", "policy", "budget"]
+    assert out[2].split()[:3] == ["niah_single_1", "full", "all"] and out[3].split()[:3] == [
+        "niah_single_1",
+        "streamingllm",
+        "64",
     ]
-    lines = format_table(rows).splitlines()
-    assert lines[0].split() == ["policy", "budget", "retained", "KV", "%", "full", "answer", "correct?", "s"]
-    assert lines[2].split() == ["full", "all", "100.00", "MiB", "100%", "8056020.", "yes", "5.0"]
-    assert lines[3].split() == ["snapkv", "256", "25.00", "MiB", "25%", "8056", "no", "4.0"]
+    assert (tmp_path / "report.png").stat().st_size > 10_000 and (tmp_path / "results.jsonl").is_file()

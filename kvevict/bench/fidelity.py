@@ -1,0 +1,65 @@
+"""Label-free fidelity: how closely a policy follows the full cache (DESIGN §4).
+
+The full cache's greedy answer is replayed, teacher-forced, under the policy: at every
+answer position we compare the policy's next-token distribution with the full cache's.
+This works for prefill compression (replay the answer after the compressed prompt) and for
+decode-time eviction (replay long generations token by token, evicting as generation
+would).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from transformers import Cache, PreTrainedModel
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    top1: float
+    """Share of answer positions where the policy's most likely token is the full cache's token."""
+    kl: float
+    """Mean KL(full ‖ policy) over answer positions, in nats."""
+    ppl: float
+    """Perplexity of the full cache's answer tokens under the policy."""
+    tokens: int
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def fidelity_metrics(reference_logits: torch.Tensor, policy_logits: torch.Tensor, tokens: torch.Tensor) -> Fidelity:
+    """Top-1 agreement, mean KL(full ‖ policy) and perplexity from ``[T, V]`` logits that
+    predict the ``T`` reference ``tokens`` (computed in fp32, log domain)."""
+    reference = reference_logits.float().log_softmax(dim=-1)
+    policy = policy_logits.float().log_softmax(dim=-1)
+    kl = (reference.exp() * (reference - policy)).sum(dim=-1).clamp_min(0).mean()
+    nll = -policy.gather(-1, tokens[:, None].to(policy.device)).mean()
+    top1 = (policy.argmax(dim=-1) == tokens.to(policy.device)).float().mean()
+    return Fidelity(top1=top1.item(), kl=kl.item(), ppl=nll.exp().item(), tokens=int(tokens.numel()))
+
+
+@torch.inference_mode()
+def replay(
+    model: PreTrainedModel, cache: Cache, ids: torch.Tensor, answer: torch.Tensor, *, step_by_step: bool
+) -> torch.Tensor:
+    """Teacher-force ``answer`` ``[T]`` after the prompt ``ids`` ``[1, n]`` (``cache`` may
+    already hold a prefix of it). Returns the ``[T, V]`` logits that predict each answer
+    token. ``step_by_step`` feeds the answer one token per pass, as generation does, so
+    decode-time eviction happens at the same steps; otherwise it is fed in one pass."""
+    ids, answer = ids.to(model.device), answer.to(model.device)
+    logits = [model(input_ids=ids[:, cache.get_seq_length() :], past_key_values=cache).logits[0, -1:]]
+    forced = answer[:-1]
+    if step_by_step:
+        logits += [model(input_ids=token.view(1, 1), past_key_values=cache).logits[0, -1:] for token in forced]
+    elif forced.numel():
+        logits.append(model(input_ids=forced[None], past_key_values=cache).logits[0])
+    return torch.cat(logits, dim=0)
+
+
+@torch.inference_mode()
+def reference_logits(model: PreTrainedModel, ids: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+    """Full-cache logits predicting each ``answer`` token after ``ids`` (one forward pass)."""
+    sequence = torch.cat([ids, answer[None, :-1].to(ids.device)], dim=-1).to(model.device)
+    return model(input_ids=sequence).logits[0, ids.shape[-1] - 1 :]

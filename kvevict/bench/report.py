@@ -1,0 +1,174 @@
+"""``kvevict report``: mean score per task × policy × budget, as % of the full cache, and a
+score-vs-budget plot."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+AVERAGE = "average"
+FIDELITY_FIELDS = ("top1", "kl", "ppl")
+
+
+@dataclass
+class ReportRow:
+    task: str
+    policy: str
+    budget: int | None
+    keep: float | None
+    samples: int
+    score: float
+    """Mean score × 100."""
+    kv_mib: float
+    """Mean retained KV at the end of generation, MiB."""
+    fidelity: dict[str, float]
+    percent_of_full: float | None = None
+
+    @property
+    def budget_label(self) -> str:
+        if self.budget is not None:
+            return str(self.budget)
+        return f"{self.keep:.0%}" if self.keep is not None else "all"
+
+    @property
+    def x(self) -> float | None:
+        """Where the row sits on the plot's budget axis."""
+        return self.budget if self.budget is not None else self.keep
+
+
+def summarize(records: Iterable[dict[str, Any]]) -> list[ReportRow]:
+    """Rows per (task, policy, budget), then an ``average`` over tasks for every setting
+    present in each task; each with its score as a share of ``full`` on the same tasks."""
+    groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
+    for record in records:
+        groups[(record["task"], record["policy"], record.get("budget"), record.get("keep"))].append(record)
+    rows = [_row(key, members) for key, members in sorted(groups.items(), key=lambda item: _order(item[0]))]
+    tasks = sorted({row.task for row in rows})
+    if len(tasks) > 1:
+        rows += _averages(rows, tasks)
+    full = {row.task: row.score for row in rows if row.policy == "full"}
+    for row in rows:
+        if full.get(row.task):
+            row.percent_of_full = 100 * row.score / full[row.task]
+    return rows
+
+
+def _order(key: tuple) -> tuple:
+    task, policy, budget, keep = key
+    return (task, policy != "full", budget if budget is not None else -1, keep if keep is not None else -1, policy)
+
+
+def _row(key: tuple, members: list[dict[str, Any]]) -> ReportRow:
+    task, policy, budget, keep = key
+    fidelity = [member["fidelity"] for member in members if member.get("fidelity")]
+    return ReportRow(
+        task=task,
+        policy=policy,
+        budget=budget,
+        keep=keep,
+        samples=len(members),
+        score=100 * statistics.fmean(member["score"] for member in members),
+        kv_mib=statistics.fmean(member["kv_bytes_final"] for member in members) / 2**20,
+        fidelity={name: statistics.fmean(item[name] for item in fidelity) for name in FIDELITY_FIELDS}
+        if fidelity
+        else {},
+    )
+
+
+def _averages(rows: list[ReportRow], tasks: list[str]) -> list[ReportRow]:
+    by_setting: dict[tuple, list[ReportRow]] = defaultdict(list)
+    for row in rows:
+        by_setting[(row.policy, row.budget, row.keep)].append(row)
+    averages = []
+    for (policy, budget, keep), members in by_setting.items():
+        if len(members) != len(tasks):  # average only over settings every task has
+            continue
+        fidelity = [member.fidelity for member in members if member.fidelity]
+        averages.append(
+            ReportRow(
+                task=AVERAGE,
+                policy=policy,
+                budget=budget,
+                keep=keep,
+                samples=sum(member.samples for member in members),
+                score=statistics.fmean(member.score for member in members),
+                kv_mib=statistics.fmean(member.kv_mib for member in members),
+                fidelity={name: statistics.fmean(f[name] for f in fidelity) for name in FIDELITY_FIELDS}
+                if len(fidelity) == len(members)
+                else {},
+            )
+        )
+    return averages
+
+
+def format_report(rows: list[ReportRow]) -> str:
+    """A plain-text table (fidelity columns appear when the run measured them)."""
+    with_fidelity = any(row.fidelity for row in rows)
+    header = ["task", "policy", "budget", "n", "score", "% full", "KV MiB"]
+    header += ["top-1", "KL", "ppl"] if with_fidelity else []
+    table = []
+    for row in rows:
+        cells = [
+            row.task,
+            row.policy,
+            row.budget_label,
+            str(row.samples),
+            f"{row.score:.1f}",
+            "-" if row.percent_of_full is None else f"{row.percent_of_full:.0f}%",
+            f"{row.kv_mib:.2f}",
+        ]
+        if with_fidelity:
+            f = row.fidelity
+            cells += [f"{f['top1']:.3f}", f"{f['kl']:.4f}", f"{f['ppl']:.3f}"] if f else ["-", "-", "-"]
+        table.append(cells)
+    widths = [max(len(cell) for cell in column) for column in zip(header, *table)]
+
+    def render(cells: list[str]) -> str:
+        return "  ".join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip()
+
+    return "\n".join([render(header), render(["-" * width for width in widths]), *map(render, table)])
+
+
+def plot_report(rows: list[ReportRow], path: str | Path) -> Path:
+    """Score vs budget, one line per policy and one panel per task (``full`` dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({row.task for row in rows}, key=lambda task: (task == AVERAGE, task))
+    columns = min(3, len(tasks))
+    lines = -(-len(tasks) // columns)
+    figure, axes = plt.subplots(lines, columns, figsize=(4.2 * columns, 3.4 * lines), squeeze=False)
+    uses_keep = any(row.keep is not None for row in rows)
+    policies = sorted({row.policy for row in rows if row.policy != "full"})
+    colors = {policy: plt.get_cmap("tab10")(i % 10) for i, policy in enumerate(policies)}  # same color in every panel
+    for axis, task in zip(axes.flat, tasks):
+        task_rows = [row for row in rows if row.task == task]
+        for policy in policies:
+            points = sorted((row.x, row.score) for row in task_rows if row.policy == policy and row.x is not None)
+            if points:
+                axis.plot(*zip(*points), marker="o", label=policy, color=colors[policy])
+        for row in task_rows:
+            if row.policy == "full":
+                axis.axhline(row.score, color="black", linestyle="--", linewidth=1, label="full")
+        axis.set_title(task)
+        axis.set_xlabel("keep (fraction of prompt)" if uses_keep else "budget (tokens per KV head)")
+        axis.set_ylabel("score")
+        axis.set_ylim(-3, 103)
+        if not uses_keep:
+            axis.set_xscale("log", base=2)
+        axis.grid(alpha=0.3)
+    for axis in list(axes.flat)[len(tasks) :]:
+        axis.set_visible(False)
+    legend = {label: handle for axis in axes.flat for handle, label in zip(*axis.get_legend_handles_labels())}
+    figure.legend(legend.values(), legend.keys(), loc="lower center", ncol=min(len(legend), 8), frameon=False)
+    figure.tight_layout(rect=(0, 0.07, 1, 1))
+    path = Path(path)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

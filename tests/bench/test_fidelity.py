@@ -1,0 +1,61 @@
+import math
+
+import pytest
+import torch
+
+import kvevict
+from kvevict.bench.fidelity import fidelity_metrics, reference_logits, replay
+from tests.conftest import prompt, tiny_model
+
+
+def test_metrics_by_hand() -> None:
+    # full: p = [.5, .5]; policy: q = [.75, .25]; reference token 1
+    metrics = fidelity_metrics(torch.tensor([[0.0, 0.0]]), torch.tensor([[math.log(3.0), 0.0]]), torch.tensor([1]))
+    assert metrics.top1 == 0.0
+    assert metrics.kl == pytest.approx(0.5 * math.log(4 / 3), abs=1e-6)  # .5 ln(.5/.75) + .5 ln(.5/.25)
+    assert metrics.ppl == pytest.approx(4.0)  # exp(-ln .25)
+    same = fidelity_metrics(torch.tensor([[2.0, 0.0]]), torch.tensor([[2.0, 0.0]]), torch.tensor([0]))
+    assert (same.top1, same.kl, same.tokens) == (1.0, 0.0, 1)
+
+
+@pytest.mark.parametrize("step_by_step", [True, False])
+def test_replay_without_eviction_reproduces_the_full_cache(step_by_step: bool) -> None:
+    model = tiny_model()
+    ids = prompt(60)
+    answer = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, 60:]
+    expected = reference_logits(model, ids, answer)
+    cache = kvevict.EvictionCache(model, "h2o", budget=500)
+    logits = replay(model, cache, ids, answer, step_by_step=step_by_step)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    metrics = fidelity_metrics(expected, logits, answer)
+    assert metrics.top1 == 1.0 and metrics.kl < 1e-6
+
+
+def test_step_by_step_replay_evicts_exactly_as_generation_does() -> None:
+    """Replaying a policy's own greedy answer gives the logits it generated with."""
+    model = tiny_model()
+    ids = prompt(96)
+    out = model.generate(
+        ids,
+        past_key_values=kvevict.EvictionCache(model, "tova", budget=40),
+        max_new_tokens=30,
+        min_new_tokens=30,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    answer = out.sequences[0, 96:]
+    logits = replay(model, kvevict.EvictionCache(model, "tova", budget=40), ids, answer, step_by_step=True)
+    torch.testing.assert_close(logits, torch.cat(out.logits), rtol=0, atol=1e-5)
+
+
+def test_long_decode_time_generation_loses_fidelity_under_a_tight_budget() -> None:
+    model = tiny_model()
+    ids = prompt(40)
+    answer = model.generate(ids, max_new_tokens=200, min_new_tokens=200, do_sample=False, pad_token_id=0)[0, 40:]
+    expected = reference_logits(model, ids, answer)
+    tight = replay(model, kvevict.EvictionCache(model, "streamingllm", budget=16), ids, answer, step_by_step=True)
+    loose = replay(model, kvevict.EvictionCache(model, "streamingllm", budget=400), ids, answer, step_by_step=True)
+    assert fidelity_metrics(expected, tight, answer).kl > fidelity_metrics(expected, loose, answer).kl
+    assert fidelity_metrics(expected, loose, answer).top1 == 1.0

@@ -1,0 +1,55 @@
+from pathlib import Path
+
+from kvevict.bench.report import format_report, plot_report, summarize
+from kvevict.bench.store import ResultStore
+
+RUN = Path(__file__).parent / "data" / "report_run"
+
+
+def rows_by_key():
+    return {(row.task, row.policy, row.budget_label): row for row in summarize(ResultStore(RUN))}
+
+
+def test_means_share_of_full_and_fidelity_on_the_fixture_run() -> None:
+    rows = rows_by_key()
+    assert rows[("vt", "full", "all")].score == 100.0
+    assert rows[("niah_single_1", "full", "all")].score == 75.0
+    vt = rows[("vt", "h2o", "64")]
+    assert (vt.samples, vt.score, vt.percent_of_full, vt.kv_mib) == (2, 50.0, 50.0, 4.0)
+    assert vt.fidelity == {"top1": 0.75, "kl": 0.1, "ppl": 2.0}
+    niah = rows[("niah_single_1", "h2o", "64")]
+    assert niah.score == 37.5 and niah.percent_of_full == 50.0
+    assert rows[("niah_single_1", "snapkv", "64")].percent_of_full == 100.0
+
+
+def test_average_rows_cover_settings_every_task_has() -> None:
+    rows = rows_by_key()
+    average = rows[("average", "h2o", "64")]
+    assert average.score == (50.0 + 37.5) / 2 and average.samples == 4
+    assert average.percent_of_full == 100 * 43.75 / 87.5
+    assert ("average", "h2o", "128") not in rows and ("average", "snapkv", "64") not in rows
+
+
+def test_table_lists_task_policy_budget_and_share() -> None:
+    lines = format_report(summarize(ResultStore(RUN))).splitlines()
+    assert lines[0].split() == [
+        "task",
+        "policy",
+        "budget",
+        "n",
+        "score",
+        "%",
+        "full",
+        "KV",
+        "MiB",
+        "top-1",
+        "KL",
+        "ppl",
+    ]
+    assert "niah_single_1  full    all     2  75.0   100%" in lines[2]
+    assert any(line.split()[:6] == ["vt", "h2o", "64", "2", "50.0", "50%"] for line in lines)
+
+
+def test_plot_writes_a_png(tmp_path) -> None:
+    path = plot_report(summarize(ResultStore(RUN)), tmp_path / "plot.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000

@@ -1,0 +1,186 @@
+"""The runner end to end: a tiny random model behind the real SmolLM2 tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvevict.bench import runner as runner_module
+from kvevict.bench import tasks as tasks_module
+from kvevict.bench.runner import BenchConfig, BenchRunner
+from kvevict.bench.store import ResultStore
+from kvevict.bench.tasks import Sample, Task
+from tests.conftest import tiny_model
+
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "eta",
+    "theta",
+    "iota",
+    "kappa",
+    "lambda",
+    "mu",
+    "nu",
+    "xi",
+    "omicron",
+    "pi",
+    "rho",
+    "sigma",
+    "tau",
+]
+
+
+class SharedContextTask(Task):
+    """Three questions: two about one context, one about another."""
+
+    name = "shared_fixture"
+    source = "offline"
+    metric = "contains"
+
+    def samples(self, tokenizer, *, length, count, seed=0):
+        contexts = {"a": " ".join(WORDS * 8), "b": " ".join(reversed(WORDS * 8))}
+        layout = [("a", "first"), ("a", "second"), ("b", "third")][:count]
+        return [
+            Sample(self.name, i, contexts[cid], f"Which is the {q} word?", "It is", (WORDS[i],), 6, cid)
+            for i, (cid, q) in enumerate(layout)
+        ]
+
+    def score(self, prediction, sample):
+        return float(sample.answers[0] in prediction)
+
+
+@pytest.fixture
+def model(tokenizer):
+    return tiny_model(vocab=len(tokenizer))
+
+
+@pytest.fixture(autouse=True)
+def fixture_task(monkeypatch):
+    monkeypatch.setattr(tasks_module, "all_tasks", lambda: {"shared_fixture": SharedContextTask()})
+
+
+def config(**overrides) -> BenchConfig:
+    values = {
+        "tasks": ("shared_fixture",),
+        "policies": ("full", "h2o", "snapkv"),
+        "budgets": (40, 64),
+        "samples": 3,
+        "length": 256,
+    }
+    return BenchConfig(**{**values, **overrides})
+
+
+def test_one_line_per_sample_and_setting_with_the_configuration(tmp_path, model, tokenizer) -> None:
+    store = BenchRunner(config(), tmp_path, model, tokenizer).run(progress=False)
+    records = list(store)
+    assert len(records) == 3 * (1 + 2 * 2)
+    # per context group, every setting in turn (full first); the two questions on context "a" go together
+    assert [(r["context_id"], r["policy"], r["budget"]) for r in records[:4]] == [
+        ("a", "full", None),
+        ("a", "full", None),
+        ("a", "h2o", 40),
+        ("a", "h2o", 40),
+    ]
+    first = records[0]
+    for field in (
+        "task",
+        "index",
+        "length",
+        "seed",
+        "model",
+        "policy_params",
+        "budget",
+        "interval",
+        "query_aware",
+        "score",
+        "prediction",
+        "kv_bytes_prefill",
+        "kv_bytes_final",
+        "prefill_s",
+        "decode_s",
+        "metric",
+        "answers",
+    ):
+        assert field in first
+    by = {(r["index"], r["policy"], r["budget"]): r for r in records}
+    assert (
+        by[(0, "h2o", 40)]["kv_bytes_final"]
+        < by[(0, "h2o", 64)]["kv_bytes_final"]
+        < by[(0, "full", None)]["kv_bytes_final"]
+    )
+    assert by[(0, "h2o", 40)]["retained_tokens"] == 40
+    assert by[(0, "h2o", 40)]["policy_params"] == {"sinks": 4, "window": None, "regime": "both", "group": "mean"}
+
+
+def test_prompts_sharing_a_context_are_prefilled_once(tmp_path, model, tokenizer, monkeypatch) -> None:
+    calls = []
+    original = runner_module.prefill
+    monkeypatch.setattr(
+        runner_module, "prefill", lambda m, ids, cache: calls.append(ids.shape[-1]) or original(m, ids, cache)
+    )
+    store = BenchRunner(config(), tmp_path, model, tokenizer).run(progress=False)
+    assert len(calls) == 2 * 5  # two contexts × five settings, not three samples × five
+    assert {r["shared_prefill"] for r in store if r["context_id"] == "a"} == {2}
+
+
+def test_resume_after_a_crash_redoes_nothing_finished(tmp_path, model, tokenizer, monkeypatch) -> None:
+    appended = []
+    original_append = ResultStore.append
+
+    def crash_on_the_seventh(self, record):
+        if len(appended) == 6:
+            raise KeyboardInterrupt
+        appended.append(record)
+        original_append(self, record)
+
+    monkeypatch.setattr(ResultStore, "append", crash_on_the_seventh)
+    with pytest.raises(KeyboardInterrupt):
+        BenchRunner(config(), tmp_path, model, tokenizer).run(progress=False)
+    monkeypatch.setattr(ResultStore, "append", original_append)
+    assert len(ResultStore(tmp_path)) == 6
+
+    generated = []
+    original = runner_module.continue_greedy
+    monkeypatch.setattr(runner_module, "continue_greedy", lambda *a: generated.append(1) or original(*a))
+    store = BenchRunner(config(), tmp_path, model, tokenizer).run(progress=False)
+    assert len(generated) == 15 - 6 and len(store) == 15
+    assert len({(r["index"], r["policy"], r["budget"]) for r in store}) == 15
+
+
+def test_fidelity_replays_the_full_answer_even_after_a_resume(tmp_path, model, tokenizer) -> None:
+    BenchRunner(config(policies=("full",)), tmp_path, model, tokenizer).run(progress=False)
+    store = BenchRunner(config(budgets=(40, 1000), fidelity=True), tmp_path, model, tokenizer).run(progress=False)
+    by = {(r["index"], r["policy"], r["budget"]): r for r in store}
+    assert by[(0, "full", None)]["fidelity"] is None
+    loose, tight = by[(0, "h2o", 1000)]["fidelity"], by[(0, "h2o", 40)]["fidelity"]
+    assert loose["top1"] == 1.0 and loose["kl"] < 1e-6 and loose["tokens"] == by[(0, "full", None)]["new_tokens"]
+    assert tight["kl"] > loose["kl"]
+
+
+def test_query_aware_compresses_the_question_too(tmp_path, model, tokenizer) -> None:
+    store = BenchRunner(config(policies=("snapkv",), budgets=(40,), query_aware=True), tmp_path, model, tokenizer).run(
+        progress=False
+    )
+    for record in store:
+        assert record["query_aware"] and record["shared_prefill"] == 1
+        assert record["kv_bytes_prefill"] == 2 * 2 * 2 * 16 * 4 * 40
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"tasks": ("nope",)}, "unknown task 'nope'; known tasks: shared_fixture"),
+        ({"budgets": (), "keeps": ()}, "policies h2o, snapkv need --budgets or --keep"),
+        ({"keeps": (0.5,)}, "either budgets .* or keep fractions"),
+        ({"budgets": (16,)}, "budget 16 is smaller than snapkv's"),
+        ({"policies": ("h2oo",)}, "unknown policy 'h2oo'"),
+        ({"samples": 0}, "samples and length must be positive"),
+    ],
+)
+def test_bad_configurations_are_refused_before_any_work(overrides, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        config(**overrides)
