@@ -128,7 +128,7 @@ class BenchRunner:
         self._references: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def run(self, progress: bool = True) -> ResultStore:
-        plan = [(get_task(name), self._samples(name)) for name in self.config.tasks]
+        plan = [(task, self._samples(task)) for task in map(get_task, self.config.tasks)]
         pending = sum(
             1
             for _, samples in plan
@@ -147,8 +147,7 @@ class BenchRunner:
                     self._references.clear()
         return self.store
 
-    def _samples(self, name: str) -> list[Sample]:
-        task = get_task(name)
+    def _samples(self, task: Task) -> list[Sample]:
         return task.samples(self.tokenizer, length=self.config.length, count=self.config.samples, seed=self.config.seed)
 
     def _identity(self, sample: Sample, setting: Setting) -> dict[str, Any]:
