@@ -41,8 +41,13 @@ class EvictionLayer(DynamicLayer):
         self.passes = 0
         self.prompt_length = 0
         self.budget: int | None = None
+        self.interval = 1
+        self.decode_peak = 0
+        """Most entries held during a decode pass (after appending, before evicting)."""
         self.positions = torch.empty(0, dtype=torch.long)
         self.state: dict[str, torch.Tensor] = {}
+        self.memo: dict[str, object] = {}
+        """Per-layer policy data that is not per token (e.g. recent queries)."""
 
     @property
     def policy(self) -> Policy:
@@ -87,9 +92,12 @@ class EvictionLayer(DynamicLayer):
             self.budget = self.owner.budget.resolve(num_new)
             if self.owner.budget.keep is not None:  # a token budget was checked up front
                 self.policy.check_budget(self.budget)
+            self.interval = self.owner.interval or (self.budget and self.policy.default_interval(self.budget)) or 1
         for name, value in self.policy.new_tokens(self, num_new).items():
             old = self.state.get(name)
             self.state[name] = value if old is None else torch.cat([old, value], dim=2)
+        if self.passes > 1:
+            self.decode_peak = max(self.decode_peak, self.length)
         attention.mark_pending(self, self.keys)
         return self.keys, self.values
 
@@ -124,8 +132,13 @@ class EvictionLayer(DynamicLayer):
             return False
         if phase == "prefill":
             return True
-        step = self.seen - self.prompt_length  # decode tokens so far; the first decode step is 1
-        return step // self.owner.interval > (step - num_new) // self.owner.interval
+        step = self.decode_step  # the first decode step is 1
+        return step // self.interval > (step - num_new) // self.interval
+
+    @property
+    def decode_step(self) -> int:
+        """Tokens processed after the prompt (``t`` of the decode-time methods)."""
+        return self.seen - self.prompt_length
 
     def after_attention(self, query: torch.Tensor, scaling: float) -> None:
         """Called by the attention path once this pass attended: compute the signals the
@@ -170,7 +183,8 @@ class EvictionCache(Cache):
         budget: retained tokens per KV head per layer.
         keep: fraction of the prompt to retain (resolved at prefill). Not with ``budget``.
         interval: decode-time eviction runs every ``interval`` steps once over budget
-            (1 = every step; larger lets the cache grow to ``budget + interval``).
+            (1 = every step; larger lets the cache grow to ``budget + interval``). Default:
+            the policy's own schedule (LazyEviction's and R-KV's window), else 1.
 
     Sliding-window layers of hybrid models keep their own window and are not evicted.
     """
@@ -182,7 +196,7 @@ class EvictionCache(Cache):
         *,
         budget: int | None = None,
         keep: float | None = None,
-        interval: int = 1,
+        interval: int | None = None,
     ):
         check_supported(model)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
@@ -193,11 +207,12 @@ class EvictionCache(Cache):
             raise ValueError(f"policy {self.policy.name!r} needs a budget: give budget= (tokens) or keep= (fraction)")
         if budget is not None:
             self.policy.check_budget(budget)
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+        if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 1):
             raise ValueError(f"interval must be an integer >= 1 (1 = evict every step), got {interval!r}")
         self.interval = interval
         attention.install(model)
         config = model.config.get_text_config(decoder=True)
+        self.policy.bind(config)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
         layers = [
             EvictionLayer(self, i) if kind == "full_attention" else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
@@ -215,6 +230,10 @@ class EvictionCache(Cache):
     def kv_bytes(self) -> int:
         """Bytes held by the retained keys and values of every layer."""
         return sum(layer.kv_bytes() for layer in self.layers if layer.is_initialized and layer.keys is not None)
+
+    def decode_peak(self) -> int:
+        """Most entries any KV head held while decoding (budget + interval for lagged eviction)."""
+        return max((layer.decode_peak for layer in self.eviction_layers), default=0)
 
     def layer_lengths(self) -> list[int]:
         """Retained entries per KV head, per layer."""

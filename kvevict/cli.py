@@ -14,7 +14,9 @@ def _budget_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--budget", type=int, help="retained tokens per KV head per layer")
     group.add_argument("--keep", type=float, help="fraction of the prompt to retain (prefill), in (0, 1]")
-    parser.add_argument("--interval", type=int, default=1, help="decode-time eviction every N steps (default: 1)")
+    parser.add_argument(
+        "--interval", type=int, default=None, help="decode-time eviction every N steps (default: the policy's)"
+    )
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seed", type=int, default=0, help="seed of the generated samples (default: 0)")
     bench.add_argument("--out", type=Path, required=True, help="results directory (created; resumed if it exists)")
     bench.add_argument("--query-aware", action="store_true", help="compress context + question (default: context only)")
-    bench.add_argument("--interval", type=int, default=1, help="decode-time eviction every N steps (default: 1)")
+    bench.add_argument(
+        "--interval", type=int, default=None, help="decode-time eviction every N steps (default: the policy's)"
+    )
     bench.add_argument(
         "--fidelity", action="store_true", help="also replay the full cache's answer: top-1, KL, perplexity"
     )

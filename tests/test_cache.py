@@ -65,6 +65,7 @@ def test_decode_eviction_runs_every_interval_steps(interval: int, expected: list
             model(input_ids=torch.tensor([[token + 3]]), past_key_values=cache)
             lengths.append(cache.layer_lengths()[0])
     assert lengths == expected
+    assert cache.decode_peak() == 40 + interval  # appended before the eviction that follows
 
 
 def test_keep_fraction_resolves_against_the_prompt() -> None:

@@ -52,7 +52,8 @@ class BenchConfig:
     samples: int = 4
     seed: int = 0
     query_aware: bool = False
-    interval: int = 1
+    interval: int | None = None
+    """Decode-time eviction interval; None: each policy's own (1 for most)."""
     fidelity: bool = False
     max_new_tokens: int | None = None
     """Overrides every task's own generation length when set."""
@@ -216,6 +217,7 @@ class BenchRunner:
                 "kv_bytes_prefill": kv_prefill,
                 "kv_bytes_final": cache.kv_bytes(),
                 "retained_tokens": max(cache.layer_lengths()),
+                "decode_peak_tokens": cache.decode_peak(),
                 "prefill_s": round(prefill_seconds, 4),
                 "decode_s": round(decode_seconds, 4),
                 "shared_prefill": len(samples) if shared is not None else 1,

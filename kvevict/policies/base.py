@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import torch
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from kvevict.cache import EvictionLayer
 
 Phase = Literal["prefill", "decode"]
@@ -132,6 +134,14 @@ class Policy:
                 f"({self.recent_window(budget)}) = {need}; use a budget >= {need} or make_policy({self.name!r}, "
                 "sinks=..., window=...) with smaller values"
             )
+
+    def default_interval(self, budget: int) -> int | None:
+        """The decode-time eviction interval this method prescribes (None: every step),
+        used when the cache is given no ``interval``."""
+        return None
+
+    def bind(self, config: PretrainedConfig) -> None:
+        """Adapt model-dependent defaults to the decoder's config (called once per cache)."""
 
     # -- the hooks a method overrides ----------------------------------------------
     def requirements(self, phase: Phase, evicting: bool) -> Requirements:
