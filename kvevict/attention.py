@@ -147,7 +147,7 @@ def compute_signals(
     requirements: Requirements, phase: Phase, query: torch.Tensor, keys: torch.Tensor, scaling: float, num_new: int
 ) -> Signals:
     """Compute exactly the signals in ``requirements`` for one pass of one layer."""
-    signals = Signals(phase=phase, num_new=num_new, query=query)
+    signals = Signals(phase=phase, num_new=num_new, query=query, scaling=scaling)
     if requirements.last_query_attention:
         signals.last_query_attention = attention_rows(query[:, :, -1:], keys, scaling)[:, :, 0]
     if requirements.window:

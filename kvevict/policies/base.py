@@ -66,6 +66,8 @@ class Signals:
     """Entries appended by this pass (the last ``num_new`` of the layer)."""
     query: torch.Tensor
     """Post-RoPE queries of the pass, ``[B, Hq, q, d]`` (model dtype)."""
+    scaling: float
+    """The attention's logit scale (``1/√d`` for most models)."""
     last_query_attention: torch.Tensor | None = None
     window_attention: torch.Tensor | None = None
     column_sums: torch.Tensor | None = None
