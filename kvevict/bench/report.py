@@ -26,6 +26,8 @@ class ReportRow:
     kv_mib: float
     """Mean retained KV at the end of generation, MiB."""
     fidelity: dict[str, float]
+    peak_tokens: int = 0
+    """Most entries a KV head held while decoding (budget + interval for lagged eviction)."""
     percent_of_full: float | None = None
 
     @property
@@ -76,6 +78,7 @@ def _row(key: tuple, members: list[dict[str, Any]]) -> ReportRow:
         fidelity={name: statistics.fmean(item[name] for item in fidelity) for name in FIDELITY_FIELDS}
         if fidelity
         else {},
+        peak_tokens=max(member.get("decode_peak_tokens", 0) for member in members),
     )
 
 
@@ -108,7 +111,9 @@ def _averages(rows: list[ReportRow], tasks: list[str]) -> list[ReportRow]:
 def format_report(rows: list[ReportRow]) -> str:
     """A plain-text table (fidelity columns appear when the run measured them)."""
     with_fidelity = any(row.fidelity for row in rows)
+    with_peak = any(row.peak_tokens for row in rows)
     header = ["task", "policy", "budget", "n", "score", "% full", "KV MiB"]
+    header += ["peak tok"] if with_peak else []
     header += ["top-1", "KL", "ppl"] if with_fidelity else []
     table = []
     for row in rows:
@@ -121,6 +126,8 @@ def format_report(rows: list[ReportRow]) -> str:
             "-" if row.percent_of_full is None else f"{row.percent_of_full:.0f}%",
             f"{row.kv_mib:.2f}",
         ]
+        if with_peak:
+            cells.append(str(row.peak_tokens) if row.peak_tokens else "-")
         if with_fidelity:
             f = row.fidelity
             cells += [f"{f['top1']:.3f}", f"{f['kl']:.4f}", f"{f['ppl']:.3f}"] if f else ["-", "-", "-"]

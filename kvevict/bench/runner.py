@@ -81,7 +81,8 @@ class BenchConfig:
         for setting in budgets:
             make_policy(setting.policy).check_budget(setting.budget)
         # full first: it is the reference for "% of full" and for fidelity
-        reference = [Setting("full")] if "full" in self.policies or self.fidelity else []
+        needs_reference = self.fidelity or any(get_task(name).scored_by_fidelity for name in self.tasks)
+        reference = [Setting("full")] if "full" in self.policies or needs_reference else []
         self.settings = reference + budgets + keeps
 
 
@@ -192,28 +193,39 @@ class BenchRunner:
             else:
                 cache, prefill_seconds = copy.deepcopy(shared), shared_seconds
             kv_prefill = cache.kv_bytes()
-            fidelity = self._fidelity(sample, setting, prompt, copy.deepcopy(cache)) if self.config.fidelity else None
-            max_new_tokens = self.config.max_new_tokens or sample.max_new_tokens
-            start = time.perf_counter()
-            new_ids = continue_greedy(self.model, self.tokenizer, prompt.ids, cache, max_new_tokens)
-            decode_seconds = time.perf_counter() - start
-            prediction = self.tokenizer.decode(new_ids, skip_special_tokens=True)  # raw: metrics do their own cleaning
-            if setting.policy == "full" and self.config.fidelity:
-                self._references[(sample.task, sample.index)] = (
-                    new_ids,
-                    reference_logits(self.model, prompt.ids, new_ids),
-                )
+            with_reference = self.config.fidelity or task.scored_by_fidelity
+            fidelity = None
+            if with_reference and setting.policy != "full":
+                # a fidelity-scored task only replays: its cache then shows the real decode-time memory
+                replayed = cache if task.scored_by_fidelity else copy.deepcopy(cache)
+                start = time.perf_counter()
+                fidelity = self._fidelity(sample, prompt, replayed)
+                decode_seconds = time.perf_counter() - start
+            if task.scored_by_fidelity and setting.policy != "full":
+                new_ids, prediction, score = None, None, fidelity["top1"]
+            else:
+                max_new_tokens = self.config.max_new_tokens or sample.max_new_tokens
+                start = time.perf_counter()
+                new_ids = continue_greedy(self.model, self.tokenizer, prompt.ids, cache, max_new_tokens)
+                decode_seconds = time.perf_counter() - start
+                prediction = self.tokenizer.decode(new_ids, skip_special_tokens=True)  # raw: metrics clean it
+                score = 1.0 if task.scored_by_fidelity else task.score(prediction, sample)
+                if setting.policy == "full" and with_reference:
+                    self._references[(sample.task, sample.index)] = (
+                        new_ids,
+                        reference_logits(self.model, prompt.ids, new_ids),
+                    )
             yield {
                 **self._identity(sample, setting),
                 "context_id": sample.context_id,
                 "metric": task.metric,
-                "score": task.score(prediction, sample),
+                "score": score,
                 "prediction": prediction,
-                "prediction_ids": new_ids.tolist(),
+                "prediction_ids": None if new_ids is None else new_ids.tolist(),
                 "answers": list(sample.answers),
                 "prompt_tokens": prompt.ids.shape[-1],
                 "context_tokens": prompt.head.shape[-1],
-                "new_tokens": int(new_ids.numel()),
+                "new_tokens": fidelity["tokens"] if new_ids is None else int(new_ids.numel()),
                 "kv_bytes_prefill": kv_prefill,
                 "kv_bytes_final": cache.kv_bytes(),
                 "retained_tokens": max(cache.layer_lengths()),
@@ -225,12 +237,8 @@ class BenchRunner:
                 "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
             }
 
-    def _fidelity(
-        self, sample: Sample, setting: Setting, prompt: _Prompt, cache: EvictionCache
-    ) -> dict[str, float] | None:
-        """Replay the full cache's answer under ``cache`` (None for ``full`` itself)."""
-        if setting.policy == "full":
-            return None
+    def _fidelity(self, sample: Sample, prompt: _Prompt, cache: EvictionCache) -> dict[str, float]:
+        """Replay the full cache's answer under ``cache``."""
         tokens, logits = self._reference(sample, prompt)
         policy_logits = replay(self.model, cache, prompt.ids, tokens, step_by_step=cache.policy.evicts_in("decode"))
         return fidelity_metrics(logits, policy_logits, tokens).to_dict()

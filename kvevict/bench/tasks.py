@@ -47,22 +47,25 @@ class Task(ABC):
     """``"offline"`` (generated here) or ``"hub"`` (needs the Hugging Face hub)."""
     metric: ClassVar[str]
     """Name of the scoring function, recorded with every result."""
+    scored_by_fidelity: ClassVar[bool] = False
+    """Label-free tasks: the runner replays the full cache's answer under each policy and
+    scores a sample by its top-1 agreement (:mod:`kvevict.bench.fidelity`)."""
 
     @abstractmethod
     def samples(self, tokenizer: PreTrainedTokenizerBase, *, length: int, count: int, seed: int = 0) -> list[Sample]:
         """``count`` samples whose prompt is about ``length`` tokens of ``tokenizer``
         (generated tasks fit it; loaded tasks truncate to it), reproducible from ``seed``."""
 
-    @abstractmethod
     def score(self, prediction: str, sample: Sample) -> float:
-        """Score of ``prediction`` for ``sample``, in [0, 1]."""
+        """Score of ``prediction`` for ``sample``, in [0, 1] (tasks with reference answers)."""
+        raise TypeError(f"task {self.name!r} has no reference answers: it is scored by fidelity")
 
 
 def all_tasks() -> dict[str, Task]:
     """Every registered task by name."""
-    from kvevict.bench import longbench, maths, ruler
+    from kvevict.bench import longbench, longgen, maths, ruler
 
-    return {**ruler.TASKS, **longbench.TASKS, **maths.TASKS}
+    return {**ruler.TASKS, **longgen.TASKS, **longbench.TASKS, **maths.TASKS}
 
 
 def get_task(name: str) -> Task:

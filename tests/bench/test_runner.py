@@ -184,3 +184,23 @@ def test_query_aware_compresses_the_question_too(tmp_path, model, tokenizer) -> 
 def test_bad_configurations_are_refused_before_any_work(overrides, message) -> None:
     with pytest.raises(ValueError, match=message):
         config(**overrides)
+
+
+def test_fidelity_scored_long_generation_replays_and_reports_peak_memory(tmp_path, tokenizer, monkeypatch) -> None:
+    from kvevict.bench.longgen import LongGeneration
+
+    monkeypatch.setattr(tasks_module, "all_tasks", lambda: {"longgen": LongGeneration()})
+    model = tiny_model(vocab=len(tokenizer))
+    run = BenchConfig(
+        tasks=("longgen",), policies=("h2o", "lazyeviction"), budgets=(64,), samples=1, max_new_tokens=120
+    )
+    assert [setting.policy for setting in run.settings] == ["full", "h2o", "lazyeviction"]  # full is the reference
+    records = {r["policy"]: r for r in BenchRunner(run, tmp_path, model, tokenizer).run(progress=False)}
+    assert records["full"]["score"] == 1.0 and records["full"]["new_tokens"] == 120
+    for policy, interval in (("h2o", 1), ("lazyeviction", 16)):
+        record = records[policy]
+        assert record["prediction"] is None and record["score"] == record["fidelity"]["top1"]
+        # the prompt's last chunk is appended in one pass before its eviction; then budget + interval
+        peak = max(64 + interval, record["prompt_tokens"])
+        assert record["fidelity"]["tokens"] == 120 and record["decode_peak_tokens"] == peak
+        assert record["retained_tokens"] <= peak

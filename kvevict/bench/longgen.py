@@ -1,0 +1,52 @@
+"""Long greedy generations for decode-time eviction, scored by fidelity (no labels).
+
+``longgen`` asks for a long essay on a seeded topic and lets the model write ``1024`` new
+tokens (the decode-time benchmark of LazyEviction-style methods, offline): the full
+cache's generation is replayed under each policy, token by token, evicting as generation
+would, and each sample's score is its top-1 agreement with the full cache (KL and
+perplexity are recorded too). The prompt is short on purpose (tens of tokens, like a
+reasoning problem): ``length`` is not used; the memory at stake is the generated text's.
+"""
+
+from __future__ import annotations
+
+import random
+
+from transformers import PreTrainedTokenizerBase
+
+from kvevict.bench.tasks import Sample, Task
+
+TOPICS = (
+    "the history of the printing press",
+    "how bridges are designed to carry heavy loads",
+    "the water cycle and its effect on climate",
+    "why startups fail and how founders can avoid it",
+    "the invention of the telescope and what it changed in astronomy",
+    "how a compiler turns source code into machine code",
+    "the role of bees in agriculture",
+    "the causes and consequences of the industrial revolution",
+)
+INSTRUCTION = (
+    "Write a long, detailed essay about {topic}. Reason step by step through its causes, mechanisms and "
+    "consequences, give concrete examples, and do not stop early."
+)
+NEW_TOKENS = 1024
+
+
+class LongGeneration(Task):
+    """An essay prompt and 1024 new tokens, scored by top-1 agreement with the full cache."""
+
+    name = "longgen"
+    source = "offline"
+    metric = "fidelity_top1"
+    scored_by_fidelity = True
+
+    def samples(self, tokenizer: PreTrainedTokenizerBase, *, length: int, count: int, seed: int = 0) -> list[Sample]:
+        topics = random.Random(seed).sample(TOPICS, k=min(count, len(TOPICS)))
+        return [
+            Sample(self.name, i, INSTRUCTION.format(topic=topic), "", "", (), NEW_TOKENS, f"{self.name}-{seed}-{i}")
+            for i, topic in enumerate(topics)
+        ]
+
+
+TASKS: dict[str, Task] = {task.name: task for task in (LongGeneration(),)}
