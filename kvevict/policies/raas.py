@@ -1,0 +1,128 @@
+"""RaaS (Hu et al., 2025, "Efficient Long-Decoding Inference with Reasoning-Aware
+Attention Sparsity"), as specified by DESIGN §3."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvevict.policies.base import NOTHING, Phase, Policy, Regime, Requirements, Signals, group_reduce
+
+if TYPE_CHECKING:
+    from kvevict.cache import EvictionLayer
+
+TIMESTAMP = "raas_timestamp"
+PROMPT_TIMESTAMP = -1
+"""Initial timestamp of prompt entries: older than any decode step (the prefill pass is step 0)."""
+
+
+def raas_update(
+    timestamp: torch.Tensor,
+    attention: torch.Tensor,
+    step: int,
+    reference: torch.Tensor | None = None,
+    alpha: float | None = None,
+) -> torch.Tensor:
+    """RaaS's timestamp refresh at decode step ``step`` (int32 state, ``[B, Hkv, n]``).
+
+    ``attention`` is the current query's attention reduced to KV heads (``[B, Hkv, n]``).
+    An entry is *attended* when its attention is ``≥ alpha`` if ``alpha`` is given, else
+    ``≥`` the median of the attention of the ``reference`` entries (``[B, Hkv, n]`` bool,
+    default: all entries) of the same KV head — the usual median, i.e. the mean of the two
+    middle values for an even count. Attended entries get ``TS = step``; others keep theirs.
+    """
+    attention = attention.float()
+    if alpha is not None:
+        attended = attention >= alpha
+    else:
+        values = attention if reference is None else attention.masked_fill(~reference, float("nan"))
+        median = torch.nanquantile(values, 0.5, dim=-1, keepdim=True)
+        attended = attention >= median  # a head without reference entries (median NaN) marks nothing
+    return torch.where(attended, torch.full_like(timestamp, step), timestamp)
+
+
+class RaaS(Policy):
+    """RaaS: keep the prompt, evict the decode token whose last "useful" step is oldest.
+
+    DESIGN §3: every entry carries an int32 timestamp. A decode token starts at its own
+    step ``t`` (the first decode token is ``t = 1``; prompt entries start at −1). At each
+    decode step the current query's attention, reduced over the GQA group by **max**,
+    refreshes the timestamps (:func:`raas_update`): entries with attention ≥ the median of
+    the decode tokens' attention (or ≥ ``alpha`` when given) get ``TS = t``. Over budget
+    the entry with the oldest timestamp is evicted (score = timestamp, higher kept; ties go
+    to the more recent position). Evicts every step (interval 1) by default.
+
+    Prompt rule: RaaS keeps the prompt whole, which only works when it leaves room for
+    generation. Here the prompt entries are protected when ``prompt_length + reserve ≤
+    budget`` (``reserve`` = decode slots guaranteed, default ``min(128, budget // 4)``);
+    otherwise (long prompts, small budgets) prompt entries are scored by timestamp like the
+    decode tokens, so every budget ≥ 1 works. Timestamps of prompt entries are refreshed by
+    the same rule either way.
+
+    Regimes: ``"decode"`` (default) or ``"both"``: with ``"both"`` a prompt over budget is
+    compressed at prefill, the prefill pass counting as step 0: its last query marks the
+    entries at or above the median of the prompt's attention (or ``alpha``) with
+    ``TS = 0``, the rest keep −1, and the newest entries win ties.
+    """
+
+    name = "raas"
+    summary = "keep the prompt; evict the token attended (>= median) longest ago (RaaS)"
+    regimes = ("decode", "both")
+
+    def __init__(self, *, alpha: float | None = None, reserve: int | None = None, regime: Regime | None = None):
+        if alpha is not None and not 0 < alpha < 1:
+            raise ValueError(f"raas: alpha must be in (0, 1) or None (median rule), got {alpha}")
+        if reserve is not None and (isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 1):
+            raise ValueError(f"raas: reserve must be an integer >= 1 or None (min(128, budget // 4)), got {reserve!r}")
+        super().__init__(regime=regime)
+        self.alpha = alpha  # None: the median of the decode tokens' attention
+        self.reserve = reserve  # None: min(128, budget // 4)
+
+    def decode_reserve(self, budget: int) -> int:
+        """Slots left for decode tokens before the prompt is protected."""
+        return max(1, min(128, budget // 4)) if self.reserve is None else self.reserve
+
+    def keeps_prompt(self, prompt_length: int, budget: int) -> bool:
+        """Whether the prompt is protected whole at this budget."""
+        return prompt_length + self.decode_reserve(budget) <= budget
+
+    def requirements(self, phase: Phase, evicting: bool) -> Requirements:
+        # timestamps are refreshed at every decode step, evicting or not
+        if phase == "decode" or evicting:
+            return Requirements(last_query_attention=True)
+        return NOTHING
+
+    def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
+        b, h = layer.positions.shape[:2]
+        device = layer.positions.device
+        if layer.passes == 1:
+            timestamp = torch.full((num_new,), PROMPT_TIMESTAMP, dtype=torch.int32, device=device)
+        else:  # decode tokens are numbered 1, 2, ... after the prompt
+            last = layer.decode_step
+            timestamp = torch.arange(last - num_new + 1, last + 1, dtype=torch.int32, device=device)
+        return {TIMESTAMP: timestamp.expand(b, h, num_new).contiguous()}
+
+    def observe(self, layer: EvictionLayer, signals: Signals) -> None:
+        if signals.last_query_attention is None:
+            return
+        attention = group_reduce(signals.last_query_attention.float(), layer.num_kv_heads, "max")
+        if signals.phase == "decode":
+            step, reference = layer.decode_step, layer.positions >= layer.prompt_length
+        else:  # prefill compression ("both"): step 0, the prompt's own attention is the reference
+            step, reference = 0, None
+        layer.state[TIMESTAMP] = raas_update(layer.state[TIMESTAMP], attention, step, reference, self.alpha)
+
+    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+        """``TS·(seen + 1) + position`` in float64 (exact): the timestamp orders, the
+        position breaks ties in favour of the more recent entry."""
+        return layer.state[TIMESTAMP].double() * (layer.seen + 1) + layer.positions.double()
+
+    def protected(self, layer: EvictionLayer, budget: int) -> torch.Tensor:
+        if layer.passes > 1 and self.keeps_prompt(layer.prompt_length, budget):
+            return layer.positions < layer.prompt_length
+        return torch.zeros_like(layer.positions, dtype=torch.bool)
+
+    def select(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
+        scores = self.score(layer, signals).masked_fill(self.protected(layer, budget), float("inf"))
+        return scores.topk(budget, dim=-1).indices.sort(dim=-1).values
