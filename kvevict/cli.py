@@ -88,7 +88,48 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--out", type=Path, default=Path("results/demo"), help="results directory (default: results/demo)"
     )
+
+    analyze = commands.add_parser(
+        "analyze",
+        help="measurements behind the papers' figures",
+        description="Analyses that reproduce the papers' observations on a model (see `kvevict analyze ANALYSIS "
+        "--help`).",
+    )
+    analyses = analyze.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
+    for add_analysis in ANALYSES:
+        add_analysis(analyses)
     return parser
+
+
+# -- kvevict analyze: one function per analysis adds its parser and sets `run` ------------------
+def _recurrence_parser(analyses: argparse._SubParsersAction) -> None:
+    recurrence = analyses.add_parser(
+        "recurrence",
+        help="LazyEviction's maximum recurrence interval (MRI) distribution and the window W it suggests",
+        description="Greedy full-cache generation per prompt while tracking LazyEviction's timestamps and MRI "
+        "(nothing is evicted); reports the MRI distribution over every (layer, KV head, token) entry retained at "
+        "the end, prompt and decode tokens (paper Fig. 3c), and the suggested W = the 80th percentile of MRI over "
+        "recurring entries (MRI >= 1).",
+    )
+    recurrence.add_argument(
+        "--prompt-set",
+        default="builtin",
+        help="'builtin' (8 short reasoning prompts, default), a .txt file (blank-line-separated prompts), a .jsonl "
+        "file (field prompt/question/problem) or a task name (see `kvevict tasks`; hub tasks need internet)",
+    )
+    recurrence.add_argument("--samples", type=int, default=4, help="prompts to run (default: 4)")
+    recurrence.add_argument("--max-new-tokens", type=int, default=512, help="tokens to generate (default: 512)")
+    recurrence.add_argument(
+        "--alpha", type=float, default=None, help="attention threshold (default: LazyEviction's for the model family)"
+    )
+    recurrence.add_argument("--out", type=Path, default=None, help="write the JSON summary to OUT/recurrence.json")
+    recurrence.add_argument("--plot", type=Path, default=None, help="draw the MRI histogram into this PNG")
+    recurrence.add_argument("--per-layer", action="store_true", help="also print the per-layer breakdown")
+    _model_args(recurrence)
+    recurrence.set_defaults(run=_analyze_recurrence)
+
+
+ANALYSES = (_recurrence_parser,)
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -201,6 +242,44 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _analyze_recurrence(args: argparse.Namespace) -> int:
+    from kvevict import load_model
+    from kvevict.analysis import recurrence as analysis
+    from kvevict.policies.lazyeviction import LazyEviction
+
+    LazyEviction(alpha=args.alpha)  # bad input fails before the model loads
+    if args.samples < 1 or args.max_new_tokens < 1:
+        raise ValueError("--samples and --max-new-tokens must be >= 1")
+    analysis.check_prompt_set(args.prompt_set)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    prompts = analysis.load_prompts(args.prompt_set, args.samples, tokenizer)
+    run = analysis.run_recurrence(
+        model,
+        tokenizer,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        alpha=args.alpha,
+        model_name=args.model,
+        prompt_set=args.prompt_set,
+    )
+    summary = analysis.summarize_run(run)
+    overall = analysis.mri_summary(run.values())
+    layers = [analysis.mri_summary(run.values(i)) for i in range(len(run.layers))] if args.per_layer else []
+    title = (
+        f"MRI distribution: {args.model}, {args.prompt_set} x {len(prompts)}, alpha {run.alpha:g}, "
+        f"{sum(run.new_tokens)} tokens generated (up to {args.max_new_tokens} per prompt)"
+    )
+    print(analysis.format_summary(overall, layers, title=title))
+    if args.out:
+        print(f"summary: {analysis.write_summary(summary, args.out)}", file=sys.stderr)
+    if args.plot:
+        plot = analysis.plot_histogram(
+            run.values(), args.plot, overall.suggested_window, title=f"MRI, {args.model} ({args.prompt_set})"
+        )
+        print(f"plot: {plot}", file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -211,6 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench": lambda: _bench(args),
         "report": lambda: _report(args),
         "demo": lambda: _demo(args),
+        "analyze": lambda: args.run(args),
     }
     try:
         return handlers[args.command]()

@@ -1,0 +1,1 @@
+"""Analyses of the papers' figures."""
