@@ -50,9 +50,11 @@ def continue_greedy(
     ids: torch.Tensor,
     cache: EvictionCache,
     max_new_tokens: int,
+    **constraints: object,
 ) -> torch.Tensor:
     """Greedy generation after ``ids``, of which ``cache`` may already hold a prefix; returns
-    the new token ids ``[n]`` (decode-time policies keep evicting)."""
+    the new token ids ``[n]`` (decode-time policies keep evicting). ``constraints`` are
+    deterministic generation options such as ``no_repeat_ngram_size``."""
     ids = ids.to(model.device)
     output = model.generate(
         input_ids=ids,
@@ -64,6 +66,7 @@ def continue_greedy(
         top_p=None,
         top_k=None,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        **constraints,
     )
     return output[0, ids.shape[-1] :]
 

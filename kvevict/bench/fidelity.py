@@ -18,7 +18,8 @@ from transformers import Cache, PreTrainedModel
 @dataclass(frozen=True)
 class Fidelity:
     top1: float
-    """Share of answer positions where the policy's most likely token is the full cache's token."""
+    """Share of answer positions where the policy's most likely token is the full cache's
+    (for a plain greedy answer: the answer's own token)."""
     kl: float
     """Mean KL(full ‖ policy) over answer positions, in nats."""
     ppl: float
@@ -36,7 +37,7 @@ def fidelity_metrics(reference_logits: torch.Tensor, policy_logits: torch.Tensor
     policy = policy_logits.float().log_softmax(dim=-1)
     kl = (reference.exp() * (reference - policy)).sum(dim=-1).clamp_min(0).mean()
     nll = -policy.gather(-1, tokens[:, None].to(policy.device)).mean()
-    top1 = (policy.argmax(dim=-1) == tokens.to(policy.device)).float().mean()
+    top1 = (policy.argmax(dim=-1) == reference.argmax(dim=-1)).float().mean()
     return Fidelity(top1=top1.item(), kl=kl.item(), ppl=nll.exp().item(), tokens=int(tokens.numel()))
 
 

@@ -1,8 +1,8 @@
 """Long greedy generations for decode-time eviction, scored by fidelity (no labels).
 
 ``longgen`` asks for a long essay on a seeded topic and lets the model write ``1024`` new
-tokens (the decode-time benchmark of LazyEviction-style methods, offline): the full
-cache's generation is replayed under each policy, token by token, evicting as generation
+tokens greedily, without repeating a 4-gram (the decode-time benchmark of
+LazyEviction-style methods, offline): the full cache's generation is replayed under each policy, token by token, evicting as generation
 would, and each sample's score is its top-1 agreement with the full cache (KL and
 perplexity are recorded too). The prompt is short on purpose (tens of tokens, like a
 reasoning problem): ``length`` is not used; the memory at stake is the generated text's.
@@ -31,6 +31,10 @@ INSTRUCTION = (
     "consequences, give concrete examples, and do not stop early."
 )
 NEW_TOKENS = 1024
+GENERATION = {"no_repeat_ngram_size": 4}
+"""Small models loop on long greedy essays (SmolLM2-135M repeats 9 sentences over 1024
+tokens, which every policy then "predicts" perfectly); banning repeated 4-grams keeps the
+greedy text informative and still deterministic."""
 
 
 class LongGeneration(Task):
@@ -44,7 +48,17 @@ class LongGeneration(Task):
     def samples(self, tokenizer: PreTrainedTokenizerBase, *, length: int, count: int, seed: int = 0) -> list[Sample]:
         topics = random.Random(seed).sample(TOPICS, k=min(count, len(TOPICS)))
         return [
-            Sample(self.name, i, INSTRUCTION.format(topic=topic), "", "", (), NEW_TOKENS, f"{self.name}-{seed}-{i}")
+            Sample(
+                self.name,
+                i,
+                INSTRUCTION.format(topic=topic),
+                "",
+                "",
+                (),
+                NEW_TOKENS,
+                f"{self.name}-{seed}-{i}",
+                {"generation": GENERATION},
+            )
             for i, topic in enumerate(topics)
         ]
 

@@ -206,7 +206,8 @@ class BenchRunner:
             else:
                 max_new_tokens = self.config.max_new_tokens or sample.max_new_tokens
                 start = time.perf_counter()
-                new_ids = continue_greedy(self.model, self.tokenizer, prompt.ids, cache, max_new_tokens)
+                constraints = sample.metadata.get("generation", {})
+                new_ids = continue_greedy(self.model, self.tokenizer, prompt.ids, cache, max_new_tokens, **constraints)
                 decode_seconds = time.perf_counter() - start
                 prediction = self.tokenizer.decode(new_ids, skip_special_tokens=True)  # raw: metrics clean it
                 score = 1.0 if task.scored_by_fidelity else task.score(prediction, sample)

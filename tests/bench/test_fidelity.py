@@ -9,11 +9,14 @@ from tests.conftest import prompt, tiny_model
 
 
 def test_metrics_by_hand() -> None:
-    # full: p = [.5, .5]; policy: q = [.75, .25]; reference token 1
-    metrics = fidelity_metrics(torch.tensor([[0.0, 0.0]]), torch.tensor([[math.log(3.0), 0.0]]), torch.tensor([1]))
-    assert metrics.top1 == 0.0
-    assert metrics.kl == pytest.approx(0.5 * math.log(4 / 3), abs=1e-6)  # .5 ln(.5/.75) + .5 ln(.5/.25)
+    # full: p = softmax([0, 1]) favours token 1; policy: q = [.75, .25] favours token 0; reference token 1
+    metrics = fidelity_metrics(torch.tensor([[0.0, 1.0]]), torch.tensor([[math.log(3.0), 0.0]]), torch.tensor([1]))
+    p = [1 / (1 + math.e), math.e / (1 + math.e)]
+    assert metrics.top1 == 0.0  # the argmaxes differ
+    assert metrics.kl == pytest.approx(p[0] * math.log(p[0] / 0.75) + p[1] * math.log(p[1] / 0.25), abs=1e-6)
     assert metrics.ppl == pytest.approx(4.0)  # exp(-ln .25)
+    agree = fidelity_metrics(torch.tensor([[0.0, 1.0]]), torch.tensor([[0.0, 3.0]]), torch.tensor([0]))
+    assert agree.top1 == 1.0  # same argmax, whatever token the reference text holds
     same = fidelity_metrics(torch.tensor([[2.0, 0.0]]), torch.tensor([[2.0, 0.0]]), torch.tensor([0]))
     assert (same.top1, same.kl, same.tokens) == (1.0, 0.0, 1)
 

@@ -197,6 +197,9 @@ def test_fidelity_scored_long_generation_replays_and_reports_peak_memory(tmp_pat
     assert [setting.policy for setting in run.settings] == ["full", "h2o", "lazyeviction"]  # full is the reference
     records = {r["policy"]: r for r in BenchRunner(run, tmp_path, model, tokenizer).run(progress=False)}
     assert records["full"]["score"] == 1.0 and records["full"]["new_tokens"] == 120
+    ids = records["full"]["prediction_ids"]
+    grams = [tuple(ids[i : i + 4]) for i in range(len(ids) - 3)]
+    assert len(grams) == len(set(grams))  # no repeated 4-gram: the reference does not loop
     for policy, interval in (("h2o", 1), ("lazyeviction", 16)):
         record = records[policy]
         assert record["prediction"] is None and record["score"] == record["fidelity"]["top1"]
