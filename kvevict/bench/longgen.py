@@ -1,7 +1,7 @@
 """Long greedy generations for decode-time eviction, scored by fidelity (no labels).
 
 ``longgen`` asks for a long essay on a seeded topic and lets the model write ``1024`` new
-tokens greedily, without repeating a 4-gram (the decode-time benchmark of
+tokens greedily, without repeating a 4-gram or ending early (the decode-time benchmark of
 LazyEviction-style methods, offline): the full cache's generation is replayed under each policy, token by token, evicting as generation
 would, and each sample's score is its top-1 agreement with the full cache (KL and
 perplexity are recorded too). The prompt is short on purpose (tens of tokens, like a
@@ -31,10 +31,11 @@ INSTRUCTION = (
     "consequences, give concrete examples, and do not stop early."
 )
 NEW_TOKENS = 1024
-GENERATION = {"no_repeat_ngram_size": 4}
+GENERATION = {"no_repeat_ngram_size": 4, "min_new_tokens": NEW_TOKENS}
 """Small models loop on long greedy essays (SmolLM2-135M repeats 9 sentences over 1024
-tokens, which every policy then "predicts" perfectly); banning repeated 4-grams keeps the
-greedy text informative and still deterministic."""
+tokens, which every policy then "predicts" perfectly) or stop early; banning repeated
+4-grams and end-of-text before 1024 tokens keeps the greedy text long, informative and
+still deterministic."""
 
 
 class LongGeneration(Task):

@@ -206,7 +206,9 @@ class BenchRunner:
             else:
                 max_new_tokens = self.config.max_new_tokens or sample.max_new_tokens
                 start = time.perf_counter()
-                constraints = sample.metadata.get("generation", {})
+                constraints = dict(sample.metadata.get("generation", {}))
+                if "min_new_tokens" in constraints:  # a --max-new-tokens override shortens it too
+                    constraints["min_new_tokens"] = min(constraints["min_new_tokens"], max_new_tokens)
                 new_ids = continue_greedy(self.model, self.tokenizer, prompt.ids, cache, max_new_tokens, **constraints)
                 decode_seconds = time.perf_counter() - start
                 prediction = self.tokenizer.decode(new_ids, skip_special_tokens=True)  # raw: metrics clean it
