@@ -103,6 +103,7 @@ def _averages(rows: list[ReportRow], tasks: list[str]) -> list[ReportRow]:
                 fidelity={name: statistics.fmean(f[name] for f in fidelity) for name in FIDELITY_FIELDS}
                 if len(fidelity) == len(members)
                 else {},
+                peak_tokens=max(member.peak_tokens for member in members),
             )
         )
     return averages
