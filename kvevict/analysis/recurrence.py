@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kvevict.bench.report import text_table
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -365,7 +367,7 @@ def format_summary(summary: MRISummary, layers: Sequence[MRISummary] = (), title
         ["recurring (MRI>=1)", *_cells(summary.percentiles_recurring)],
         ["all entries", *_cells(summary.percentiles_all)],
     ]
-    lines += _table(header, rows)
+    lines += text_table(header, rows)
     window = summary.suggested_window
     lines += [
         "",
@@ -380,21 +382,12 @@ def format_summary(summary: MRISummary, layers: Sequence[MRISummary] = (), title
             [str(i), str(s.tokens), f"{s.share_mri_gt_1:.1%}", *_cells(s.percentiles_recurring)]
             for i, s in enumerate(layers)
         ]
-        lines += ["", "per layer (percentiles over recurring entries):", *_table(header, rows)]
+        lines += ["", "per layer (percentiles over recurring entries):", *text_table(header, rows)]
     return "\n".join(lines)
 
 
 def _cells(percentiles: dict[int, int]) -> list[str]:
     return [str(percentiles[p]) if p in percentiles else "-" for p in PERCENTILES]
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
-
-    def render(cells: list[str]) -> str:
-        return "  ".join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip()
-
-    return [render(header), render(["-" * width for width in widths]), *map(render, rows)]
 
 
 def plot_histogram(mri_values: np.ndarray, path: str | Path, window: int | None = None, title: str = "") -> Path:

@@ -133,12 +133,17 @@ def format_report(rows: list[ReportRow]) -> str:
             f = row.fidelity
             cells += [f"{f['top1']:.3f}", f"{f['kl']:.4f}", f"{f['ppl']:.3f}"] if f else ["-", "-", "-"]
         table.append(cells)
-    widths = [max(len(cell) for cell in column) for column in zip(header, *table)]
+    return "\n".join(text_table(header, table))
+
+
+def text_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Lines of a left-aligned plain-text table: header, a rule, then the rows."""
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
 
     def render(cells: list[str]) -> str:
         return "  ".join(cell.ljust(width) for cell, width in zip(cells, widths)).rstrip()
 
-    return "\n".join([render(header), render(["-" * width for width in widths]), *map(render, table)])
+    return [render(header), render(["-" * width for width in widths]), *map(render, rows)]
 
 
 def plot_report(rows: list[ReportRow], path: str | Path) -> Path:
