@@ -75,11 +75,14 @@ def _row(key: tuple, members: list[dict[str, Any]]) -> ReportRow:
         samples=len(members),
         score=100 * statistics.fmean(member["score"] for member in members),
         kv_mib=statistics.fmean(member["kv_bytes_final"] for member in members) / 2**20,
-        fidelity={name: statistics.fmean(item[name] for item in fidelity) for name in FIDELITY_FIELDS}
-        if fidelity
-        else {},
+        fidelity=_mean_fidelity(fidelity),
         peak_tokens=max(member.get("decode_peak_tokens", 0) for member in members),
     )
+
+
+def _mean_fidelity(items: list[dict[str, float]]) -> dict[str, float]:
+    """Mean of each fidelity field over ``items`` (empty when there are none)."""
+    return {name: statistics.fmean(item[name] for item in items) for name in FIDELITY_FIELDS} if items else {}
 
 
 def _averages(rows: list[ReportRow], tasks: list[str]) -> list[ReportRow]:
@@ -100,9 +103,7 @@ def _averages(rows: list[ReportRow], tasks: list[str]) -> list[ReportRow]:
                 samples=sum(member.samples for member in members),
                 score=statistics.fmean(member.score for member in members),
                 kv_mib=statistics.fmean(member.kv_mib for member in members),
-                fidelity={name: statistics.fmean(f[name] for f in fidelity) for name in FIDELITY_FIELDS}
-                if len(fidelity) == len(members)
-                else {},
+                fidelity=_mean_fidelity(fidelity) if len(fidelity) == len(members) else {},
                 peak_tokens=max(member.peak_tokens for member in members),
             )
         )
