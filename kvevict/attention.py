@@ -61,33 +61,54 @@ def _make_attention(base: str) -> Callable:
         layer = _take_pending(key)
         if layer is None:  # not an eviction cache: pure pass-through
             return kernel(module, query, key, value, attention_mask, **kwargs)
-        attention_mask = _layer_mask(base, attention_mask, query, key)
+        attention_mask = _layer_mask(base, attention_mask, query, key, layer.valid)
         output = kernel(module, query, key, value, attention_mask, **kwargs)
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-        layer.after_attention(query, scaling)
+        layer.after_attention(query, scaling, module)
         return output
 
     kvevict_attention.__name__ = f"{PREFIX}{base}"
     return kvevict_attention
 
 
-def _layer_mask(base: str, mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+def _layer_mask(
+    base: str, mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor | None
+) -> torch.Tensor | None:
     """The mask for an eviction layer: every retained entry is visible, the pass's own
-    entries are causal. Reuses the model's mask when it already fits this layer."""
+    entries are causal, and padding (``valid`` false, head-wise budgets) is hidden per
+    head. Reuses the model's mask when it already fits this layer."""
     q, n = query.shape[-2], key.shape[-2]
-    if q == 1 or base.startswith("flash"):  # flash aligns causality bottom-right by itself
+    if valid is not None:
+        if base.startswith("flash"):
+            raise ValueError(
+                "head-wise budgets (adakv, headkv, ...) need a per-head mask, which flash attention kernels do not "
+                "take; load the model with attn_implementation='sdpa' or 'eager'"
+            )
+        allowed = _causal(q, n, query.device) & _heads_mask(valid, query.shape[1])[:, :, None, :]
+    elif q == 1 or base.startswith("flash"):  # flash aligns causality bottom-right by itself
         return None if mask is None or mask.shape[-1] != n else mask
-    if mask is not None and mask.shape[-1] == n:
+    elif mask is not None and mask.shape[-1] == n:
         return mask
-    if mask is None and n == q:
+    elif mask is None and n == q:
         return None
-    rows = torch.arange(q, device=query.device)[:, None] + (n - q)
-    allowed = (torch.arange(n, device=query.device)[None, :] <= rows)[None, None]
+    else:
+        allowed = _causal(q, n, query.device)[None, None]
     if base == "sdpa":
         return allowed
     return torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(
         ~allowed, torch.finfo(query.dtype).min
     )
+
+
+def _causal(q: int, n: int, device: torch.device) -> torch.Tensor:
+    """``[q, n]``: the last ``q`` of ``n`` entries are the queries, each sees itself and before."""
+    rows = torch.arange(q, device=device)[:, None] + (n - q)
+    return torch.arange(n, device=device)[None, :] <= rows
+
+
+def _heads_mask(valid: torch.Tensor, num_query_heads: int) -> torch.Tensor:
+    """A KV-head mask ``[B, Hkv, n]`` for the query heads ``[B, Hq, n]`` (GQA groups)."""
+    return valid.repeat_interleave(num_query_heads // valid.shape[1], dim=1)
 
 
 def install(model: PreTrainedModel) -> None:
@@ -112,24 +133,34 @@ _register()
 
 
 # -- signals ----------------------------------------------------------------------------
-def attention_rows(query: torch.Tensor, keys: torch.Tensor, scaling: float) -> torch.Tensor:
+def attention_rows(
+    query: torch.Tensor, keys: torch.Tensor, scaling: float, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """Post-softmax attention (fp32) of the last ``r`` queries over ``n`` keys.
 
     ``query`` is ``[B, Hq, r, d]`` and sits at the end of the key sequence: row ``i`` sees
     keys ``0 .. n - r + i`` (causal). ``keys`` is ``[B, Hkv, n, d]``; query head ``h``
-    uses KV head ``h // (Hq / Hkv)`` (GQA, as ``repeat_kv``). Returns ``[B, Hq, r, n]``.
+    uses KV head ``h // (Hq / Hkv)`` (GQA, as ``repeat_kv``). ``valid`` ``[B, Hkv, n]``
+    hides the padding of head-wise budgets. Returns ``[B, Hq, r, n]``.
     """
     b, hq, r, d = query.shape
     hkv, n = keys.shape[1], keys.shape[2]
     grouped = query.float().reshape(b, hkv, (hq // hkv) * r, d)
     logits = (grouped @ keys.float().transpose(-1, -2)).reshape(b, hq, r, n) * scaling
     if r > 1:
-        future = torch.arange(n, device=query.device)[None, :] > torch.arange(n - r, n, device=query.device)[:, None]
-        logits = logits.masked_fill(future, float("-inf"))
+        logits = logits.masked_fill(~_causal(r, n, query.device), float("-inf"))
+    if valid is not None:
+        logits = logits.masked_fill(~_heads_mask(valid, hq)[:, :, None, :], float("-inf"))
     return logits.softmax(dim=-1)
 
 
-def column_sums(query: torch.Tensor, keys: torch.Tensor, scaling: float, chunk: int = COLUMN_SUM_CHUNK) -> torch.Tensor:
+def column_sums(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    valid: torch.Tensor | None = None,
+    chunk: int = COLUMN_SUM_CHUNK,
+) -> torch.Tensor:
     """Attention received by each key from every query of the pass, ``[B, Hq, n]`` fp32,
     computed ``chunk`` queries at a time (memory ``chunk × n`` per head)."""
     q, n = query.shape[-2], keys.shape[-2]
@@ -138,21 +169,58 @@ def column_sums(query: torch.Tensor, keys: torch.Tensor, scaling: float, chunk: 
         stop = min(start + chunk, q)
         # queries start..stop sit at key positions n - q + start ..; drop the keys after them
         visible = n - q + stop
-        rows = attention_rows(query[:, :, start:stop], keys[:, :, :visible], scaling)
+        rows = attention_rows(
+            query[:, :, start:stop], keys[:, :, :visible], scaling, None if valid is None else valid[..., :visible]
+        )
         total[..., :visible] += rows.sum(dim=2)
     return total
 
 
+VALUE_NORM_CHUNK = 4096
+"""Values per chunk when projecting by W_O: memory ``chunk × hidden`` for one query head."""
+
+
+def projected_value_norms(values: torch.Tensor, o_proj: torch.Tensor, num_query_heads: int) -> torch.Tensor:
+    """CriticalKV's ``‖v W_O‖₁`` per KV head, ``[B, Hkv, m]`` fp32.
+
+    ``values`` is ``[B, Hkv, m, d]``; ``o_proj`` is the output projection's weight
+    ``[hidden, Hq·d]``. Query head ``h`` projects its KV head's values by its own slice
+    ``W_O[:, h·d:(h+1)·d]``; the L1 norm is over the hidden dimension and the result is
+    averaged over the query heads of each KV head. One query head and ``VALUE_NORM_CHUNK``
+    values at a time, never ``m × hidden`` for all heads at once.
+    """
+    b, hkv, m, d = values.shape
+    group = num_query_heads // hkv
+    norms = values.new_zeros(b, hkv, m, dtype=torch.float32)
+    for head in range(num_query_heads):
+        slice_t = o_proj[:, head * d : (head + 1) * d].float().T  # [d, hidden]
+        for start in range(0, m, VALUE_NORM_CHUNK):
+            chunk = values[:, head // group, start : start + VALUE_NORM_CHUNK].float()
+            norms[:, head // group, start : start + VALUE_NORM_CHUNK] += (chunk @ slice_t).abs().sum(dim=-1)
+    return norms / group
+
+
 def compute_signals(
-    requirements: Requirements, phase: Phase, query: torch.Tensor, keys: torch.Tensor, scaling: float, num_new: int
+    requirements: Requirements,
+    layer: EvictionLayer,
+    phase: Phase,
+    query: torch.Tensor,
+    scaling: float,
+    module: torch.nn.Module | None = None,
 ) -> Signals:
     """Compute exactly the signals in ``requirements`` for one pass of one layer."""
+    keys, valid, num_new = layer.keys, layer.valid, query.shape[-2]
     signals = Signals(phase=phase, num_new=num_new, query=query, scaling=scaling)
     if requirements.last_query_attention:
-        signals.last_query_attention = attention_rows(query[:, :, -1:], keys, scaling)[:, :, 0]
+        signals.last_query_attention = attention_rows(query[:, :, -1:], keys, scaling, valid)[:, :, 0]
     if requirements.window:
         window = min(requirements.window, query.shape[-2])
-        signals.window_attention = attention_rows(query[:, :, -window:], keys, scaling)
+        signals.window_attention = attention_rows(query[:, :, -window:], keys, scaling, valid)
     if requirements.column_sums:
-        signals.column_sums = column_sums(query, keys, scaling)
+        signals.column_sums = column_sums(query, keys, scaling, valid)
+    if requirements.value_norms:
+        if module is None or not hasattr(module, "o_proj"):
+            raise ValueError("value norms need the attention module's output projection (o_proj)")
+        new_values = layer.values[:, :, -num_new:]
+        signals.value_norms = projected_value_norms(new_values, module.o_proj.weight, query.shape[1])
     return signals

@@ -45,6 +45,10 @@ class EvictionLayer(DynamicLayer):
         self.decode_peak = 0
         """Most entries held during a decode pass (after appending, before evicting)."""
         self.positions = torch.empty(0, dtype=torch.long)
+        self.valid: torch.Tensor | None = None
+        """``[B, Hkv, n]`` bool once heads hold different numbers of entries (head-wise
+        budgets): each head is padded to the longest one and its padding is masked out of
+        attention and selection. ``None`` while every entry is real."""
         self.state: dict[str, torch.Tensor] = {}
         self.memo: dict[str, object] = {}
         """Per-layer policy data that is not per token (e.g. recent queries)."""
@@ -59,8 +63,14 @@ class EvictionLayer(DynamicLayer):
 
     @property
     def length(self) -> int:
-        """Retained entries per KV head."""
+        """Retained entries per KV head (of the longest head when head-wise budgets differ)."""
         return 0 if not self.is_initialized else self.keys.shape[-2]
+
+    def head_lengths(self) -> torch.Tensor:
+        """Real (unpadded) entries of each KV head, ``[B, Hkv]`` int64."""
+        if self.valid is not None:
+            return self.valid.sum(dim=-1)
+        return torch.full(self.keys.shape[:2], self.length, dtype=torch.long, device=self.device)
 
     # -- transformers' layer API ------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -85,6 +95,8 @@ class EvictionLayer(DynamicLayer):
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.positions = torch.cat([self.positions, new_positions], dim=-1)
+        if self.valid is not None:
+            self.valid = torch.cat([self.valid, self.valid.new_ones(b, h, num_new)], dim=-1)
         self.seen += num_new
         self.passes += 1
         if self.passes == 1:
@@ -140,26 +152,43 @@ class EvictionLayer(DynamicLayer):
         """Tokens processed after the prompt (``t`` of the decode-time methods)."""
         return self.seen - self.prompt_length
 
-    def after_attention(self, query: torch.Tensor, scaling: float) -> None:
+    def after_attention(self, query: torch.Tensor, scaling: float, module: torch.nn.Module | None = None) -> None:
         """Called by the attention path once this pass attended: compute the signals the
         policy asked for, let it observe them, and evict down to the budget when due."""
         phase, num_new = self.phase(), query.shape[-2]
         evicting = self.eviction_due(phase, num_new)
         requirements = self.policy.requirements(phase, evicting)
-        signals = attention.compute_signals(requirements, phase, query, self.keys, scaling, num_new)
+        signals = attention.compute_signals(requirements, self, phase, query, scaling, module)
         self.policy.observe(self, signals)
         if evicting:
             self.keep(self.policy.select(self, signals, self.budget))
 
-    def keep(self, indices: torch.Tensor) -> None:
-        """Retain only ``indices`` ``[B, Hkv, k]`` (ascending) of every KV head."""
+    def keep(self, mask: torch.Tensor) -> None:
+        """Retain the entries where ``mask`` ``[B, Hkv, n]`` is true, in order. Heads that
+        keep different numbers are padded to the longest and ``valid`` marks the real ones."""
+        if self.valid is not None:
+            mask = mask & self.valid
+        counts = mask.sum(dim=-1)
+        width = int(counts.max())
+        # stable sort puts each head's kept entries first, in their original order
+        indices = mask.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :width]
+        uniform = bool((counts == width).all())
+        self.valid = None if uniform else torch.arange(width, device=self.device) < counts[..., None]
         self.keys = _gather(self.keys, indices)
         self.values = _gather(self.values, indices)
         self.positions = _gather(self.positions, indices)
         self.state = {name: _gather(value, indices) for name, value in self.state.items()}
 
     def kv_bytes(self) -> int:
+        """Bytes allocated for keys and values (padding of head-wise budgets included)."""
         return 0 if not self.is_initialized else self.keys.nbytes + self.values.nbytes
+
+    def retained_bytes(self) -> int:
+        """Bytes of the real entries: what a head-wise ragged layout would hold."""
+        if not self.is_initialized:
+            return 0
+        per_entry = self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
+        return int(self.head_lengths().sum()) * per_entry
 
 
 def _gather(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -228,8 +257,20 @@ class EvictionCache(Cache):
         return [layer for layer in self.layers if isinstance(layer, EvictionLayer)]
 
     def kv_bytes(self) -> int:
-        """Bytes held by the retained keys and values of every layer."""
+        """Bytes allocated for the retained keys and values of every layer."""
         return sum(layer.kv_bytes() for layer in self.layers if layer.is_initialized and layer.keys is not None)
+
+    def layer_bytes(self) -> list[tuple[int, int]]:
+        """Per layer: (bytes allocated, bytes of real entries). They differ only where
+        head-wise budgets pad heads to the longest one of their layer."""
+        rows = []
+        for layer in self.layers:
+            if isinstance(layer, EvictionLayer):
+                rows.append((layer.kv_bytes(), layer.retained_bytes()))
+            else:
+                held = layer.keys.nbytes + layer.values.nbytes if layer.is_initialized else 0
+                rows.append((held, held))
+        return rows
 
     def decode_peak(self) -> int:
         """Most entries any KV head held while decoding (budget + interval for lagged eviction)."""

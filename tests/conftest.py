@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
+    AttentionInterface,
     AutoModelForCausalLM,
     DynamicCache,
     LlamaConfig,
@@ -13,6 +14,8 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.models.llama.modeling_llama import repeat_kv
 
 VOCAB = 96
 COMMON = {
@@ -47,6 +50,23 @@ def tiny_model(
     return model
 
 
+def tiny_head_profile(seed: int = 0) -> dict[str, list[float]]:
+    """A HeadKV profile for the tiny models: mild random importance per (layer, query head)."""
+    generator = torch.Generator().manual_seed(seed)
+    layers, heads = COMMON["num_hidden_layers"], COMMON["num_attention_heads"]
+    scores = 0.5 + 0.5 * torch.rand(layers, heads, generator=generator)
+    return {f"{layer}-{head}": [float(scores[layer, head])] for layer in range(layers) for head in range(heads)}
+
+
+def build_policy(name: str, **params):
+    """A registered policy by name, with what the tiny models need (HeadKV: a profile)."""
+    import kvevict
+
+    if "headkv" in name:
+        params.setdefault("headkv", {"profile": tiny_head_profile()})
+    return kvevict.make_policy(name, **params)
+
+
 def prompt(length: int, seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (1, length), generator=generator)
@@ -70,13 +90,45 @@ def greedy(model: PreTrainedModel, ids: torch.Tensor, cache=None, new_tokens: in
 
 def reference_logits(model: PreTrainedModel, cache, token: torch.Tensor) -> torch.Tensor:
     """Next-token logits recomputed by the model over exactly the entries ``cache`` retained,
-    held in a plain transformers DynamicCache, at the token's absolute position."""
+    held in a plain transformers DynamicCache, at the token's absolute position. Attention is
+    written out by hand (plain softmax, the *masked reference*): each layer attends to its
+    own entries, and where heads hold different numbers (``layer.valid``) each head's
+    padding is masked."""
     reference = DynamicCache()
     for idx, layer in enumerate(cache.layers):
         reference.update(layer.keys.clone(), layer.values.clone(), idx)
     position = torch.tensor([[cache.get_seq_length()]])
-    with torch.no_grad():
-        return model(input_ids=token, position_ids=position, past_key_values=reference).logits[:, -1]
+    valid = {idx: getattr(layer, "valid", None) for idx, layer in enumerate(cache.layers)}
+    original = model.config._attn_implementation
+    _REFERENCE_VALID.clear()
+    _REFERENCE_VALID.update(valid)
+    model.set_attn_implementation(MASKED_REFERENCE)
+    try:
+        with torch.no_grad():
+            return model(input_ids=token, position_ids=position, past_key_values=reference).logits[:, -1]
+    finally:
+        model.set_attn_implementation(original)
+
+
+MASKED_REFERENCE = "kvevict_test_masked_reference"
+_REFERENCE_VALID: dict[int, torch.Tensor | None] = {}
+
+
+def _masked_reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Plain softmax attention; the cached entries a head does not hold are masked out."""
+    q, n, group = query.shape[-2], key.shape[-2], query.shape[1] // key.shape[1]
+    logits = (query @ repeat_kv(key, group).transpose(-1, -2)).float() * scaling
+    allowed = torch.arange(n)[None, :] <= torch.arange(n - q, n)[:, None]
+    valid = _REFERENCE_VALID.get(module.layer_idx)
+    if valid is not None:
+        held = torch.cat([valid, valid.new_ones(*valid.shape[:2], n - valid.shape[-1])], dim=-1)
+        allowed = allowed & held.repeat_interleave(group, dim=1)[:, :, None, :]
+    weights = logits.masked_fill(~allowed, float("-inf")).softmax(dim=-1).to(query.dtype)
+    return (weights @ repeat_kv(value, group)).transpose(1, 2).contiguous(), weights
+
+
+AttentionInterface.register(MASKED_REFERENCE, _masked_reference_attention)
+AttentionMaskInterface.register(MASKED_REFERENCE, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
 
 
 @pytest.fixture(params=["sdpa", "eager"])
@@ -89,11 +141,11 @@ def capture_passes(layer) -> list[dict]:
     passes: list[dict] = []
     original = layer.after_attention
 
-    def spy(query, scaling):
+    def spy(query, scaling, module=None):
         passes.append(
             {"query": query, "scaling": scaling, "keys": layer.keys.clone(), "positions": layer.positions.clone()}
         )
-        original(query, scaling)
+        original(query, scaling, module)
 
     layer.after_attention = spy
     return passes

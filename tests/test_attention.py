@@ -1,3 +1,5 @@
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -43,9 +45,10 @@ def test_column_sums_in_chunks_equal_the_matrix_columns(qk, chunk: int) -> None:
 
 def test_only_requested_signals_are_computed(qk) -> None:
     query, keys = qk
-    nothing = compute_signals(NOTHING, "prefill", query, keys, 0.3, 10)
+    layer = SimpleNamespace(keys=keys, values=keys, valid=None)
+    nothing = compute_signals(NOTHING, layer, "prefill", query, 0.3)
     assert nothing.last_query_attention is None and nothing.window_attention is None and nothing.column_sums is None
-    some = compute_signals(Requirements(window=4), "prefill", query, keys, 0.3, 10)
+    some = compute_signals(Requirements(window=4), layer, "prefill", query, 0.3)
     assert some.window_attention.shape == (1, 4, 4, 25) and some.column_sums is None
 
 
@@ -56,9 +59,9 @@ def test_attention_work_is_limited_to_what_the_policy_asks(monkeypatch, policy: 
     seen = []
     original = attention.attention_rows
 
-    def counting(query, keys, scaling):
+    def counting(query, keys, scaling, valid=None):
         seen.append((query.shape[-2], keys.shape[-2]))
-        return original(query, keys, scaling)
+        return original(query, keys, scaling, valid)
 
     monkeypatch.setattr(attention, "attention_rows", counting)
     model = tiny_model()
@@ -73,7 +76,9 @@ def test_attention_work_is_limited_to_what_the_policy_asks(monkeypatch, policy: 
 def test_column_sums_never_build_an_n_by_n_matrix(monkeypatch) -> None:
     rows = []
     original = attention.attention_rows
-    monkeypatch.setattr(attention, "attention_rows", lambda q, k, s: rows.append(q.shape[-2]) or original(q, k, s))
+    monkeypatch.setattr(
+        attention, "attention_rows", lambda q, k, s, v=None: rows.append(q.shape[-2]) or original(q, k, s, v)
+    )
     model = tiny_model()
     with torch.no_grad():
         model(input_ids=prompt(700), past_key_values=kvevict.EvictionCache(model, "h2o", budget=64))
@@ -101,7 +106,7 @@ def test_layers_of_different_lengths_get_their_own_mask(attn: str) -> None:
     ids = prompt(96)
     with torch.no_grad():
         model(input_ids=ids[:, :80], past_key_values=cache)
-    cache.layers[1].keep(torch.arange(30).expand(1, 2, 30))  # layer 1 now holds 30, layer 0 40
+    cache.layers[1].keep(torch.arange(40).expand(1, 2, 40) < 30)  # layer 1 now holds 30, layer 0 40
     reference = DynamicCache()
     for idx, layer in enumerate(cache.layers):
         reference.update(layer.keys.clone(), layer.values.clone(), idx)

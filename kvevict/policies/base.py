@@ -48,10 +48,22 @@ class Requirements:
     column_sums: bool = False
     """Attention received by each key, summed over every query of the pass (computed in
     query chunks), ``[B, Hq, n]``."""
+    value_norms: bool = False
+    """``‖v W_O‖₁`` of the pass's new values, per KV head (mean over its query heads),
+    ``[B, Hkv, num_new]``."""
 
     @property
     def any(self) -> bool:
-        return self.last_query_attention or self.window > 0 or self.column_sums
+        return self.last_query_attention or self.window > 0 or self.column_sums or self.value_norms
+
+    def __or__(self, other: Requirements) -> Requirements:
+        """Everything either side asks for (wrappers add their signals to the inner policy's)."""
+        return Requirements(
+            last_query_attention=self.last_query_attention or other.last_query_attention,
+            window=max(self.window, other.window),
+            column_sums=self.column_sums or other.column_sums,
+            value_norms=self.value_norms or other.value_norms,
+        )
 
 
 NOTHING = Requirements()
@@ -71,6 +83,7 @@ class Signals:
     last_query_attention: torch.Tensor | None = None
     window_attention: torch.Tensor | None = None
     column_sums: torch.Tensor | None = None
+    value_norms: torch.Tensor | None = None
 
 
 def group_reduce(x: torch.Tensor, num_kv_heads: int, how: GroupReduce = "mean") -> torch.Tensor:
@@ -167,8 +180,101 @@ class Policy:
         pos = layer.positions
         return (pos < self.sinks) | (pos >= layer.seen - self.recent_window(budget))
 
-    def select(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
-        """Indices of the entries to keep, ``[B, Hkv, budget]``, ascending."""
-        scores = self.score(layer, signals).float()
+    def selection_scores(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
+        """:meth:`score` with protected entries at ``+inf`` and padding (entries a head does
+        not hold, see ``EvictionLayer.valid``) at ``-inf``; fp32 (fp64 kept where a policy
+        needs its exactness)."""
+        scores = self.score(layer, signals)
+        scores = scores if scores.dtype == torch.float64 else scores.float()
         scores = scores.masked_fill(self.protected(layer, budget), float("inf"))
-        return scores.topk(budget, dim=-1).indices.sort(dim=-1).values
+        return scores if layer.valid is None else scores.masked_fill(~layer.valid, float("-inf"))
+
+    def allocate(self, layer: EvictionLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        """Entries each KV head keeps, ``[B, Hkv]`` int64: ``budget`` each (or all it holds).
+        Budget allocators (AdaKV, PyramidKV, HeadKV) override this through a wrapper."""
+        return layer.head_lengths().clamp(max=budget)
+
+    def select(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
+        """The entries to keep, ``[B, Hkv, n]`` bool: per head, the top-scoring ones up to
+        the head's allocation (protected entries first)."""
+        scores = self.selection_scores(layer, signals, budget)
+        return keep_top(scores, self.allocate(layer, scores, budget))
+
+
+def keep_top(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Mask ``[B, H, n]`` of the ``counts[b, h]`` highest scores of each head (ties: the
+    earlier entry)."""
+    order = scores.argsort(dim=-1, descending=True, stable=True)
+    ranks = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
+    )
+    return ranks < counts[..., None]
+
+
+class Wrapper(Policy):
+    """A policy built around another one (``prefix+inner``): every hook is delegated to
+    ``inner``; subclasses override the ones they change. Wrappers nest, so
+    ``critical+adakv+snapkv`` is ``Critical(Allocated(SnapKV(), AdaKV()))``. :meth:`select`
+    is not delegated: the generic one uses the wrapper's own ``selection_scores`` and
+    ``allocate``, so an allocator wrapped anywhere in the chain takes effect."""
+
+    prefix: ClassVar[str]
+
+    def __init__(self, inner: Policy):
+        self.inner = inner
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return f"{self.prefix}+{self.inner.name}"
+
+    @property
+    def sinks(self) -> int:  # type: ignore[override]
+        return self.inner.sinks
+
+    @property
+    def window(self) -> int:  # type: ignore[override]
+        return self.inner.window
+
+    @property
+    def regime(self) -> Regime:  # type: ignore[override]
+        return self.inner.regime
+
+    def params(self) -> dict[str, object]:
+        own = {k: v for k, v in vars(self).items() if not k.startswith("_") and k != "inner"}
+        return {**own, "inner": {"policy": self.inner.name, **self.inner.params()}}
+
+    def evicts_in(self, phase: Phase) -> bool:
+        return self.inner.evicts_in(phase)
+
+    def recent_window(self, budget: int) -> int:
+        return self.inner.recent_window(budget)
+
+    def min_budget(self, budget: int) -> int:
+        return self.inner.min_budget(budget)
+
+    def default_interval(self, budget: int) -> int | None:
+        return self.inner.default_interval(budget)
+
+    def bind(self, config: PretrainedConfig) -> None:
+        self.inner.bind(config)
+
+    def requirements(self, phase: Phase, evicting: bool) -> Requirements:
+        return self.inner.requirements(phase, evicting)
+
+    def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
+        return self.inner.new_tokens(layer, num_new)
+
+    def observe(self, layer: EvictionLayer, signals: Signals) -> None:
+        self.inner.observe(layer, signals)
+
+    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+        return self.inner.score(layer, signals)
+
+    def protected(self, layer: EvictionLayer, budget: int) -> torch.Tensor:
+        return self.inner.protected(layer, budget)
+
+    def selection_scores(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
+        return self.inner.selection_scores(layer, signals, budget)
+
+    def allocate(self, layer: EvictionLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        return self.inner.allocate(layer, scores, budget)

@@ -122,7 +122,3 @@ class RaaS(Policy):
         if layer.passes > 1 and self.keeps_prompt(layer.prompt_length, budget):
             return layer.positions < layer.prompt_length
         return torch.zeros_like(layer.positions, dtype=torch.bool)
-
-    def select(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
-        scores = self.score(layer, signals).masked_fill(self.protected(layer, budget), float("inf"))
-        return scores.topk(budget, dim=-1).indices.sort(dim=-1).values

@@ -54,7 +54,13 @@ def test_select_keeps_the_window_and_evicts_the_most_redundant() -> None:
     # uniform importance (zero queries): the ranking is by redundancy alone
     keys = torch.tensor([[1.0, 0, 0], [0, 1, 0], [2, 0, 0], [1, 0, 0], [0, 0, 1]])[None, None]
     layer = SimpleNamespace(
-        keys=keys, positions=torch.arange(5)[None, None], seen=5, length=5, memo={QUERIES: torch.zeros(1, 2, 1, 3)}
+        keys=keys,
+        positions=torch.arange(5)[None, None],
+        seen=5,
+        length=5,
+        memo={QUERIES: torch.zeros(1, 2, 1, 3)},
+        valid=None,
+        head_lengths=lambda: torch.tensor([[5]]),
     )
     signals = Signals(phase="decode", num_new=1, query=torch.zeros(1, 2, 1, 3), scaling=1.0)
     policy = kvevict.make_policy("rkv", window=1)
@@ -63,7 +69,7 @@ def test_select_keeps_the_window_and_evicts_the_most_redundant() -> None:
     r = softmax([0.4, 0.0, 0.2, 0.0, 0.0])
     torch.testing.assert_close(scores[:4], torch.tensor([0.1 / 4 - 0.9 * x for x in r[:4]]))
     assert scores[4] == float("inf")
-    assert policy.select(layer, signals, 4).tolist() == [[[1, 2, 3, 4]]]
+    assert policy.select(layer, signals, 4).tolist() == [[[False, True, True, True, True]]]
 
 
 def test_first_eviction_keeps_the_window_plus_the_top_scores() -> None:
