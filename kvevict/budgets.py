@@ -1,9 +1,16 @@
-"""How many entries each KV head of each layer may keep (DESIGN §2)."""
+"""How many entries each KV head of each layer may keep (DESIGN §2, §3): the budget a
+user gives, and the allocators that split it over heads (AdaKV, HeadKV) and layers
+(PyramidKV). The policy wrappers that apply them live in :mod:`kvevict.policies.allocation`."""
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -41,3 +48,94 @@ class Budget:
         if self.tokens is not None:
             return f"budget={self.tokens}"
         return f"keep={self.keep}" if self.keep is not None else "unlimited"
+
+
+# -- budget allocators: how a layer's budget is split over heads and layers (DESIGN §3) ------
+# Scores come in as a policy's selection scores ``[B, H, n]``: protected entries (sinks,
+# recent window) at +inf, padding at -inf. Counts include the protected entries.
+def adakv_counts(scores: torch.Tensor, budget: int, safeguard: float = 0.2) -> torch.Tensor:
+    """AdaKV (Feng et al., 2024): entries each head of a layer keeps, ``[B, H]`` int64.
+
+    Each head keeps its protected entries and has ``B'_h = budget − protected_h`` to
+    spend; the layer's ``Σ B'_h`` slots go to the top scores of *all* its heads
+    flattened, except that each head first keeps its own top ``⌊safeguard·B'_h⌋``.
+    The layer's total stays ``H × budget`` (or everything, when heads hold less).
+    """
+    protected = torch.isposinf(scores)
+    free = torch.isfinite(scores)
+    held = protected.sum(dim=-1)
+    spare = (budget - held).clamp(min=0)
+    floor = (safeguard * spare).floor().long()
+    guaranteed = free & (_ranks(scores.masked_fill(~free, float("-inf"))) < floor[..., None])
+    contest = scores.masked_fill(~free | guaranteed, float("-inf"))
+    slots = (spare - floor).sum(dim=-1)  # [B]
+    flat = contest.flatten(1)
+    wins = (_ranks(flat) < slots[:, None]) & torch.isfinite(flat)
+    return held + guaranteed.sum(dim=-1) + wins.view_as(scores).sum(dim=-1)
+
+
+def _ranks(scores: torch.Tensor) -> torch.Tensor:
+    """Rank of every entry along the last dim (0 = highest; ties: the earlier entry)."""
+    order = scores.argsort(dim=-1, descending=True, stable=True)
+    positions = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, positions)
+
+
+def pyramid_budgets(budget: int, window: int, length: int, num_layers: int, beta: int = 20) -> list[int]:
+    """PyramidKV (Cai et al., 2024): per-layer budgets, largest at the bottom.
+
+    With ``B' = budget − window``: ``min = ⌊B'/β⌋``, ``max = 2B' − min``; if ``max ≥ n − w``
+    then ``max = n − w`` and ``min = 2B' − max``; ``step = ⌊(max − min)/(L − 1)⌋``; layer
+    ``ℓ`` keeps ``max − ℓ·step + w`` (DESIGN §3).
+    """
+    spare = budget - window
+    low = spare // beta
+    high = 2 * spare - low
+    if high >= length - window:
+        high = length - window
+        low = 2 * spare - high
+    step = (high - low) // max(num_layers - 1, 1)
+    return [high - layer * step + window for layer in range(num_layers)]
+
+
+def headkv_capacities(importance: torch.Tensor, budget: int, beta: float = 1.01) -> torch.Tensor:
+    """HeadKV (Fu et al., 2024): per-head budgets ``[L, H]`` from head importance.
+
+    ``importance`` ``[L, H]`` is normalised to sum to 1 over every head of the model;
+    ``cap = round(s·⌊B/β⌋·L·H + (B − ⌊B/β⌋))``: each head keeps a small base share and the
+    pooled ``⌊B/β⌋·L·H`` entries are split by importance (DESIGN §3, ``β = 1.01``).
+    """
+    layers, heads = importance.shape
+    pooled = math.floor(budget / beta)
+    share = importance.double() / importance.double().sum()
+    return torch.round(share * pooled * layers * heads + (budget - pooled)).long()
+
+
+def load_head_profile(
+    profile: str | Path | Mapping[str, Sequence[float]], num_layers: int, num_query_heads: int, num_kv_heads: int
+) -> torch.Tensor:
+    """Head importance ``[L, Hkv]`` from a profile (a JSON file or a mapping ``"layer-head"``
+    → list of scores, as HeadKV's retrieval-head files): the mean score of each query
+    head, then the mean over each KV head's group (GQA)."""
+    if not isinstance(profile, Mapping):
+        path = Path(profile)
+        if not path.is_file():
+            raise ValueError(f"head profile {str(path)!r} does not exist; compute one with `kvevict analyze heads`")
+        data = json.loads(path.read_text())
+        profile = data.get("heads", data)  # kvevict's files wrap the mapping; HeadKV's are the bare mapping
+    scores = torch.zeros(num_layers, num_query_heads, dtype=torch.float64)
+    missing = []
+    for layer in range(num_layers):
+        for head in range(num_query_heads):
+            values = profile.get(f"{layer}-{head}")
+            if not values:
+                missing.append(f"{layer}-{head}")
+                continue
+            scores[layer, head] = sum(values) / len(values)
+    if missing:
+        raise ValueError(
+            f"head profile does not cover this model ({num_layers} layers × {num_query_heads} heads): missing "
+            f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}; compute one with `kvevict analyze heads`"
+        )
+    group = num_query_heads // num_kv_heads
+    return scores.view(num_layers, num_kv_heads, group).mean(dim=-1)

@@ -1,6 +1,11 @@
-import pytest
+import json
 
-from kvevict.budgets import Budget
+import pytest
+import torch
+
+from kvevict.budgets import Budget, adakv_counts, headkv_capacities, load_head_profile, pyramid_budgets
+
+INF = float("inf")
 
 
 def test_tokens_and_fraction() -> None:
@@ -23,3 +28,57 @@ def test_tokens_and_fraction() -> None:
 def test_bad_budgets_say_what_is_allowed(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Budget(**kwargs)
+
+
+def test_adakv_splits_the_layer_budget_by_the_top_scores_of_all_heads() -> None:
+    # budget 4, one protected entry per head: B' = 3 per head, 6 slots; safeguard 0.34 -> 1 each
+    scores = torch.tensor([[[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, INF], [0.07, 0.06, 0.05, 0.04, 0.03, 0.02, 0.01, INF]]])
+    assert adakv_counts(scores, 4, safeguard=0.0).tolist() == [[7, 1]]  # head 0 wins all 6 slots, +1 protected
+    # safeguard: head 1 keeps its own top ⌊0.34·3⌋ = 1; the other 5 slots go to head 0
+    assert adakv_counts(scores, 4, safeguard=0.34).tolist() == [[6, 2]]
+    assert adakv_counts(scores, 4, safeguard=1.0).tolist() == [[4, 4]]  # a full safeguard is uniform
+
+
+def test_adakv_budgets_sum_to_the_layers_total_and_skip_padding() -> None:
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.rand(1, 3, 50, generator=generator)
+    scores[..., -8:] = INF  # recent window
+    scores[0, 2, :10] = -INF  # padding: head 2 holds 40 entries
+    counts = adakv_counts(scores, 20, safeguard=0.2)
+    assert int(counts.sum()) == 3 * 20
+    assert bool((counts >= 8 + 2).all())  # window + ⌊0.2·12⌋
+    assert int(counts[0, 2]) <= 40
+    # fewer entries than the layer's budget: everything is kept
+    assert adakv_counts(scores[..., :12], 20).tolist() == [[12, 12, 2]]
+
+
+@pytest.mark.parametrize(
+    ("budget", "window", "length", "layers", "expected"),
+    [
+        # B' = 32: min = 1, max = 63, step = ⌊62/3⌋ = 20
+        (64, 32, 1000, 4, [95, 75, 55, 35]),
+        # max = 2·96 − 4 = 188 >= 150 − 32 = 118: max = 118, min = 192 − 118 = 74, step = ⌊44/2⌋ = 22
+        (128, 32, 150, 3, [150, 128, 106]),
+    ],
+)
+def test_pyramid_schedule_follows_the_formula(budget, window, length, layers, expected) -> None:
+    assert pyramid_budgets(budget, window, length, layers) == expected
+
+
+def test_headkv_capacities_follow_the_formula() -> None:
+    importance = torch.tensor([[1.0, 2.0], [3.0, 4.0]])  # s = .1 .2 .3 .4
+    # ⌊100/1.01⌋ = 99: cap = round(s·99·4 + 1) = round(40.6, 80.2, 119.8, 159.4)
+    assert headkv_capacities(importance, 100).tolist() == [[41, 80], [120, 159]]
+
+
+def test_head_profile_is_the_group_mean_of_each_query_heads_mean(tmp_path) -> None:
+    heads = {f"{layer}-{head}": [float(layer * 4 + head), 1.0] for layer in range(2) for head in range(4)}
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"model": {}, "heads": heads}))
+    importance = load_head_profile(path, num_layers=2, num_query_heads=4, num_kv_heads=2)
+    # query head means: (x + 1)/2 for x = 0..7; KV head = mean of 2 query heads
+    assert importance.tolist() == [[0.75, 1.75], [2.75, 3.75]]
+    with pytest.raises(ValueError, match="does not cover this model"):
+        load_head_profile(heads, num_layers=3, num_query_heads=4, num_kv_heads=2)
+    with pytest.raises(ValueError, match="kvevict analyze heads"):
+        load_head_profile(tmp_path / "missing.json", 2, 4, 2)

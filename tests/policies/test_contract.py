@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 import kvevict
-from tests.conftest import greedy, prompt, reference_logits, tiny_model
+from tests.conftest import build_policy, greedy, prompt, reference_logits, tiny_model
 
 POLICIES = kvevict.list_policies()
 EVICTING = [name for name in POLICIES if name != "full"]
@@ -21,7 +21,7 @@ def test_budget_at_least_length_is_identical_to_no_eviction(policy: str, attn: s
     ids = prompt(PROMPT)
     expected, expected_logits = greedy(model, ids, DynamicCache())
     budget = None if policy == "full" else PROMPT + 16
-    cache = kvevict.EvictionCache(model, policy, budget=budget)
+    cache = kvevict.EvictionCache(model, build_policy(policy), budget=budget)
     sequences, logits = greedy(model, ids, cache, new_tokens=8)
     assert torch.equal(sequences, expected)
     assert torch.equal(logits, expected_logits)
@@ -32,9 +32,11 @@ def test_budget_at_least_length_is_identical_to_no_eviction(policy: str, attn: s
 @pytest.mark.parametrize("policy", EVICTING)
 def test_eviction_matches_attention_over_the_retained_entries(policy: str, attn: str, interval: int) -> None:
     model = tiny_model(attn=attn)
-    cache = kvevict.EvictionCache(model, policy, budget=BUDGET, interval=interval)
+    cache = kvevict.EvictionCache(model, build_policy(policy), budget=BUDGET, interval=interval)
     sequences, _ = greedy(model, prompt(PROMPT), cache, new_tokens=7)
-    assert max(cache.layer_lengths()) <= BUDGET + 6  # evicted for real
+    held = sum(int(layer.head_lengths().sum()) for layer in cache.eviction_layers)
+    # evicted for real: layers × KV heads × (budget + new tokens), + 1 per head for HeadKV's rounding
+    assert held <= 2 * 2 * (BUDGET + 6 + 1)
     token = sequences[:, -1:]
     expected = reference_logits(model, cache, token)
     with torch.no_grad():
@@ -45,7 +47,7 @@ def test_eviction_matches_attention_over_the_retained_entries(policy: str, attn:
 @pytest.mark.parametrize("policy", EVICTING)
 def test_absolute_positions_survive_eviction(policy: str) -> None:
     model = tiny_model()
-    cache = kvevict.EvictionCache(model, policy, budget=BUDGET)
+    cache = kvevict.EvictionCache(model, build_policy(policy), budget=BUDGET)
     sequences, _ = greedy(model, prompt(PROMPT), cache, new_tokens=6)
     full = DynamicCache()
     with torch.no_grad():
@@ -53,7 +55,9 @@ def test_absolute_positions_survive_eviction(policy: str) -> None:
     for idx, (layer, reference) in enumerate(zip(cache.layers, full.layers)):
         assert layer.get_seq_length() == sequences.shape[1] - 1
         positions = layer.positions
-        assert torch.all(positions[..., 1:] > positions[..., :-1])  # sorted, unique per head
+        valid = layer.valid if layer.valid is not None else torch.ones_like(positions, dtype=torch.bool)
+        for head, held in zip(positions[0], valid[0]):  # sorted, unique per head (padding aside)
+            assert torch.all(head[held][1:] > head[held][:-1])
         # Layer 0 keys depend only on token and position; deeper keys of decode tokens also
         # depend on earlier evictions, so only the prompt entries (prefilled in full) compare.
         comparable = torch.ones_like(positions, dtype=torch.bool) if idx == 0 else positions < PROMPT
@@ -66,7 +70,7 @@ def test_absolute_positions_survive_eviction(policy: str) -> None:
 @pytest.mark.parametrize("policy", EVICTING)
 def test_half_precision_generation_stays_finite(policy: str, dtype: torch.dtype) -> None:
     model = tiny_model(dtype=dtype)
-    cache = kvevict.EvictionCache(model, policy, budget=BUDGET)
+    cache = kvevict.EvictionCache(model, build_policy(policy), budget=BUDGET)
     _, logits = greedy(model, prompt(PROMPT), cache, new_tokens=6)
     assert torch.isfinite(logits).all()
     assert all(

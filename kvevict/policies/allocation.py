@@ -1,0 +1,165 @@
+"""Budget allocators as policy wrappers: ``adakv+X``, ``pyramidkv+X``, ``headkv+X``.
+
+Each wraps any scoring policy ``X`` and changes only how many entries each KV head keeps
+(:meth:`~kvevict.policies.base.Policy.allocate`); the scores, protected entries and
+per-token state stay ``X``'s. Heads that keep different numbers are padded to the longest
+head of their layer with a validity mask (``EvictionLayer.valid``), so attention and
+later selections see exactly the real entries; ``EvictionCache.layer_bytes()`` reports
+the bytes allocated and the bytes of real entries per layer. The allocation math is in
+:mod:`kvevict.budgets`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvevict.budgets import adakv_counts, headkv_capacities, load_head_profile, pyramid_budgets
+from kvevict.policies.base import Policy, Wrapper
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from kvevict.cache import EvictionLayer
+
+
+def _protected_count(scores: torch.Tensor) -> int:
+    """Entries a head must keep (sinks + recent window), as the scores mark them (+inf)."""
+    return int(torch.isposinf(scores).sum(dim=-1).max())
+
+
+class AdaKV(Wrapper):
+    """AdaKV (Feng et al., 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget
+    Allocation"): within each layer, the heads share ``H × budget`` entries by the top
+    scores of all heads flattened; each head keeps at least ``⌊safeguard·B'⌋`` of its own
+    (``B' = budget − window``, ``safeguard = 0.2``, DESIGN §3)."""
+
+    prefix = "adakv"
+    summary = "head-adaptive budgets within each layer (AdaKV, safeguard 0.2) over any scorer"
+
+    def __init__(self, inner: Policy, *, safeguard: float = 0.2):
+        if not 0 <= safeguard <= 1:
+            raise ValueError(
+                f"adakv: safeguard must be in [0, 1] (share of a head's budget it always keeps), got {safeguard}"
+            )
+        super().__init__(inner)
+        self.safeguard = safeguard
+
+    def allocate(self, layer: EvictionLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        return adakv_counts(scores, budget, self.safeguard)
+
+
+class PyramidKV(Wrapper):
+    """PyramidKV (Cai et al., 2024, "PyramidKV: Dynamic KV Cache Compression based on
+    Pyramidal Information Funneling"): per-layer budgets decreasing linearly with depth
+    (``β = 20``, DESIGN §3), each head of a layer keeping its layer's budget. ``pyramidkv``
+    alone is ``pyramidkv+snapkv``."""
+
+    prefix = "pyramidkv"
+    summary = "per-layer budgets shrinking with depth (PyramidKV, β = 20); alone: over snapkv"
+
+    def __init__(self, inner: Policy, *, beta: int = 20):
+        if beta < 1:
+            raise ValueError(f"pyramidkv: beta must be >= 1, got {beta}")
+        super().__init__(inner)
+        self.beta = beta
+        self._num_layers = 0
+
+    def bind(self, config: PretrainedConfig) -> None:
+        super().bind(config)
+        self._num_layers = config.num_hidden_layers
+
+    def layer_budget(self, layer: EvictionLayer, scores: torch.Tensor, budget: int) -> int:
+        window = _protected_count(scores)
+        schedule = pyramid_budgets(budget, window, layer.length, self._num_layers, self.beta)
+        return schedule[layer.layer_idx]
+
+    def allocate(self, layer: EvictionLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        return layer.head_lengths().clamp(max=max(self.layer_budget(layer, scores, budget), 0))
+
+
+PROFILES = "profiles"
+"""Package directory of bundled head profiles (one JSON per model, see ``kvevict analyze heads``)."""
+
+
+def model_fingerprint(config: PretrainedConfig) -> dict[str, object]:
+    """What identifies a model's attention layout for a head profile."""
+    return {
+        "model_type": config.model_type,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+    }
+
+
+def bundled_profile(config: PretrainedConfig) -> Path | None:
+    """The bundled head profile computed for this model, if any."""
+    fingerprint = model_fingerprint(config)
+    directory = resources.files("kvevict").joinpath(PROFILES)
+    if not directory.is_dir():
+        return None
+    for entry in directory.iterdir():
+        if entry.name.endswith(".json") and json.loads(entry.read_text()).get("model") == fingerprint:
+            return Path(str(entry))
+    return None
+
+
+class HeadKV(Wrapper):
+    """HeadKV (Fu et al., 2024, "Not All Heads Matter: A Head-Level KV Cache Compression
+    Method"): per-head budgets across the whole model from an offline head-importance
+    profile, ``cap = round(s·⌊B/β⌋·L·H + (B − ⌊B/β⌋))`` with ``β = 1.01`` (DESIGN §3).
+
+    ``profile``: a JSON file or mapping ``"layer-head"`` → scores (retrieval-head style,
+    computed by ``kvevict analyze heads``); default: the profile bundled for the model
+    (SmolLM2-135M-Instruct ships one). A head never keeps fewer than its protected entries.
+    ``headkv`` alone is ``headkv+snapkv``.
+    """
+
+    prefix = "headkv"
+    summary = "per-head budgets from an offline retrieval-head profile (HeadKV, β = 1.01); alone: over snapkv"
+
+    def __init__(
+        self, inner: Policy, *, profile: str | Path | Mapping[str, Sequence[float]] | None = None, beta: float = 1.01
+    ):
+        if beta <= 1:
+            raise ValueError(
+                f"headkv: beta must be > 1 (share of the budget pooled across heads is 1/beta), got {beta}"
+            )
+        super().__init__(inner)
+        self.profile = profile
+        self.beta = beta
+        self._importance: torch.Tensor | None = None
+
+    def params(self) -> dict[str, object]:
+        params = super().params()
+        if isinstance(self.profile, Mapping):
+            params["profile"] = "<mapping>"
+        elif self.profile is not None:
+            params["profile"] = str(self.profile)
+        return params
+
+    def bind(self, config: PretrainedConfig) -> None:
+        super().bind(config)
+        profile = self.profile if self.profile is not None else bundled_profile(config)
+        if profile is None:
+            raise ValueError(
+                "headkv needs a head profile for this model: compute one with `kvevict analyze heads --model M "
+                "--out profile.json` and pass make_policy('headkv', headkv={'profile': 'profile.json'})"
+            )
+        self._importance = load_head_profile(
+            profile, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
+        )
+
+    def allocate(self, layer: EvictionLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        if self._importance is None:
+            raise RuntimeError("headkv is not bound to a model: use it through an EvictionCache")
+        capacity = headkv_capacities(self._importance, budget, self.beta)[layer.layer_idx].to(scores.device)
+        protected = torch.isposinf(scores).sum(dim=-1)
+        return torch.minimum(torch.maximum(capacity, protected), layer.head_lengths())

@@ -1,0 +1,82 @@
+"""Budget allocators over any scorer: real per-head / per-layer memory, correct attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvevict
+from kvevict.budgets import pyramid_budgets
+from tests.conftest import build_policy, greedy, prompt, reference_logits, tiny_head_profile, tiny_model
+
+
+@pytest.mark.parametrize("policy", ["adakv+snapkv", "adakv+knorm", "headkv"])
+def test_heads_keep_different_numbers_and_memory_shrinks(policy: str, attn: str) -> None:
+    model = tiny_model(attn=attn)
+    cache = kvevict.EvictionCache(model, build_policy(policy), budget=40)
+    sequences, _ = greedy(model, prompt(160), cache, new_tokens=4)
+    lengths = [layer.head_lengths()[0].tolist() for layer in cache.eviction_layers]
+    assert any(len(set(heads)) > 1 for heads in lengths)  # head-wise budgets for real
+    for layer, heads in zip(cache.eviction_layers, lengths):
+        assert layer.length == max(heads)  # padded to the longest head only
+    allocated, real = zip(*cache.layer_bytes())
+    per_entry = 2 * 16 * 4  # key + value, head_dim 16, fp32
+    assert sum(real) == per_entry * sum(sum(heads) for heads in lengths)
+    assert sum(real) <= sum(allocated) < per_entry * 2 * 2 * 163  # well under the full cache
+    token = sequences[:, -1:]
+    expected = reference_logits(model, cache, token)  # the masked reference
+    with torch.no_grad():
+        logits = model(input_ids=token, past_key_values=cache).logits[:, -1]
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+
+
+def test_adakv_keeps_the_layers_total_budget() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "adakv+snapkv", budget=48)
+    with torch.no_grad():
+        model(input_ids=prompt(160), past_key_values=cache)
+    for layer in cache.eviction_layers:
+        assert int(layer.head_lengths().sum()) == 2 * 48
+        assert bool((layer.head_lengths() >= 32 + int(0.2 * 16)).all())  # window + safeguard
+
+
+def test_pyramid_layers_keep_the_schedule() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "pyramidkv", budget=48)
+    with torch.no_grad():
+        model(input_ids=prompt(160), past_key_values=cache)
+    # B' = 16: min = 0, max = 32, step = 32: layer 0 keeps 64, layer 1 keeps 32
+    assert cache.layer_lengths() == pyramid_budgets(48, 32, 160, num_layers=2) == [64, 32]
+
+
+def test_headkv_uses_its_profile_and_needs_one() -> None:
+    model = tiny_model()
+    profile = tiny_head_profile()
+    cache = kvevict.EvictionCache(model, kvevict.make_policy("headkv", headkv={"profile": profile}), budget=48)
+    with torch.no_grad():
+        model(input_ids=prompt(160), past_key_values=cache)
+    importance = torch.tensor([[sum(profile[f"{layer}-{head}"]) for head in range(4)] for layer in range(2)])
+    kv_importance = importance.view(2, 2, 2).mean(dim=-1)
+    lengths = torch.stack([layer.head_lengths()[0] for layer in cache.eviction_layers])
+    assert torch.equal(lengths.flatten().argsort(), kv_importance.flatten().argsort())  # more important, more kept
+    with pytest.raises(ValueError, match="kvevict analyze heads"):
+        kvevict.EvictionCache(model, "headkv", budget=48)  # no profile bundled for a tiny model
+
+
+def test_flash_kernels_refuse_head_wise_budgets() -> None:
+    from kvevict.attention import _layer_mask
+
+    query, keys = torch.zeros(1, 4, 1, 8), torch.zeros(1, 2, 5, 8)
+    valid = torch.tensor([[[True] * 5, [True] * 3 + [False] * 2]])
+    with pytest.raises(ValueError, match="sdpa"):
+        _layer_mask("flash_attention_2", None, query, keys, valid)
+
+
+def test_composition_errors_name_what_is_allowed() -> None:
+    with pytest.raises(ValueError, match="wrappers .*critical"):
+        kvevict.make_policy("nonsense+snapkv")
+    with pytest.raises(ValueError, match="safeguard"):
+        kvevict.make_policy("adakv+snapkv", adakv={"safeguard": 2})
+    policy = kvevict.make_policy("critical+adakv+snapkv", critical={"alpha": 0.0}, window=16)
+    assert policy.name == "critical+adakv+snapkv" and policy.alpha == 0.0 and policy.window == 16
+    assert kvevict.make_policy("pyramidkv").name == "pyramidkv+snapkv"

@@ -1,0 +1,85 @@
+"""CriticalKV: two-stage selection and the ‖V W_O‖₁ signal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvevict
+from kvevict.attention import projected_value_norms
+from kvevict.policies.critical import VALUE_NORM, critical_keep
+from tests.conftest import prompt, tiny_model
+
+INF = float("inf")
+
+
+def test_two_stages_by_hand() -> None:
+    scores = torch.tensor([[[0.50, 0.30, 0.10, 0.06, 0.04, INF]]])
+    norms = torch.tensor([[[1.0, 1.0, 1.0, 10.0, 1.0, 1.0]]])
+    # budget 5 = 1 protected + 4 free: stage 1 keeps ⌊0.5·4⌋ = 2 by score (0, 1); stage 2 ranks
+    # (s + 1e-4)·‖vW‖: 0.1001, 0.6001, 0.0401 -> entry 3 and entry 2
+    kept = critical_keep(scores, norms, torch.tensor([[5]]), alpha=0.5)
+    assert kept[0, 0].tolist() == [True, True, True, True, False, True]
+    # stage 2 only: 0.5001, 0.3001, 0.1001, 0.6001 lead -> entry 2 beats... (0, 1, 3, then 2)
+    assert critical_keep(scores, norms, torch.tensor([[4]]), alpha=0.0)[0, 0].tolist() == [
+        True,
+        True,
+        False,
+        True,
+        False,
+        True,
+    ]
+
+
+def test_stage_one_entries_always_survive() -> None:
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.rand(2, 3, 80, generator=generator)
+    norms = torch.rand(2, 3, 80, generator=generator) * 100
+    counts = torch.tensor([[10, 20, 30], [5, 40, 79]])
+    kept = critical_keep(scores, norms, counts, alpha=0.5)
+    assert torch.equal(kept.sum(dim=-1), counts)
+    for b in range(2):
+        for h in range(3):
+            stage1 = scores[b, h].topk(int(counts[b, h]) // 2).indices
+            assert kept[b, h, stage1].all()
+
+
+def test_value_norms_equal_a_brute_force_projection() -> None:
+    generator = torch.Generator().manual_seed(0)
+    values = torch.randn(1, 2, 7, 8, generator=generator)
+    weight = torch.randn(24, 4 * 8, generator=generator)  # hidden 24, 4 query heads of 8
+    expected = torch.zeros(1, 2, 7)
+    for head in range(4):
+        projected = values[:, head // 2] @ weight[:, head * 8 : (head + 1) * 8].T  # [1, 7, 24]
+        expected[:, head // 2] += projected.abs().sum(dim=-1) / 2
+    torch.testing.assert_close(projected_value_norms(values, weight, 4), expected)
+
+
+@pytest.mark.parametrize("policy", ["critical+snapkv", "critical+h2o"])
+def test_every_entry_carries_its_value_norm(policy: str) -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, policy, budget=1000)
+    with torch.no_grad():
+        model(input_ids=prompt(50), past_key_values=cache)
+        model(input_ids=torch.tensor([[5]]), past_key_values=cache)
+    for layer, block in zip(cache.eviction_layers, model.model.layers):
+        expected = projected_value_norms(layer.values, block.self_attn.o_proj.weight, 4)
+        norms = layer.state[VALUE_NORM]
+        if policy == "critical+snapkv":  # prefill-only: decode entries are never evicted, no norm needed
+            norms, expected = norms[..., :50], expected[..., :50]
+        torch.testing.assert_close(norms, expected)
+
+
+def test_critical_keeps_what_the_base_score_ranks_first() -> None:
+    """Against the base policy at the same budget: the stage-1 half of each head is shared."""
+    model = tiny_model()
+    ids = prompt(160)
+    caches = {name: kvevict.EvictionCache(model, name, budget=64) for name in ("snapkv", "critical+snapkv")}
+    with torch.no_grad():
+        for cache in caches.values():
+            model(input_ids=ids, past_key_values=cache)
+    for base, critical in zip(caches["snapkv"].eviction_layers, caches["critical+snapkv"].eviction_layers):
+        for head in range(2):
+            shared = set(base.positions[0, head].tolist()) & set(critical.positions[0, head].tolist())
+            assert len(shared) >= 32 + 16  # window + ⌊0.5·32⌋
+        assert not torch.equal(base.positions, critical.positions)  # the value norms changed the rest
