@@ -129,7 +129,43 @@ def _recurrence_parser(analyses: argparse._SubParsersAction) -> None:
     recurrence.set_defaults(run=_analyze_recurrence)
 
 
-ANALYSES = (_recurrence_parser,)
+def _heads_parser(analyses: argparse._SubParsersAction) -> None:
+    heads = analyses.add_parser(
+        "heads",
+        help="a retrieval-head profile of a model (the head importance HeadKV allocates budgets by)",
+        description="Teacher-force the copy of a needle from offline essay haystacks and score each query head by "
+        "how often its strongest attention lands on the token being copied (retrieval heads, Wu et al. 2024). "
+        "Writes the profile JSON that `make_policy('headkv', headkv={'profile': PATH})` loads.",
+    )
+    heads.add_argument("--out", type=Path, required=True, help="where to write the profile JSON")
+    heads.add_argument("--samples", type=int, default=8, help="haystacks (default: 8)")
+    heads.add_argument("--length", type=int, default=1024, help="haystack prompt length in tokens (default: 1024)")
+    heads.add_argument("--seed", type=int, default=0, help="seed of the haystacks (default: 0)")
+    heads.add_argument("--plot", type=Path, default=None, help="draw the layer x head heatmap into this PNG")
+    _model_args(heads)
+    heads.set_defaults(run=_analyze_heads)
+
+
+def _perturbation_parser(analyses: argparse._SubParsersAction) -> None:
+    perturbation = analyses.add_parser(
+        "perturbation",
+        help="per-head attention-output perturbation of two policies against full attention (CriticalKV Figs. 4-6)",
+        description="Compress offline RULER prompts (query-aware) under each policy, run the first decoded token and "
+        "measure, per layer and query head, the L1 distance of the attention output from the full cache's (and of "
+        "the final hidden state); report the share of heads where the second policy perturbs less than the first.",
+    )
+    perturbation.add_argument("--policies", type=_names, required=True, help="two policies: BASELINE,CANDIDATE")
+    perturbation.add_argument("--budget", type=int, required=True, help="tokens per KV head per layer")
+    perturbation.add_argument("--samples", type=int, default=8, help="prompts (default: 8)")
+    perturbation.add_argument("--length", type=int, default=1024, help="prompt length in tokens (default: 1024)")
+    perturbation.add_argument("--seed", type=int, default=0, help="seed of the prompts (default: 0)")
+    perturbation.add_argument("--out", type=Path, default=None, help="write OUT/perturbation.json")
+    perturbation.add_argument("--plot", type=Path, default=None, help="draw per-layer and per-head plots into this PNG")
+    _model_args(perturbation)
+    perturbation.set_defaults(run=_analyze_perturbation)
+
+
+ANALYSES = (_recurrence_parser, _heads_parser, _perturbation_parser)
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -277,6 +313,44 @@ def _analyze_recurrence(args: argparse.Namespace) -> int:
             run.values(), args.plot, overall.suggested_window, title=f"MRI, {args.model} ({args.prompt_set})"
         )
         print(f"plot: {plot}", file=sys.stderr)
+    return 0
+
+
+def _analyze_heads(args: argparse.Namespace) -> int:
+    from kvevict import load_model
+    from kvevict.analysis import heads as analysis
+
+    if args.samples < 1 or args.length < 64:
+        raise ValueError("--samples must be >= 1 and --length >= 64")
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    profile = analysis.head_profile(model, tokenizer, samples=args.samples, length=args.length, seed=args.seed)
+    print(f"profile: {analysis.write_profile(profile, args.out)}", file=sys.stderr)
+    print(analysis.format_profile(profile))
+    if args.plot:
+        print(f"plot: {analysis.plot_profile(profile, args.plot)}", file=sys.stderr)
+    return 0
+
+
+def _analyze_perturbation(args: argparse.Namespace) -> int:
+    from kvevict import load_model, make_policy
+    from kvevict.analysis import perturbation as analysis
+
+    if len(args.policies) != 2:
+        raise ValueError(f"--policies takes two policies, BASELINE,CANDIDATE; got {','.join(args.policies)}")
+    for name in args.policies:  # bad input fails before the model loads
+        make_policy(name).check_budget(args.budget)
+    if args.samples < 1:
+        raise ValueError("--samples must be >= 1")
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    result = analysis.run_perturbation(
+        model, tokenizer, list(args.policies), args.budget, samples=args.samples, length=args.length, seed=args.seed
+    )
+    comparison = analysis.compare(result, *args.policies)
+    if args.out:
+        print(f"result: {analysis.write_result(result, comparison, args.out)}", file=sys.stderr)
+    print(analysis.format_comparison(comparison))
+    if args.plot:
+        print(f"plot: {analysis.plot_comparison(result, comparison, args.plot)}", file=sys.stderr)
     return 0
 
 

@@ -7,14 +7,17 @@ from kvevict.cli import main
 def test_policies_lists_name_and_summary(capsys) -> None:
     assert main(["policies"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[0] for line in lines] == kvevict.list_policies()
+    wrappers = [f"{prefix}+<policy>" for prefix in kvevict.policies.WRAPPERS]
+    assert [line.split()[0] for line in lines] == kvevict.list_policies() + wrappers
     assert all(len(line.split()) > 2 for line in lines)
 
 
-@pytest.mark.parametrize("command", ["generate", "policies", "demo", "tasks", "bench", "report"])
+@pytest.mark.parametrize(
+    "command", ["generate", "policies", "demo", "tasks", "bench", "report", "analyze heads", "analyze perturbation"]
+)
 def test_help_for_every_command(command: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        main([command, "--help"])
+        main([*command.split(), "--help"])
     assert exit_info.value.code == 0 and f"usage: kvevict {command}" in capsys.readouterr().out
 
 
@@ -30,6 +33,9 @@ def test_help_everywhere(argv, capsys) -> None:
     [
         (["generate", "--policy", "h2oo", "--budget", "64", "hi"], "unknown policy 'h2oo'; known policies: full"),
         (["generate", "--policy", "snapkv", "--budget", "8", "hi"], "budget 8 is smaller than snapkv's"),
+        (["analyze", "perturbation", "--policies", "snapkv", "--budget", "64"], "takes two policies"),
+        (["analyze", "perturbation", "--policies", "snapkv,critical+snapkvv", "--budget", "64"], "unknown policy"),
+        (["analyze", "perturbation", "--policies", "snapkv,critical+snapkv", "--budget", "16"], "smaller than"),
     ],
 )
 def test_bad_input_exits_2_with_a_message_before_loading(argv, message: str, capsys) -> None:
