@@ -192,7 +192,7 @@ class BenchRunner:
                 prefill_seconds = _timed(prefill, self.model, prompt.ids[:, :-1], cache)
             else:
                 cache, prefill_seconds = copy.deepcopy(shared), shared_seconds
-            kv_prefill = cache.kv_bytes()
+            kv_prefill, kv_layers = cache.kv_bytes(), cache.layer_bytes()
             with_reference = self.config.fidelity or task.scored_by_fidelity
             fidelity = None
             if with_reference and setting.policy != "full":
@@ -230,6 +230,7 @@ class BenchRunner:
                 "context_tokens": prompt.head.shape[-1],
                 "new_tokens": fidelity["tokens"] if new_ids is None else int(new_ids.numel()),
                 "kv_bytes_prefill": kv_prefill,
+                "kv_bytes_prefill_by_layer": kv_layers,  # (allocated, real entries): differ for head-wise budgets
                 "kv_bytes_final": cache.kv_bytes(),
                 "retained_tokens": max(cache.layer_lengths()),
                 "decode_peak_tokens": cache.decode_peak(),

@@ -168,6 +168,7 @@ def test_query_aware_compresses_the_question_too(tmp_path, model, tokenizer) -> 
     for record in store:
         assert record["query_aware"] and record["shared_prefill"] == 1
         assert record["kv_bytes_prefill"] == 2 * 2 * 2 * 16 * 4 * 40
+        assert record["kv_bytes_prefill_by_layer"] == [[2 * 2 * 16 * 4 * 40] * 2] * 2  # (allocated, real) per layer
 
 
 @pytest.mark.parametrize(
