@@ -153,6 +153,8 @@ class EvictionLayer(DynamicLayer):
 
     def keep(self, indices: torch.Tensor) -> None:
         """Retain only ``indices`` ``[B, Hkv, k]`` (ascending) of every KV head."""
+        evicted = torch.ones(self.positions.shape, dtype=torch.bool, device=self.device).scatter_(-1, indices, False)
+        self.policy.on_evict(self, evicted)
         self.keys = _gather(self.keys, indices)
         self.values = _gather(self.values, indices)
         self.positions = _gather(self.positions, indices)

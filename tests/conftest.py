@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from transformers import (
+    AttentionInterface,
     AutoModelForCausalLM,
     DynamicCache,
     LlamaConfig,
@@ -13,6 +16,7 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 VOCAB = 96
 COMMON = {
@@ -70,13 +74,53 @@ def greedy(model: PreTrainedModel, ids: torch.Tensor, cache=None, new_tokens: in
 
 def reference_logits(model: PreTrainedModel, cache, token: torch.Tensor) -> torch.Tensor:
     """Next-token logits recomputed by the model over exactly the entries ``cache`` retained,
-    held in a plain transformers DynamicCache, at the token's absolute position."""
+    held in a plain transformers DynamicCache, at the token's absolute position. For a policy
+    that corrects its attention output (MomentKV's NC), attention is the brute-force
+    :func:`nc_reference_attention` over those entries and the layer's moment statistics."""
     reference = DynamicCache()
     for idx, layer in enumerate(cache.layers):
         reference.update(layer.keys.clone(), layer.values.clone(), idx)
     position = torch.tensor([[cache.get_seq_length()]])
-    with torch.no_grad():
-        return model(input_ids=token, position_ids=position, past_key_values=reference).logits[:, -1]
+    original = model.config._attn_implementation
+    if cache.policy.corrects_output:
+        stats = [getattr(layer, "memo", {}).get("moments") for layer in cache.layers]
+        AttentionInterface.register(NC_REFERENCE, partial(nc_reference_attention, stats))
+        AttentionMaskInterface.register(NC_REFERENCE, sdpa_mask)
+        model.set_attn_implementation(NC_REFERENCE)
+    try:
+        with torch.no_grad():
+            return model(input_ids=token, position_ids=position, past_key_values=reference).logits[:, -1]
+    finally:
+        model.set_attn_implementation(original)
+
+
+NC_REFERENCE = "kvevict_test_nc_reference"
+
+
+def nc_reference_attention(stats, module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """One query over every given entry in float64, mixed with MomentKV's estimate of the
+    evicted output written out directly (Algorithm 1, lines 20-25): ``Z_R = Σ exp(s)``,
+    ``Ẑ_E = n_e exp(q·k̄/√d)``, ``f̂_E = v̄ + S̃ q/(n_e √d)``, ``w_R = Z_R / (Z_R + Ẑ_E)``."""
+    assert query.shape[2] == 1, "the reference attends one new token"
+    group = query.shape[1] // key.shape[1]
+    q = query.double()
+    k, v = key.double().repeat_interleave(group, 1), value.double().repeat_interleave(group, 1)
+    weights = torch.exp(q @ k.transpose(-1, -2) * scaling)  # [B, Hq, 1, n]
+    z_r = weights.sum(-1, keepdim=True)
+    output = weights @ v / z_r
+    moments = stats[module.layer_idx]
+    if moments is not None and moments.count.any():
+        n_e = moments.count.double().repeat_interleave(group, 1)[..., None, None]
+        s_k, s_v = (x.double().repeat_interleave(group, 1)[:, :, None] for x in (moments.key_sum, moments.value_sum))
+        k_bar, v_bar = s_k / n_e, s_v / n_e
+        z_e = n_e * torch.exp(q @ k_bar.transpose(-1, -2) * scaling)
+        f_e = v_bar
+        if moments.outer is not None:
+            s_tilde = moments.outer.double().repeat_interleave(group, 1) - s_v.transpose(-1, -2) @ s_k / n_e
+            f_e = f_e + q @ s_tilde.transpose(-1, -2) * scaling / n_e
+        w_r = z_r / (z_r + z_e)
+        output = torch.where(n_e > 0, w_r * output + (1 - w_r) * f_e, output)
+    return output.transpose(1, 2).to(query.dtype), None
 
 
 @pytest.fixture(params=["sdpa", "eager"])

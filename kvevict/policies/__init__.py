@@ -9,14 +9,19 @@ from __future__ import annotations
 from kvevict.policies.base import Policy, Requirements, Signals, group_reduce
 from kvevict.policies.h2o import H2O
 from kvevict.policies.lazyeviction import LazyEviction
+from kvevict.policies.momentkv import MomentKV, MomentNC
 from kvevict.policies.raas import RaaS
 from kvevict.policies.rkv import RKV
 from kvevict.policies.simple import Full, KNorm, Random, StreamingLLM
 from kvevict.policies.snapkv import SnapKV
 from kvevict.policies.tova import TOVA
+from kvevict.policies.wrapper import PolicyWrapper
 
 _CLASSES: tuple[type[Policy], ...] = (Full, Random, KNorm, StreamingLLM, TOVA, H2O, SnapKV, LazyEviction, RaaS, RKV)
+_CLASSES += (MomentKV,)
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in _CLASSES}
+WRAPPERS: dict[str, type[PolicyWrapper]] = {cls.prefix: cls for cls in (MomentNC,)}
+"""Wrappers built by name as ``"<prefix>+<policy>"``."""
 
 
 def list_policies() -> list[str]:
@@ -30,11 +35,21 @@ def describe_policies() -> list[tuple[str, str]]:
 
 
 def make_policy(name: str, **params: object) -> Policy:
-    """Build a registered policy by name, e.g. ``make_policy("snapkv", window=16)``."""
+    """Build a registered policy by name, e.g. ``make_policy("snapkv", window=16)``, or a
+    wrapped one, e.g. ``make_policy("moment-nc+h2o", order=0, sinks=2)`` (the wrapper's own
+    parameters go to the wrapper, the rest to the inner policy)."""
+    prefix, plus, inner = name.partition("+")
+    if plus and prefix in WRAPPERS:
+        wrapper = WRAPPERS[prefix]
+        own = {key: params.pop(key) for key in wrapper.own_params if key in params}
+        return wrapper(make_policy(inner, **params), **own)
     try:
         cls = POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}") from None
+        wrappers = ", ".join(f"{prefix}+<policy>" for prefix in WRAPPERS)
+        raise ValueError(
+            f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}; wrappers: {wrappers}"
+        ) from None
     try:
         return cls(**params)
     except TypeError as err:

@@ -97,6 +97,9 @@ class Policy:
     name: ClassVar[str]
     summary: ClassVar[str]
     regimes: ClassVar[tuple[Regime, ...]] = ("both", "prefill", "decode")
+    corrects_output: bool = False
+    """True when :meth:`correct_output` changes the attention output (MomentKV's NC): the
+    reference is then attention over the retained entries *plus* that correction."""
 
     def __init__(self, *, sinks: int = 0, window: int = 0, regime: Regime | None = None):
         if sinks < 0 or window < 0:
@@ -166,6 +169,17 @@ class Policy:
         """Entries that must survive: the sinks and the recent window, ``[B, Hkv, n]`` bool."""
         pos = layer.positions
         return (pos < self.sinks) | (pos >= layer.seen - self.recent_window(budget))
+
+    def on_evict(self, layer: EvictionLayer, evicted: torch.Tensor) -> None:
+        """Called with the entries about to be dropped, ``[B, Hkv, n]`` bool, while the layer
+        still holds them (e.g. to summarise them, as MomentKV does)."""
+
+    def correct_output(
+        self, layer: EvictionLayer, query: torch.Tensor, output: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        """The kernel's attention output ``[B, q, Hq, d]`` of a pass, corrected before the
+        layer evicts (unchanged by default)."""
+        return output
 
     def select(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
         """Indices of the entries to keep, ``[B, Hkv, budget]``, ascending."""
