@@ -80,7 +80,8 @@ def reference_logits(model: PreTrainedModel, cache, token: torch.Tensor) -> torc
     reference = DynamicCache()
     for idx, layer in enumerate(cache.layers):
         reference.update(layer.keys.clone(), layer.values.clone(), idx)
-    position = torch.tensor([[cache.get_seq_length()]])
+    seen = cache.get_seq_length()
+    position = torch.arange(seen, seen + token.shape[1])[None]
     original = model.config._attn_implementation
     if cache.policy.corrects_output:
         stats = [getattr(layer, "memo", {}).get("moments") for layer in cache.layers]
@@ -98,14 +99,16 @@ NC_REFERENCE = "kvevict_test_nc_reference"
 
 
 def nc_reference_attention(stats, module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """One query over every given entry in float64, mixed with MomentKV's estimate of the
-    evicted output written out directly (Algorithm 1, lines 20-25): ``Z_R = Σ exp(s)``,
-    ``Ẑ_E = n_e exp(q·k̄/√d)``, ``f̂_E = v̄ + S̃ q/(n_e √d)``, ``w_R = Z_R / (Z_R + Ẑ_E)``."""
-    assert query.shape[2] == 1, "the reference attends one new token"
+    """Queries over every given entry (causal among the new ones) in float64, mixed with
+    MomentKV's estimate of the evicted output written out directly (Algorithm 1, lines 20-25):
+    ``Z_R = Σ exp(s)``, ``Ẑ_E = n_e exp(q·k̄/√d)``, ``f̂_E = v̄ + S̃ q/(n_e √d)``,
+    ``w_R = Z_R / (Z_R + Ẑ_E)``."""
     group = query.shape[1] // key.shape[1]
     q = query.double()
     k, v = key.double().repeat_interleave(group, 1), value.double().repeat_interleave(group, 1)
-    weights = torch.exp(q @ k.transpose(-1, -2) * scaling)  # [B, Hq, 1, n]
+    rows, n = query.shape[2], key.shape[2]
+    future = torch.arange(n)[None, :] > torch.arange(n - rows, n)[:, None]
+    weights = torch.exp(q @ k.transpose(-1, -2) * scaling).masked_fill(future, 0)  # [B, Hq, q, n]
     z_r = weights.sum(-1, keepdim=True)
     output = weights @ v / z_r
     moments = stats[module.layer_idx]
