@@ -132,50 +132,67 @@ def mi_evict(
 
     Each KV head evicts down to ``counts`` retained entries. ``chunk=1`` is the exact loop:
     score ``α_j·‖r_j‖`` with the current statistics, evict the argmin, add it to the
-    statistics, repeat. ``chunk=c`` evicts the ``c`` lowest scores before updating (faster,
-    approximate). ``alpha`` ``[B, Hkv, n]`` is fixed during the loop: renormalising a
+    statistics, repeat. ``chunk=c`` evicts the ``c`` lowest scores before updating (fewer
+    steps, approximate). ``alpha`` ``[B, Hkv, n]`` is fixed during the loop: renormalising a
     query's softmax over the shrinking retained set scales every ``α_j`` by the same factor,
     which leaves the argmin unchanged. ``protected`` entries are never evicted. ``stats``
     are not modified: the caller adds the returned entries with :func:`accumulate`.
 
-    Cost: the residuals are kept up to date incrementally, ``O(n·d)`` per evicted entry
-    (``S k_j`` gains ``v_e (k_e·k_j)`` when ``e`` is evicted), never ``O(n·d²)``.
+    Cost: ``‖r_j‖²`` is expanded into per-entry scalars kept up to date incrementally
+    (``P_j = S k_j`` gains ``σ_je v_e`` with ``σ_je = k_j·k_e`` when ``e`` is evicted), so a
+    step costs a few ``n × d`` matrix-vector products and ``O(n)`` scalar work, never
+    ``O(n·d²)``; the scalars are float64 (cancellation in the expansion).
     """
     if chunk < 1:
         raise ValueError(f"MI eviction chunk must be >= 1 (1 = the exact loop), got {chunk}")
-    n = keys.shape[-2]
     valid = torch.ones(keys.shape[:3], dtype=torch.bool, device=keys.device) if valid is None else valid
     candidate = valid & ~protected if protected is not None else valid.clone()
     remaining = (valid.sum(-1) - counts.to(valid.device)).clamp(min=0)
     if bool((remaining > candidate.sum(-1)).any()):
         raise ValueError("MI eviction: a head's budget is smaller than its protected entries")
-    k, v, a = keys.float(), values.float(), alpha.float()
-    count, key_sum, value_sum = stats.count.clone(), stats.key_sum.clone(), stats.value_sum.clone()
+    k, v, a = keys.double(), values.double(), alpha.double()
+    count, key_sum, value_sum = stats.count.double(), stats.key_sum.double(), stats.value_sum.double()
     first_order = stats.outer is not None
-    if first_order:
-        outer_k = k @ stats.outer.transpose(-1, -2)  # S k_j, [B, Hkv, n, d_v]
-        key_dot = (k @ key_sum[..., None]).squeeze(-1)  # s_k·k_j, [B, Hkv, n]
+    outer = stats.outer.double() if first_order else torch.zeros(*value_sum.shape, k.shape[-1]).to(k)
+    projected = k @ outer.transpose(-1, -2)  # P_j = S k_j, only to start the scalars below
+    v_norm2 = (v * v).sum(-1)  # ‖v_j‖²
+    v_dot_p = (v * projected).sum(-1)  # v_j·P_j
+    p_norm2 = (projected * projected).sum(-1)  # ‖P_j‖²
+    sv_dot_v = (v @ value_sum[..., None]).squeeze(-1)  # s_v·v_j
+    sv_dot_p = (projected @ value_sum[..., None]).squeeze(-1)  # s_v·P_j
+    sk_dot_k = (k @ key_sum[..., None]).squeeze(-1)  # s_k·k_j
     evicted = torch.zeros_like(valid)
     while bool((remaining > 0).any()):
+        # ‖r_j‖² = ‖v_j − βP_j‖² − 2λ_j m·(v_j − βP_j) + λ_j² ‖m‖²,  m = s_v/n_e, β = c/n_e, λ_j = 1 − β s_k·k_j
         n_e = count.clamp(min=1)[..., None]
-        residual = v - (value_sum / n_e)[..., None, :]
-        if first_order:
-            centered = outer_k - key_dot[..., None] * (value_sum / n_e)[..., None, :]  # S̃ k_j
-            residual = residual - centered * (scaling / n_e)[..., None]
-        score = (a * residual.norm(dim=-1)).masked_fill(~candidate, float("inf"))
-        step = min(chunk, n, int(remaining.max()))
+        beta = scaling / n_e if first_order else torch.zeros_like(n_e)
+        lam = 1 - beta * sk_dot_k
+        m_dot = (sv_dot_v - beta * sv_dot_p) / n_e
+        m_norm2 = (value_sum * value_sum).sum(-1, keepdim=True) / n_e**2
+        r_norm2 = v_norm2 - 2 * beta * v_dot_p + beta**2 * p_norm2 - 2 * lam * m_dot + lam**2 * m_norm2
+        score = (a * r_norm2.clamp(min=0).sqrt()).masked_fill(~candidate, float("inf"))
+        step = min(chunk, int(remaining.max()))
         picked = score.topk(step, dim=-1, largest=False).indices  # [B, Hkv, step]
         take = torch.arange(step, device=keys.device) < remaining[..., None]  # heads that are done take nothing
-        weight = take.float()
-        k_e = k.gather(2, picked[..., None].expand(-1, -1, -1, k.shape[-1]))
-        v_e = v.gather(2, picked[..., None].expand(-1, -1, -1, v.shape[-1]))
-        count = count + weight.sum(-1)
-        key_sum = key_sum + (weight[..., None, :] @ k_e).squeeze(-2)
-        value_sum = value_sum + (weight[..., None, :] @ v_e).squeeze(-2)
+        weight = take.to(k.dtype)[..., None]
+        k_e = k.gather(2, picked[..., None].expand(-1, -1, -1, k.shape[-1])) * weight
+        v_e = v.gather(2, picked[..., None].expand(-1, -1, -1, v.shape[-1])) * weight
+        sigma = k @ k_e.transpose(-1, -2)  # k_j·k_e, [B, Hkv, n, step]
+        v_dot_ve = v @ v_e.transpose(-1, -2)  # v_j·v_e
+        p_dot_ve = k @ (v_e @ outer).transpose(-1, -2)  # P_j·v_e = k_j·(Sᵀ v_e)
+        gram = v_e @ v_e.transpose(-1, -2)  # v_e·v_e'
+        sigma_gram = sigma @ gram
         if first_order:
-            similarity = (k @ k_e.transpose(-1, -2)) * weight[..., None, :]  # k_j·k_e, [B, Hkv, n, step]
-            outer_k = outer_k + similarity @ v_e
-            key_dot = key_dot + similarity.sum(-1)
+            v_dot_p = v_dot_p + (sigma * v_dot_ve).sum(-1)
+            p_norm2 = p_norm2 + 2 * (sigma * p_dot_ve).sum(-1) + (sigma_gram * sigma).sum(-1)
+            sv_dot_p = sv_dot_p + p_dot_ve.sum(-1) + (sigma @ (v_e @ value_sum[..., None])).squeeze(-1)
+            sv_dot_p = sv_dot_p + sigma_gram.sum(-1)
+            outer = outer + v_e.transpose(-1, -2) @ k_e
+        sv_dot_v = sv_dot_v + v_dot_ve.sum(-1)
+        sk_dot_k = sk_dot_k + sigma.sum(-1)
+        count = count + take.sum(-1)
+        key_sum = key_sum + k_e.sum(2)
+        value_sum = value_sum + v_e.sum(2)
         flags = torch.zeros_like(evicted).scatter_(2, picked, take)
         evicted |= flags
         candidate &= ~flags
