@@ -62,10 +62,11 @@ def _make_attention(base: str) -> Callable:
         if layer is None:  # not an eviction cache: pure pass-through
             return kernel(module, query, key, value, attention_mask, **kwargs)
         attention_mask = _layer_mask(base, attention_mask, query, key, layer.valid)
-        output = kernel(module, query, key, value, attention_mask, **kwargs)
+        output, weights = kernel(module, query, key, value, attention_mask, **kwargs)
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        output = layer.policy.correct_output(layer, query, output, scaling)  # before this pass evicts
         layer.after_attention(query, scaling, module)
-        return output
+        return output, weights
 
     kvevict_attention.__name__ = f"{PREFIX}{base}"
     return kvevict_attention

@@ -168,6 +168,7 @@ class EvictionLayer(DynamicLayer):
         keep different numbers are padded to the longest and ``valid`` marks the real ones."""
         if self.valid is not None:
             mask = mask & self.valid
+        self.policy.on_evict(self, ~mask if self.valid is None else self.valid & ~mask)
         counts = mask.sum(dim=-1)
         width = int(counts.max())
         # stable sort puts each head's kept entries first, in their original order

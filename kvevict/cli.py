@@ -165,7 +165,27 @@ def _perturbation_parser(analyses: argparse._SubParsersAction) -> None:
     perturbation.set_defaults(run=_analyze_perturbation)
 
 
-ANALYSES = (_recurrence_parser, _heads_parser, _perturbation_parser)
+def _directional_parser(analyses: argparse._SubParsersAction) -> None:
+    directional = analyses.add_parser(
+        "directional",
+        help="MomentKV's directional analysis: evicted mass, cos(f_E, f_R), amplification, error with/without NC",
+        description="Compress each sample's context under --policy at --budget, then probe every layer with the "
+        "question tokens: the evicted attention mass w_E, cos(f_E, f_R), the amplification gamma, and the relative "
+        "attention-output error without and with MomentKV's normalization correction (seed 003, Fig. 2 and 3b).",
+    )
+    directional.add_argument("--policy", default="snapkv", help="a prompt-compressing policy (default: snapkv)")
+    directional.add_argument("--budget", type=int, required=True, help="retained tokens per KV head per layer")
+    directional.add_argument("--task", default="niah_single_1", help="offline task to draw samples from")
+    directional.add_argument("--length", type=int, default=2048, help="prompt length in tokens (default: 2048)")
+    directional.add_argument("--samples", type=int, default=1, help="samples (default: 1)")
+    directional.add_argument("--order", type=int, default=1, choices=(0, 1), help="NC approximation order (default 1)")
+    directional.add_argument("--out", type=Path, default=None, help="write OUT/directional.json")
+    directional.add_argument("--plot", type=Path, default=None, help="draw the per-layer panels into this PNG")
+    _model_args(directional)
+    directional.set_defaults(run=_analyze_directional)
+
+
+ANALYSES = (_recurrence_parser, _heads_parser, _perturbation_parser, _directional_parser)
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -351,6 +371,31 @@ def _analyze_perturbation(args: argparse.Namespace) -> int:
     print(analysis.format_comparison(comparison))
     if args.plot:
         print(f"plot: {analysis.plot_comparison(result, comparison, args.plot)}", file=sys.stderr)
+
+
+def _analyze_directional(args: argparse.Namespace) -> int:
+    from kvevict import load_model, make_policy
+    from kvevict.analysis import directional as analysis
+    from kvevict.bench.tasks import get_task
+
+    make_policy(args.policy).check_budget(args.budget)  # bad input fails before the model loads
+    if args.samples < 1:
+        raise ValueError("--samples must be >= 1")
+    task = get_task(args.task)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    samples = task.samples(tokenizer, length=args.length, count=args.samples)
+    prompts = analysis.sample_prompts(tokenizer, samples)
+    layers = analysis.run_directional(model, prompts, args.policy, args.budget, order=args.order)
+    title = f"directional: {args.model}, {args.policy} at budget {args.budget}, {args.task} x {len(samples)}"
+    print(analysis.format_directional(layers, title))
+    config = {key: getattr(args, key) for key in ("model", "policy", "budget", "task", "length", "order")}
+    if args.out:
+        print(
+            f"summary: {analysis.write_directional(layers, config | {'samples': len(samples)}, args.out)}",
+            file=sys.stderr,
+        )
+    if args.plot:
+        print(f"plot: {analysis.plot_directional(layers, args.plot, title)}", file=sys.stderr)
     return 0
 
 

@@ -15,7 +15,6 @@ from transformers import (
     Qwen3Config,
 )
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.models.llama.modeling_llama import repeat_kv
 
 VOCAB = 96
 COMMON = {
@@ -88,21 +87,25 @@ def greedy(model: PreTrainedModel, ids: torch.Tensor, cache=None, new_tokens: in
     return out.sequences, torch.stack(out.logits, dim=1)
 
 
-def reference_logits(model: PreTrainedModel, cache, token: torch.Tensor) -> torch.Tensor:
+def reference_logits(model: PreTrainedModel, cache, token: torch.Tensor, corrected: bool = True) -> torch.Tensor:
     """Next-token logits recomputed by the model over exactly the entries ``cache`` retained,
     held in a plain transformers DynamicCache, at the token's absolute position. Attention is
-    written out by hand (plain softmax, the *masked reference*): each layer attends to its
-    own entries, and where heads hold different numbers (``layer.valid``) each head's
-    padding is masked."""
+    written out by hand in float64 (:func:`reference_attention`): each layer attends to its
+    own entries; where heads hold different numbers (``layer.valid``) each head's padding is
+    masked; for a policy that corrects its attention output (MomentKV's NC) the output is
+    mixed with the moment estimate of the evicted entries, written out directly (unless
+    ``corrected`` is false: attention over the retained entries alone)."""
     reference = DynamicCache()
     for idx, layer in enumerate(cache.layers):
         reference.update(layer.keys.clone(), layer.values.clone(), idx)
-    position = torch.tensor([[cache.get_seq_length()]])
-    valid = {idx: getattr(layer, "valid", None) for idx, layer in enumerate(cache.layers)}
+    seen = cache.get_seq_length()
+    position = torch.arange(seen, seen + token.shape[1])[None]
     original = model.config._attn_implementation
-    _REFERENCE_VALID.clear()
-    _REFERENCE_VALID.update(valid)
-    model.set_attn_implementation(MASKED_REFERENCE)
+    _REFERENCE_STATE.clear()
+    for idx, layer in enumerate(cache.layers):
+        moments = getattr(layer, "memo", {}).get("moments") if corrected and cache.policy.corrects_output else None
+        _REFERENCE_STATE[idx] = (getattr(layer, "valid", None), moments)
+    model.set_attn_implementation(REFERENCE)
     try:
         with torch.no_grad():
             return model(input_ids=token, position_ids=position, past_key_values=reference).logits[:, -1]
@@ -110,25 +113,44 @@ def reference_logits(model: PreTrainedModel, cache, token: torch.Tensor) -> torc
         model.set_attn_implementation(original)
 
 
-MASKED_REFERENCE = "kvevict_test_masked_reference"
-_REFERENCE_VALID: dict[int, torch.Tensor | None] = {}
+REFERENCE = "kvevict_test_reference"
+_REFERENCE_STATE: dict[int, tuple] = {}
+"""Layer index → (validity mask or None, moment statistics or None) of the cache under test."""
 
 
-def _masked_reference_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Plain softmax attention; the cached entries a head does not hold are masked out."""
-    q, n, group = query.shape[-2], key.shape[-2], query.shape[1] // key.shape[1]
-    logits = (query @ repeat_kv(key, group).transpose(-1, -2)).float() * scaling
-    allowed = torch.arange(n)[None, :] <= torch.arange(n - q, n)[:, None]
-    valid = _REFERENCE_VALID.get(module.layer_idx)
+def reference_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Queries over every given entry (causal among the new ones, padding masked) in float64;
+    with moment statistics, mixed with MomentKV's estimate of the evicted output
+    (Algorithm 1, lines 20-25): ``Z_R = Σ exp(s)``, ``Ẑ_E = n_e exp(q·k̄/√d)``,
+    ``f̂_E = v̄ + S̃ q/(n_e √d)``, ``w_R = Z_R / (Z_R + Ẑ_E)``."""
+    group = query.shape[1] // key.shape[1]
+    q = query.double()
+    k, v = key.double().repeat_interleave(group, 1), value.double().repeat_interleave(group, 1)
+    rows, n = query.shape[2], key.shape[2]
+    allowed = torch.arange(n)[None, :] <= torch.arange(n - rows, n)[:, None]
+    valid, moments = _REFERENCE_STATE.get(module.layer_idx, (None, None))
     if valid is not None:
         held = torch.cat([valid, valid.new_ones(*valid.shape[:2], n - valid.shape[-1])], dim=-1)
         allowed = allowed & held.repeat_interleave(group, dim=1)[:, :, None, :]
-    weights = logits.masked_fill(~allowed, float("-inf")).softmax(dim=-1).to(query.dtype)
-    return (weights @ repeat_kv(value, group)).transpose(1, 2).contiguous(), weights
+    weights = torch.exp(q @ k.transpose(-1, -2) * scaling).masked_fill(~allowed, 0)  # [B, Hq, q, n]
+    z_r = weights.sum(-1, keepdim=True)
+    output = weights @ v / z_r
+    if moments is not None and moments.count.any():
+        n_e = moments.count.double().repeat_interleave(group, 1)[..., None, None]
+        s_k, s_v = (x.double().repeat_interleave(group, 1)[:, :, None] for x in (moments.key_sum, moments.value_sum))
+        k_bar, v_bar = s_k / n_e, s_v / n_e
+        z_e = n_e * torch.exp(q @ k_bar.transpose(-1, -2) * scaling)
+        f_e = v_bar
+        if moments.outer is not None:
+            s_tilde = moments.outer.double().repeat_interleave(group, 1) - s_v.transpose(-1, -2) @ s_k / n_e
+            f_e = f_e + q @ s_tilde.transpose(-1, -2) * scaling / n_e
+        w_r = z_r / (z_r + z_e)
+        output = torch.where(n_e > 0, w_r * output + (1 - w_r) * f_e, output)
+    return output.transpose(1, 2).to(query.dtype), None
 
 
-AttentionInterface.register(MASKED_REFERENCE, _masked_reference_attention)
-AttentionMaskInterface.register(MASKED_REFERENCE, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+AttentionInterface.register(REFERENCE, reference_attention)
+AttentionMaskInterface.register(REFERENCE, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
 
 
 @pytest.fixture(params=["sdpa", "eager"])
@@ -137,13 +159,20 @@ def attn(request) -> str:
 
 
 def capture_passes(layer) -> list[dict]:
-    """Record the query, scaling and (pre-eviction) keys of each pass through ``layer``."""
+    """Record the query, scaling and (pre-eviction) keys, values and positions of each pass
+    through ``layer``."""
     passes: list[dict] = []
     original = layer.after_attention
 
     def spy(query, scaling, module=None):
         passes.append(
-            {"query": query, "scaling": scaling, "keys": layer.keys.clone(), "positions": layer.positions.clone()}
+            {
+                "query": query,
+                "scaling": scaling,
+                "keys": layer.keys.clone(),
+                "values": layer.values.clone(),
+                "positions": layer.positions.clone(),
+            }
         )
         original(query, scaling, module)
 

@@ -13,19 +13,41 @@ from kvevict.policies.base import Policy, Requirements, Signals, Wrapper, group_
 from kvevict.policies.critical import Critical
 from kvevict.policies.h2o import H2O
 from kvevict.policies.lazyeviction import LazyEviction
+from kvevict.policies.momentkv import MomentKV, MomentNC
 from kvevict.policies.raas import RaaS
 from kvevict.policies.rkv import RKV
 from kvevict.policies.simple import Full, KNorm, Random, StreamingLLM
 from kvevict.policies.snapkv import SnapKV
 from kvevict.policies.tova import TOVA
 
-_CLASSES: tuple[type[Policy], ...] = (Full, Random, KNorm, StreamingLLM, TOVA, H2O, SnapKV, LazyEviction, RaaS, RKV)
+_CLASSES: tuple[type[Policy], ...] = (
+    Full,
+    Random,
+    KNorm,
+    StreamingLLM,
+    TOVA,
+    H2O,
+    SnapKV,
+    LazyEviction,
+    RaaS,
+    RKV,
+    MomentKV,
+)
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in _CLASSES}
-_WRAPPERS: tuple[type[Wrapper], ...] = (Critical, AdaKV, PyramidKV, HeadKV)
+_WRAPPERS: tuple[type[Wrapper], ...] = (Critical, AdaKV, PyramidKV, HeadKV, MomentNC)
 WRAPPERS: dict[str, type[Wrapper]] = {cls.prefix: cls for cls in _WRAPPERS}
 ALIASES = {"pyramidkv": "pyramidkv+snapkv", "headkv": "headkv+snapkv"}
 """Methods known by one name that are a wrapper over their paper's scorer."""
-COMPOSED = ("adakv+snapkv", "pyramidkv", "headkv", "critical+snapkv", "critical+adakv+snapkv", "critical+h2o")
+COMPOSED = (
+    "adakv+snapkv",
+    "pyramidkv",
+    "headkv",
+    "critical+snapkv",
+    "critical+adakv+snapkv",
+    "critical+h2o",
+    "moment-nc+h2o",
+    "moment-nc+streamingllm",
+)
 """The compositions the papers evaluate (listed and tested like every policy; any other
 ``wrapper+...+policy`` works too)."""
 

@@ -110,6 +110,9 @@ class Policy:
     name: ClassVar[str]
     summary: ClassVar[str]
     regimes: ClassVar[tuple[Regime, ...]] = ("both", "prefill", "decode")
+    corrects_output: bool = False
+    """True when :meth:`correct_output` changes the attention output (MomentKV's NC): the
+    reference is then attention over the retained entries *plus* that correction."""
 
     def __init__(self, *, sinks: int = 0, window: int = 0, regime: Regime | None = None):
         if sinks < 0 or window < 0:
@@ -180,6 +183,17 @@ class Policy:
         pos = layer.positions
         return (pos < self.sinks) | (pos >= layer.seen - self.recent_window(budget))
 
+    def on_evict(self, layer: EvictionLayer, evicted: torch.Tensor) -> None:
+        """Called with the entries about to be dropped, ``[B, Hkv, n]`` bool, while the layer
+        still holds them (e.g. to summarise them, as MomentKV does)."""
+
+    def correct_output(
+        self, layer: EvictionLayer, query: torch.Tensor, output: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        """The kernel's attention output ``[B, q, Hq, d]`` of a pass, corrected before the
+        layer evicts (unchanged by default)."""
+        return output
+
     def selection_scores(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
         """:meth:`score` with protected entries at ``+inf`` and padding (entries a head does
         not hold, see ``EvictionLayer.valid``) at ``-inf``; fp32 (fp64 kept where a policy
@@ -239,6 +253,10 @@ class Wrapper(Policy):
     def regime(self) -> Regime:  # type: ignore[override]
         return self.inner.regime
 
+    @property
+    def corrects_output(self) -> bool:  # type: ignore[override]
+        return self.inner.corrects_output
+
     def params(self) -> dict[str, object]:
         own = {k: v for k, v in vars(self).items() if not k.startswith("_") and k != "inner"}
         return {**own, "inner": {"policy": self.inner.name, **self.inner.params()}}
@@ -278,3 +296,11 @@ class Wrapper(Policy):
 
     def allocate(self, layer: EvictionLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
         return self.inner.allocate(layer, scores, budget)
+
+    def on_evict(self, layer: EvictionLayer, evicted: torch.Tensor) -> None:
+        self.inner.on_evict(layer, evicted)
+
+    def correct_output(
+        self, layer: EvictionLayer, query: torch.Tensor, output: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        return self.inner.correct_output(layer, query, output, scaling)

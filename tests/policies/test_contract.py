@@ -1,4 +1,6 @@
-"""What every registered policy must satisfy (DESIGN §1.2): exactness and the reference."""
+"""What every registered policy must satisfy (DESIGN §1.2): exactness and the reference
+(for policies that correct their attention output, the reference includes the correction:
+see ``reference_logits``)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from transformers import DynamicCache
 import kvevict
 from tests.conftest import build_policy, greedy, prompt, reference_logits, tiny_model
 
-POLICIES = kvevict.list_policies()
+POLICIES = [*kvevict.list_policies(), "moment-nc+snapkv", "moment-nc+adakv+snapkv"]
 EVICTING = [name for name in POLICIES if name != "full"]
 PROMPT = 96
 BUDGET = 40

@@ -1,0 +1,262 @@
+"""MomentKV's moment statistics of the evicted set, as pure functions (seed 003, DESIGN §3).
+
+Li, Li & Lan (2026), "MomentKV: Closing the Directional Gap in KV Cache Eviction".
+Per (batch, KV head), in fp32, over the evicted set ``E`` (Eq. 22)::
+
+    n_e = |E|,   s_k = Σ k,   s_v = Σ v,   S = Σ v kᵀ   (d_v × d_k)
+    k̄ = s_k / n_e,   v̄ = s_v / n_e,   S̃ = S − s_v s_kᵀ / n_e          (Eq. 24)
+
+Storage is ``1 + d_k + d_v + d_v·d_k`` floats per KV head whatever the context length
+(:attr:`MomentStats.nbytes`; SmolLM2-135M, 30 layers × 3 KV heads × d=64: 1.52 MB in fp32).
+
+- **MI** (Eq. 10, Algorithm 1 lines 6-18): residual ``r_j = v_j − v̄ − S̃ k_j·c / n_e``
+  (``c`` = the attention's logit scale, 1/√d), score ``α_j·‖r_j‖``, evict the argmin, update
+  the statistics, repeat (:func:`mi_evict`).
+- **NC** (Eqs. 9, 11, 12, Algorithm 1 lines 19-25): ``log Ẑ_E = log n_e + c·q·k̄``,
+  ``f̂_E = v̄ + c·S̃ q / n_e``, ``w_R = σ(log Z_R − log Ẑ_E)``, output
+  ``w_R f_R + (1 − w_R) f̂_E`` (:func:`nc_log_partition`, :func:`nc_correct`).
+
+Every function takes entries as ``[B, Hkv, n, d]`` with an optional ``valid`` mask
+``[B, Hkv, n]`` of real entries (heads padded to a common length; None = all real), and
+per-head budgets as ``counts [B, Hkv]`` (entries to keep). Query head ``h`` uses KV head
+``h // g`` (GQA, as ``repeat_kv``). ``order=0`` keeps no outer product: ``f̂_E = v̄`` and
+``r_j = v_j − v̄`` (the paper's zeroth-order ablation, Table 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+LOG_PARTITION_CHUNK = 256
+"""Queries per chunk of :func:`nc_log_partition`: memory is ``chunk × n`` per head."""
+
+
+@dataclass(frozen=True)
+class MomentStats:
+    """Sufficient statistics of the evicted entries of each (batch, KV head), fp32."""
+
+    count: torch.Tensor
+    """``n_e``, ``[B, Hkv]``."""
+    key_sum: torch.Tensor
+    """``s_k = Σ k``, ``[B, Hkv, d_k]``."""
+    value_sum: torch.Tensor
+    """``s_v = Σ v``, ``[B, Hkv, d_v]``."""
+    outer: torch.Tensor | None
+    """``S = Σ v kᵀ``, ``[B, Hkv, d_v, d_k]``; None for the zeroth order."""
+
+    @classmethod
+    def zeros(
+        cls, batch: int, heads: int, key_dim: int, value_dim: int, order: int = 1, device: torch.device | None = None
+    ) -> MomentStats:
+        if order not in (0, 1):
+            raise ValueError(f"moment order must be 0 (mean value) or 1 (mean + covariance), got {order!r}")
+        options = {"dtype": torch.float32, "device": device}
+        outer = torch.zeros(batch, heads, value_dim, key_dim, **options) if order == 1 else None
+        return cls(
+            torch.zeros(batch, heads, **options),
+            torch.zeros(batch, heads, key_dim, **options),
+            torch.zeros(batch, heads, value_dim, **options),
+            outer,
+        )
+
+    @property
+    def order(self) -> int:
+        return 0 if self.outer is None else 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held, independent of the context length."""
+        return sum(t.nbytes for f in fields(self) if (t := getattr(self, f.name)) is not None)
+
+    def means(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k̄, v̄)``; zero for heads that evicted nothing."""
+        n = self.count.clamp(min=1)[..., None]
+        return self.key_sum / n, self.value_sum / n
+
+
+def accumulate(stats: MomentStats, keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor) -> MomentStats:
+    """Statistics after adding the entries flagged in ``evicted`` ``[B, Hkv, n]`` (Eq. 25).
+
+    Purely additive: the evicted entries are never needed again.
+    """
+    weight = evicted.float()
+    k, v = keys.float(), values.float()
+    outer = None
+    if stats.outer is not None:
+        outer = stats.outer + (v * weight[..., None]).transpose(-1, -2) @ k
+    return MomentStats(
+        count=stats.count + weight.sum(-1),
+        key_sum=stats.key_sum + (weight[..., None, :] @ k).squeeze(-2),
+        value_sum=stats.value_sum + (weight[..., None, :] @ v).squeeze(-2),
+        outer=outer,
+    )
+
+
+# -- moment-informed eviction -------------------------------------------------------------
+def mi_residual_norms(keys: torch.Tensor, values: torch.Tensor, stats: MomentStats, scaling: float) -> torch.Tensor:
+    """``‖r_j‖`` of every entry, ``r_j = v_j − v̄ − S̃ k_j·c / n_e`` (Eq. 10), ``[B, Hkv, n]``.
+
+    With nothing evicted yet ``v̄ = 0`` and ``S̃ = 0`` (Algorithm 1, line 7): ``r_j = v_j``.
+    """
+    k, v = keys.float(), values.float()
+    _, v_mean = stats.means()
+    residual = v - v_mean[..., None, :]
+    if stats.outer is not None:
+        residual = residual - _centered_outer_times(stats, k) * (scaling / stats.count.clamp(min=1)[..., None, None])
+    return residual.norm(dim=-1)
+
+
+def _centered_outer_times(stats: MomentStats, x: torch.Tensor) -> torch.Tensor:
+    """``S̃ x`` for rows ``x`` ``[B, Hkv, m, d_k]`` without forming ``S̃``:
+    ``S x − s_v (s_k·x) / n_e`` → ``[B, Hkv, m, d_v]``."""
+    n = stats.count.clamp(min=1)[..., None, None]
+    key_dot = x @ stats.key_sum[..., None]  # [B, Hkv, m, 1]
+    return x @ stats.outer.transpose(-1, -2) - key_dot * stats.value_sum[..., None, :] / n
+
+
+def mi_evict(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    alpha: torch.Tensor,
+    stats: MomentStats,
+    counts: torch.Tensor,
+    scaling: float,
+    *,
+    protected: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
+    chunk: int = 1,
+) -> torch.Tensor:
+    """Moment-informed eviction (Algorithm 1, lines 6-18): the entries to evict, ``[B, Hkv, n]`` bool.
+
+    Each KV head evicts down to ``counts`` retained entries. ``chunk=1`` is the exact loop:
+    score ``α_j·‖r_j‖`` with the current statistics, evict the argmin, add it to the
+    statistics, repeat. ``chunk=c`` evicts the ``c`` lowest scores before updating (fewer
+    steps, approximate). ``alpha`` ``[B, Hkv, n]`` is fixed during the loop: renormalising a
+    query's softmax over the shrinking retained set scales every ``α_j`` by the same factor,
+    which leaves the argmin unchanged. ``protected`` entries are never evicted. ``stats``
+    are not modified: the caller adds the returned entries with :func:`accumulate`.
+
+    Cost: ``‖r_j‖²`` is expanded into per-entry scalars kept up to date incrementally
+    (``P_j = S k_j`` gains ``σ_je v_e`` with ``σ_je = k_j·k_e`` when ``e`` is evicted), so a
+    step costs a few ``n × d`` matrix-vector products and ``O(n)`` scalar work, never
+    ``O(n·d²)``; the scalars are float64 (cancellation in the expansion).
+    """
+    if chunk < 1:
+        raise ValueError(f"MI eviction chunk must be >= 1 (1 = the exact loop), got {chunk}")
+    valid = torch.ones(keys.shape[:3], dtype=torch.bool, device=keys.device) if valid is None else valid
+    candidate = valid & ~protected if protected is not None else valid.clone()
+    remaining = (valid.sum(-1) - counts.to(valid.device)).clamp(min=0)
+    if bool((remaining > candidate.sum(-1)).any()):
+        raise ValueError("MI eviction: a head's budget is smaller than its protected entries")
+    k, v, a = keys.double(), values.double(), alpha.double()
+    count, key_sum, value_sum = stats.count.double(), stats.key_sum.double(), stats.value_sum.double()
+    first_order = stats.outer is not None
+    outer = stats.outer.double() if first_order else torch.zeros(*value_sum.shape, k.shape[-1]).to(k)
+    projected = k @ outer.transpose(-1, -2)  # P_j = S k_j, only to start the scalars below
+    v_norm2 = (v * v).sum(-1)  # ‖v_j‖²
+    v_dot_p = (v * projected).sum(-1)  # v_j·P_j
+    p_norm2 = (projected * projected).sum(-1)  # ‖P_j‖²
+    sv_dot_v = (v @ value_sum[..., None]).squeeze(-1)  # s_v·v_j
+    sv_dot_p = (projected @ value_sum[..., None]).squeeze(-1)  # s_v·P_j
+    sk_dot_k = (k @ key_sum[..., None]).squeeze(-1)  # s_k·k_j
+    evicted = torch.zeros_like(valid)
+    while bool((remaining > 0).any()):
+        # ‖r_j‖² = ‖v_j − βP_j‖² − 2λ_j m·(v_j − βP_j) + λ_j² ‖m‖²,  m = s_v/n_e, β = c/n_e, λ_j = 1 − β s_k·k_j
+        n_e = count.clamp(min=1)[..., None]
+        beta = scaling / n_e if first_order else torch.zeros_like(n_e)
+        lam = 1 - beta * sk_dot_k
+        m_dot = (sv_dot_v - beta * sv_dot_p) / n_e
+        m_norm2 = (value_sum * value_sum).sum(-1, keepdim=True) / n_e**2
+        r_norm2 = v_norm2 - 2 * beta * v_dot_p + beta**2 * p_norm2 - 2 * lam * m_dot + lam**2 * m_norm2
+        score = (a * r_norm2.clamp(min=0).sqrt()).masked_fill(~candidate, float("inf"))
+        step = min(chunk, int(remaining.max()))
+        picked = score.topk(step, dim=-1, largest=False).indices  # [B, Hkv, step]
+        take = torch.arange(step, device=keys.device) < remaining[..., None]  # heads that are done take nothing
+        weight = take.to(k.dtype)[..., None]
+        k_e = k.gather(2, picked[..., None].expand(-1, -1, -1, k.shape[-1])) * weight
+        v_e = v.gather(2, picked[..., None].expand(-1, -1, -1, v.shape[-1])) * weight
+        sigma = k @ k_e.transpose(-1, -2)  # k_j·k_e, [B, Hkv, n, step]
+        v_dot_ve = v @ v_e.transpose(-1, -2)  # v_j·v_e
+        p_dot_ve = k @ (v_e @ outer).transpose(-1, -2)  # P_j·v_e = k_j·(Sᵀ v_e)
+        gram = v_e @ v_e.transpose(-1, -2)  # v_e·v_e'
+        sigma_gram = sigma @ gram
+        if first_order:
+            v_dot_p = v_dot_p + (sigma * v_dot_ve).sum(-1)
+            p_norm2 = p_norm2 + 2 * (sigma * p_dot_ve).sum(-1) + (sigma_gram * sigma).sum(-1)
+            sv_dot_p = sv_dot_p + p_dot_ve.sum(-1) + (sigma @ (v_e @ value_sum[..., None])).squeeze(-1)
+            sv_dot_p = sv_dot_p + sigma_gram.sum(-1)
+            outer = outer + v_e.transpose(-1, -2) @ k_e
+        sv_dot_v = sv_dot_v + v_dot_ve.sum(-1)
+        sk_dot_k = sk_dot_k + sigma.sum(-1)
+        count = count + take.sum(-1)
+        key_sum = key_sum + k_e.sum(2)
+        value_sum = value_sum + v_e.sum(2)
+        flags = torch.zeros_like(evicted).scatter_(2, picked, take)
+        evicted |= flags
+        candidate &= ~flags
+        remaining = remaining - take.sum(-1)
+    return evicted
+
+
+# -- normalization-corrected inference ---------------------------------------------------
+def nc_log_partition(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    valid: torch.Tensor | None = None,
+    chunk: int = LOG_PARTITION_CHUNK,
+) -> torch.Tensor:
+    """``log Z_R`` of each query over the retained keys, ``[B, Hq, q]`` fp32.
+
+    ``query`` ``[B, Hq, q, d]`` sits at the end of ``keys`` ``[B, Hkv, n, d]`` (row ``i``
+    sees keys ``0 .. n − q + i``, the pass's own entries being causal). A log-sum-exp over
+    ``chunk`` queries at a time: never exponentiated outside it, never an n×n matrix.
+    """
+    b, hq, q, d = query.shape
+    hkv, n = keys.shape[1], keys.shape[2]
+    group = hq // hkv
+    k = keys.float().transpose(-1, -2)
+    positions = torch.arange(n, device=query.device)
+    invalid = None if valid is None else ~valid.repeat_interleave(group, dim=1)[:, :, None, :]
+    out = torch.empty(b, hq, q, dtype=torch.float32, device=query.device)
+    for start in range(0, q, chunk):
+        stop = min(start + chunk, q)
+        rows = query[:, :, start:stop].float().reshape(b, hkv, group * (stop - start), d)
+        logits = ((rows @ k) * scaling).reshape(b, hq, stop - start, n)
+        hidden = positions[None, :] > positions[n - q + start : n - q + stop, None]  # causal within the pass
+        if invalid is not None:
+            hidden = hidden | invalid
+        out[..., start:stop] = logits.masked_fill(hidden, float("-inf")).logsumexp(dim=-1)
+    return out
+
+
+def nc_correct(
+    output: torch.Tensor, log_z_retained: torch.Tensor, query: torch.Tensor, stats: MomentStats, scaling: float
+) -> torch.Tensor:
+    """Normalization-corrected attention output (Eq. 12), same shape and dtype as ``output``.
+
+    ``output`` is ``f_R`` ``[B, Hq, q, d_v]`` (attention over the retained entries),
+    ``log_z_retained`` its ``log Z_R`` ``[B, Hq, q]``, ``query`` ``[B, Hq, q, d_k]``. Mixing
+    in the log domain, ``w_R = σ(log Z_R − log Ẑ_E)`` and ``1 − w_R = σ(log Ẑ_E − log Z_R)``,
+    stays finite for any logit size; fp32 inside. Heads with nothing evicted are returned
+    bit for bit, and so is everything when nothing was evicted at all.
+    """
+    has = stats.count > 0
+    if not bool(has.any()):
+        return output
+    b, hq, q, dv = output.shape
+    hkv = stats.count.shape[1]
+    rows = query.float().reshape(b, hkv, (hq // hkv) * q, -1)
+    key_mean, value_mean = stats.means()
+    n_e = stats.count.clamp(min=1)[..., None]
+    log_z_evicted = torch.log(n_e) + scaling * (rows @ key_mean[..., None]).squeeze(-1)  # Jensen, Eq. 11
+    f_evicted = value_mean[..., None, :].expand(b, hkv, rows.shape[2], dv)
+    if stats.outer is not None:
+        f_evicted = f_evicted + _centered_outer_times(stats, rows) * (scaling / n_e)[..., None]  # Eq. 9
+    f_retained = output.float().reshape(b, hkv, -1, dv)
+    gap = log_z_retained.float().reshape(b, hkv, -1) - log_z_evicted
+    mixed = torch.sigmoid(gap)[..., None] * f_retained + torch.sigmoid(-gap)[..., None] * f_evicted
+    mixed = mixed.reshape(b, hq, q, dv).to(output.dtype)
+    return torch.where(has.repeat_interleave(hq // hkv, dim=1)[..., None, None], mixed, output)
