@@ -7,15 +7,39 @@ this package and add the class to ``_CLASSES`` below.
 from __future__ import annotations
 
 from kvevict.policies.base import Policy, Requirements, Signals, group_reduce
+from kvevict.policies.epikv import AttnXHS, BandAdaptive, EpiKV, HSVariance
 from kvevict.policies.h2o import H2O
+from kvevict.policies.kvvar import KVKeyVariance, KVValueVariance, LagKV, LagKVDecode
 from kvevict.policies.lazyeviction import LazyEviction
 from kvevict.policies.raas import RaaS
 from kvevict.policies.rkv import RKV
 from kvevict.policies.simple import Full, KNorm, Random, StreamingLLM
 from kvevict.policies.snapkv import SnapKV
+from kvevict.policies.thinkv import SegmentHS, ThinKV
 from kvevict.policies.tova import TOVA
 
-_CLASSES: tuple[type[Policy], ...] = (Full, Random, KNorm, StreamingLLM, TOVA, H2O, SnapKV, LazyEviction, RaaS, RKV)
+_CLASSES: tuple[type[Policy], ...] = (
+    Full,
+    Random,
+    KNorm,
+    StreamingLLM,
+    TOVA,
+    H2O,
+    SnapKV,
+    LazyEviction,
+    RaaS,
+    RKV,
+    HSVariance,
+    EpiKV,
+    BandAdaptive,
+    KVKeyVariance,
+    KVValueVariance,
+    LagKVDecode,
+    LagKV,
+    ThinKV,
+    AttnXHS,
+    SegmentHS,
+)
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in _CLASSES}
 
 
