@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="run tasks × policies × budgets into a results directory",
         description="Run every task × policy × budget; one JSON line per sample in OUT/results.jsonl. "
-        "Resumable: finished samples are skipped when the same command runs again.",
+        "Resumable: finished samples are skipped when the same command runs again. "
+        "`kvevict bench memory --help`: the prefill peak-memory microbenchmark.",
     )
     bench.add_argument("tasks", type=_names, help="comma-separated task names (see `kvevict tasks`)")
     bench.add_argument("--policies", type=_names, default=("full",), help="comma-separated policies (default: full)")
@@ -281,6 +282,15 @@ def _analyze_recurrence(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "memory"]:  # a subcommand beside bench's positional task list
+        from kvevict.bench import memory
+
+        try:
+            return memory.main(argv[2:])
+        except (ValueError, FileNotFoundError) as err:
+            print(f"kvevict bench memory: error: {err}", file=sys.stderr)
+            return EXIT_USAGE
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {
