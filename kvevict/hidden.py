@@ -69,7 +69,8 @@ class HiddenStateRecorder:
         model: the causal LM whose decoder layers are hooked.
         layers: decoder layer indices to hook (only these).
         scorer: the policy's score of ``m`` consecutive tokens from their changes; the score of
-            a token may depend on the ``context`` tokens before it and on nothing after it.
+            a token may depend on the ``context`` tokens before it and on nothing after it
+            (None: record the changes only).
         context: how many earlier tokens a score depends on (e.g. 63 for a 64-token window).
         cache: record only the passes whose ``past_key_values`` is this object (None: all).
     """
@@ -78,7 +79,7 @@ class HiddenStateRecorder:
         self,
         model: PreTrainedModel,
         layers: Sequence[int],
-        scorer: ScoreFunction,
+        scorer: ScoreFunction | None = None,
         *,
         context: int = 0,
         cache: object | None = None,
@@ -126,6 +127,8 @@ class HiddenStateRecorder:
         self._score_new_tokens()
 
     def _score_new_tokens(self) -> None:
+        if self.scorer is None:
+            return
         ready = min(_length(self.changes[i]) for i in self.layers)
         start = self.scored
         if ready <= start:

@@ -9,6 +9,9 @@ Three paths over the same model and the same random prompt of each length:
 * ``attention-requiring``: kvevict's path for attention scorers: SDPA plus ``h2o``'s column sums
   computed in query chunks (``chunk × n`` per head, never ``n × n``), evicting to half the prompt.
 
+Every pass computes the logits of the last token only (``logits_to_keep=1``, as ``generate``
+does at prefill), so the vocabulary-sized logits of every position do not mask the difference.
+
 Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` above the memory in use before the
 pass. On CPU, :class:`LiveTensorBytes` — a ``TorchDispatchMode`` that adds the bytes of every
 tensor storage an operator creates during the pass and subtracts them when the last tensor on
@@ -116,13 +119,13 @@ def _run_path(model: PreTrainedModel, path: str, ids: torch.Tensor) -> None:
 
     if path == "eager-attentions":
         _use_kernel(model, "eager")
-        output = model(input_ids=ids, output_attentions=True, use_cache=False)
+        output = model(input_ids=ids, output_attentions=True, use_cache=False, logits_to_keep=1)
         assert output.attentions is not None and output.attentions[0].shape[-1] == ids.shape[-1]
         return
     _use_kernel(model, "sdpa")
     policy, budget = ("epikv", ids.shape[-1]) if path == "attention-free" else ("h2o", max(1, ids.shape[-1] // 2))
     with EvictionCache(model, policy, budget=budget) as cache:
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
 
 
 def measure_peak(model: PreTrainedModel, path: str, length: int, seed: int = 0) -> tuple[int, float, str]:
