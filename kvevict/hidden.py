@@ -23,6 +23,7 @@ with its cache: the hooks hold only a weak reference to the recorder.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -100,9 +101,26 @@ class HiddenStateRecorder:
         self.scores = torch.empty(0)
         """Frozen per-token scores ``[B, T]`` of the first ``T`` positions."""
         self._last: dict[int, torch.Tensor] = {}
+        self._modules = {i: modules[i] for i in wanted}
+        self._install()
+
+    def _install(self) -> None:
         me = weakref.ref(self)
-        handles = [modules[i].register_forward_hook(_hook(me, i), with_kwargs=True) for i in wanted]
+        handles = [module.register_forward_hook(_hook(me, i), with_kwargs=True) for i, module in self._modules.items()]
         self._finalizer = weakref.finalize(self, _remove, handles)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> HiddenStateRecorder:
+        """A copy with its own hooks, recording for the copy of its cache (``copy.deepcopy`` of an
+        ``EvictionCache`` maps the cache to its copy in ``memo``) and sharing the model."""
+        twin = copy.copy(self)
+        twin.changes = {i: t.clone() for i, t in self.changes.items()}
+        twin.scores = self.scores.clone()
+        twin._last = {i: t.clone() for i, t in self._last.items()}
+        if self._cache is not None:
+            cache = self._cache()
+            twin._cache = weakref.ref(memo.get(id(cache), cache))
+        twin._install()
+        return twin
 
     @property
     def active(self) -> bool:

@@ -1,3 +1,4 @@
+import copy
 import gc
 import itertools
 
@@ -96,3 +97,18 @@ def test_bad_layers_and_unsupported_models_are_refused() -> None:
         HiddenStateRecorder(model, [5], lambda changes: changes[5])
     with pytest.raises(TypeError, match="cannot find the decoder layers of Linear"):
         decoder_layers(torch.nn.Linear(2, 2))
+
+
+def test_a_deep_copy_of_the_cache_records_its_own_passes() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, kvevict.make_policy("epikv", layers=(0, 1)), budget=64)
+    with torch.no_grad():
+        model(input_ids=prompt(10), past_key_values=cache)
+        twin = copy.deepcopy(cache)
+        assert hooks(model) == [2, 2]
+        model(input_ids=torch.tensor([[5]]), past_key_values=twin)
+    assert twin.hidden.scored == 11 and cache.hidden.scored == 10
+    assert torch.equal(twin.hidden.scores[:, :10], cache.hidden.scores)
+    del twin
+    gc.collect()
+    assert hooks(model) == [1, 1]
