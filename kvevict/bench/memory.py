@@ -7,7 +7,10 @@ Three paths over the same model and the same random prompt of each length:
 * ``attention-free``: kvevict's path for the EpiKV family: the SDPA kernel, an
   :class:`~kvevict.cache.EvictionCache` under ``epikv`` whose hooks read the hidden states;
 * ``attention-requiring``: kvevict's path for attention scorers: SDPA plus ``h2o``'s column sums
-  computed in query chunks (``chunk × n`` per head, never ``n × n``), evicting to half the prompt.
+  computed in query chunks (``chunk × n`` per head, never ``n × n``).
+
+Both kvevict paths keep the whole prompt (decode-time eviction), so they differ only by what
+scoring costs during the pass.
 
 Every pass computes the logits of the last token only (``logits_to_keep=1``, as ``generate``
 does at prefill), so the vocabulary-sized logits of every position do not mask the difference.
@@ -22,7 +25,8 @@ workspaces inside fused kernels.
 A length is not run for a path when the previous lengths predict it over ``--memory-cap``
 (peak grows at most quadratically: ``peak(n) ≤ peak(m)·(n/m)²``), and a path stops after its
 first measured peak over the cap. The longest feasible length per path is the longest measured
-one under the cap, and an extrapolation from a fit ``a + b·n + c·n²`` over the measured points.
+one under the cap, and an extrapolation from a fit ``a + b·n + c·n²`` over the measured points
+(``c·n²`` through the longest point when fewer than 3 were measured).
 Results go to ``OUT/memory.jsonl`` one line per (path, length) as soon as measured; a rerun
 skips what is there.
 """
@@ -116,6 +120,7 @@ def _use_kernel(model: PreTrainedModel, kernel: str) -> None:
 @torch.inference_mode()
 def _run_path(model: PreTrainedModel, path: str, ids: torch.Tensor) -> None:
     from kvevict.cache import EvictionCache
+    from kvevict.policies import make_policy
 
     if path == "eager-attentions":
         _use_kernel(model, "eager")
@@ -123,8 +128,9 @@ def _run_path(model: PreTrainedModel, path: str, ids: torch.Tensor) -> None:
         assert output.attentions is not None and output.attentions[0].shape[-1] == ids.shape[-1]
         return
     _use_kernel(model, "sdpa")
-    policy, budget = ("epikv", ids.shape[-1]) if path == "attention-free" else ("h2o", max(1, ids.shape[-1] // 2))
-    with EvictionCache(model, policy, budget=budget) as cache:
+    # both keep the whole prompt, so they differ only by what scoring costs during the pass
+    policy = make_policy("epikv") if path == "attention-free" else make_policy("h2o", regime="decode")
+    with EvictionCache(model, policy, budget=ids.shape[-1]) as cache:
         model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
 
 
@@ -158,11 +164,15 @@ def predicted_over_cap(measured: Sequence[tuple[int, int]], length: int, cap_byt
 
 def longest_feasible(measured: Sequence[tuple[int, int]], cap_bytes: int) -> tuple[int | None, int | None]:
     """(longest measured length under the cap, extrapolated longest length from a fit
-    ``a + b·n + c·n²``; None without 3 points or when the fit never reaches the cap)."""
+    ``a + b·n + c·n²`` — from ``c·n²`` through the longest point with fewer than 3 points;
+    None when the fit never reaches the cap)."""
     within = [length for length, peak in measured if peak <= cap_bytes]
     longest = max(within) if within else None
-    if len(measured) < 3:
+    if not measured:
         return longest, None
+    if len(measured) < 3:  # too few points to fit: quadratic growth from the longest one
+        length, peak = max(measured)
+        return longest, int(length * math.sqrt(cap_bytes / peak))
     lengths, peaks = (np.array(v, dtype=float) for v in zip(*sorted(measured)))
     c, b, a = np.polyfit(lengths, peaks, 2)
     roots = [r.real for r in np.roots([c, b, a - cap_bytes]) if abs(r.imag) < 1e-9 and r.real > 0]

@@ -26,6 +26,7 @@ def test_live_tensor_bytes_counts_allocations_until_freed() -> None:
 def test_feasibility_from_the_cap() -> None:
     points = [(n, 100 + n + n * n) for n in (10, 20, 40)]
     assert longest_feasible(points, 2000) == (40, 43)  # 100 + n + n² = 2000 at n ≈ 43.1
+    assert longest_feasible(points[:2], 2000) == (20, int(20 * (2000 / 520) ** 0.5))
     assert predicted_over_cap(points, 80, 5000) and not predicted_over_cap(points, 50, 5000)
 
 
