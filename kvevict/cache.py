@@ -14,12 +14,15 @@ causal mask is exact and ``model.generate(..., past_key_values=cache)`` just wor
 
 from __future__ import annotations
 
+from typing import Self
+
 import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
 
 from kvevict import attention
 from kvevict.budgets import Budget
+from kvevict.hidden import HiddenStateRecorder
 from kvevict.models import check_supported
 from kvevict.policies import Policy, make_policy
 from kvevict.policies.base import Phase
@@ -243,6 +246,17 @@ class EvictionCache(Cache):
         attention.install(model)
         config = model.config.get_text_config(decoder=True)
         self.policy.bind(config)
+        self.shared: dict[str, object] = {}
+        """Per-cache policy data shared across layers (e.g. ThinKV's per-token entropy)."""
+        hidden_layers = self.policy.hidden_layers(config.num_hidden_layers)
+        self.hidden = (
+            HiddenStateRecorder(
+                model, hidden_layers, self.policy.hidden_scores, context=self.policy.hidden_context, cache=self
+            )
+            if hidden_layers
+            else None
+        )
+        """Hooks on the decoder layers the policy reads (:mod:`kvevict.hidden`); None if it reads none."""
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
         layers = [
             EvictionLayer(self, i) if kind == "full_attention" else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
@@ -252,6 +266,17 @@ class EvictionCache(Cache):
 
     def __repr__(self) -> str:
         return f"EvictionCache(policy={self.policy!r}, {self.budget}, interval={self.interval})"
+
+    def close(self) -> None:
+        """Remove the hidden-state hooks from the model (also done on garbage collection)."""
+        if self.hidden is not None:
+            self.hidden.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def eviction_layers(self) -> list[EvictionLayer]:

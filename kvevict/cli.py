@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="run tasks × policies × budgets into a results directory",
         description="Run every task × policy × budget; one JSON line per sample in OUT/results.jsonl. "
-        "Resumable: finished samples are skipped when the same command runs again.",
+        "Resumable: finished samples are skipped when the same command runs again. "
+        "`kvevict bench memory --help`: the prefill peak-memory microbenchmark.",
     )
     bench.add_argument("tasks", type=_names, help="comma-separated task names (see `kvevict tasks`)")
     bench.add_argument("--policies", type=_names, default=("full",), help="comma-separated policies (default: full)")
@@ -185,7 +186,27 @@ def _directional_parser(analyses: argparse._SubParsersAction) -> None:
     directional.set_defaults(run=_analyze_directional)
 
 
-ANALYSES = (_recurrence_parser, _heads_parser, _perturbation_parser, _directional_parser)
+def _importance_parser(analyses: argparse._SubParsersAction) -> None:
+    importance = analyses.add_parser(
+        "importance",
+        help="EpiKV's counterfactual importance labels and per-layer Spearman rho of the hidden-state change",
+        description="Greedy step-by-step answers to seeded arithmetic problems; sliding occlusion (window 32, "
+        "stride 16) over the reasoning span with greedy regeneration of the answer labels a token 1 when a covering "
+        "window flips it; then per-layer Spearman rho of the rolling-64 hidden-state change (and its rolling "
+        "z-score) against the labels (EpiKV Appendix A). Writes OUT/labels.jsonl (resumable), labels.csv, "
+        "importance.csv, importance.json and importance.png.",
+    )
+    importance.add_argument("--samples", type=int, default=4, help="problems to label (default: 4)")
+    importance.add_argument("--max-new-tokens", type=int, default=96, help="reasoning + answer tokens (default: 96)")
+    importance.add_argument("--seed", type=int, default=0, help="seed of the generated problems (default: 0)")
+    importance.add_argument(
+        "--out", type=Path, default=Path("results/importance"), help="output directory (default: results/importance)"
+    )
+    _model_args(importance)
+    importance.set_defaults(run=_analyze_importance)
+
+
+ANALYSES = (_recurrence_parser, _heads_parser, _perturbation_parser, _directional_parser, _importance_parser)
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -396,10 +417,35 @@ def _analyze_directional(args: argparse.Namespace) -> int:
         )
     if args.plot:
         print(f"plot: {analysis.plot_directional(layers, args.plot, title)}", file=sys.stderr)
+
+
+def _analyze_importance(args: argparse.Namespace) -> int:
+    from kvevict import load_model
+    from kvevict.analysis import importance as analysis
+
+    if args.samples < 1 or args.max_new_tokens < 2:
+        raise ValueError("--samples must be >= 1 and --max-new-tokens >= 2")
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    samples = analysis.run_importance(
+        model, tokenizer, args.out, samples=args.samples, max_new_tokens=args.max_new_tokens, seed=args.seed
+    )
+    result = analysis.summary(samples, args.model)
+    print(analysis.format_summary(result))
+    for path in analysis.write_outputs(samples, result, args.out):
+        print(f"wrote {path}", file=sys.stderr)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "memory"]:  # a subcommand beside bench's positional task list
+        from kvevict.bench import memory
+
+        try:
+            return memory.main(argv[2:])
+        except (ValueError, FileNotFoundError) as err:
+            print(f"kvevict bench memory: error: {err}", file=sys.stderr)
+            return EXIT_USAGE
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {

@@ -66,6 +66,11 @@ def build_policy(name: str, **params):
     return kvevict.make_policy(name, **params)
 
 
+def kept_indices(mask: torch.Tensor) -> list[list[list[int]]]:
+    """The indices a keep mask ``[B, H, n]`` retains, per batch and head."""
+    return [[head.nonzero().flatten().tolist() for head in batch] for batch in mask]
+
+
 def prompt(length: int, seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (1, length), generator=generator)

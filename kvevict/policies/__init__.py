@@ -11,13 +11,16 @@ from __future__ import annotations
 from kvevict.policies.allocation import AdaKV, HeadKV, PyramidKV
 from kvevict.policies.base import Policy, Requirements, Signals, Wrapper, group_reduce
 from kvevict.policies.critical import Critical
+from kvevict.policies.epikv import AttnXHS, BandAdaptive, EpiKV, HSVariance
 from kvevict.policies.h2o import H2O
+from kvevict.policies.kvvar import KVKeyVariance, KVValueVariance, LagKV, LagKVDecode
 from kvevict.policies.lazyeviction import LazyEviction
 from kvevict.policies.momentkv import MomentKV, MomentNC
 from kvevict.policies.raas import RaaS
 from kvevict.policies.rkv import RKV
 from kvevict.policies.simple import Full, KNorm, Random, StreamingLLM
 from kvevict.policies.snapkv import SnapKV
+from kvevict.policies.thinkv import SegmentHS, ThinKV
 from kvevict.policies.tova import TOVA
 
 _CLASSES: tuple[type[Policy], ...] = (
@@ -32,6 +35,16 @@ _CLASSES: tuple[type[Policy], ...] = (
     RaaS,
     RKV,
     MomentKV,
+    HSVariance,
+    EpiKV,
+    BandAdaptive,
+    KVKeyVariance,
+    KVValueVariance,
+    LagKVDecode,
+    LagKV,
+    ThinKV,
+    AttnXHS,
+    SegmentHS,
 )
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in _CLASSES}
 _WRAPPERS: tuple[type[Wrapper], ...] = (Critical, AdaKV, PyramidKV, HeadKV, MomentNC)

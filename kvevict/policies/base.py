@@ -161,6 +161,20 @@ class Policy:
     def bind(self, config: PretrainedConfig) -> None:
         """Adapt model-dependent defaults to the decoder's config (called once per cache)."""
 
+    # -- hidden states (the EpiKV family; see kvevict.hidden) -----------------------
+    hidden_context: int = 0
+    """Earlier tokens the hidden-state score of a token depends on (e.g. a rolling window − 1)."""
+
+    def hidden_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Decoder layers whose outputs the policy reads; the cache hooks only these (none by default)."""
+        return ()
+
+    def hidden_scores(self, changes: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Per-token scores ``[B, m]`` of ``m`` consecutive tokens from their hidden-state changes
+        ``{layer: [B, m]}``; the first ``hidden_context`` tokens are only history. Computed once
+        per token, then frozen (read them with ``layer.owner.hidden.lookup(layer.positions)``)."""
+        raise NotImplementedError(f"{self.name} reads no hidden states")
+
     # -- the hooks a method overrides ----------------------------------------------
     def requirements(self, phase: Phase, evicting: bool) -> Requirements:
         """Signals needed for a pass in ``phase`` (``evicting``: this pass ends with an
@@ -256,6 +270,16 @@ class Wrapper(Policy):
     @property
     def corrects_output(self) -> bool:  # type: ignore[override]
         return self.inner.corrects_output
+
+    @property
+    def hidden_context(self) -> int:  # type: ignore[override]
+        return self.inner.hidden_context
+
+    def hidden_layers(self, num_layers: int) -> tuple[int, ...]:
+        return self.inner.hidden_layers(num_layers)
+
+    def hidden_scores(self, changes: dict[int, torch.Tensor]) -> torch.Tensor:
+        return self.inner.hidden_scores(changes)
 
     def params(self) -> dict[str, object]:
         own = {k: v for k, v in vars(self).items() if not k.startswith("_") and k != "inner"}

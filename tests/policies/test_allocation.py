@@ -80,3 +80,12 @@ def test_composition_errors_name_what_is_allowed() -> None:
     policy = kvevict.make_policy("critical+adakv+snapkv", critical={"alpha": 0.0}, window=16)
     assert policy.name == "critical+adakv+snapkv" and policy.alpha == 0.0 and policy.window == 16
     assert kvevict.make_policy("pyramidkv").name == "pyramidkv+snapkv"
+
+
+def test_wrappers_keep_the_hidden_state_hooks_of_what_they_wrap() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "critical+epikv", budget=40)
+    assert cache.hidden is not None and cache.policy.hidden_context == kvevict.make_policy("epikv").hidden_context
+    sequences, _ = greedy(model, prompt(20), cache, new_tokens=30)
+    assert cache.hidden.scored == sequences.shape[1] - 1
+    cache.close()

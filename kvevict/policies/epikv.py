@@ -1,0 +1,260 @@
+"""The hidden-state family of EpiKV (Kolawole & Smith, "Epiphany-Aware KV Cache Eviction
+Without the Attention Matrix", seed 000, §3.2–3.3; DESIGN §3 "EpiKV family").
+
+Signal (Eq. 1): ``g_l(t) = ‖h_l(t) − h_l(t−1)‖₂``, read by forward hooks on the decoder
+layers a policy names (:mod:`kvevict.hidden`). Every score is computed once, when its token
+has passed every hooked layer, then frozen; the policies read no attention at all (except the
+hybrid ``attn-x-hs``), so they run unchanged on SDPA and FlashAttention kernels.
+
+Bands (DESIGN §3): for a 32-layer model A = layer 10 (band 7–13), B = layer 21 (band 18–25).
+For ``L`` layers each index ``l`` becomes ``round(l·L/32)``, halves rounded up
+(``(2·l·L + 32) // 64``), clipped to ``L − 1``: 30 layers → A = 9 (7–12), B = 20 (17–23).
+
+Rolling statistics run over the whole sequence, prompt included, trailing and causal: the
+window of token ``t`` is the last ``min(t + 1, w)`` values up to and including ``g(t)``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvevict.policies.base import Phase, Regime, Requirements, Signals
+from kvevict.policies.h2o import ACCUMULATED, H2O
+from kvevict.policies.selection import PromptKeeping
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from kvevict.cache import EvictionLayer
+
+ROLLING = 64
+EPSILON = 1e-6
+REFERENCE_DEPTH = 32
+LAYER_A, LAYER_B = 10, 21
+BAND_A, BAND_B = (7, 13), (18, 25)
+
+
+# -- rolling statistics (pure functions over the last dimension) ------------------------------
+def _rolling_sums(x: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Trailing-window sums of ``x`` and ``x²`` and the window sizes, in float64."""
+    if window < 1:
+        raise ValueError(f"rolling window must be >= 1, got {window}")
+    x = x.double()
+    t = torch.arange(x.shape[-1], device=x.device)
+    start = (t + 1 - window).clamp(min=0)
+    count = (t + 1 - start).double()
+
+    def sums(values: torch.Tensor) -> torch.Tensor:
+        cumulative = torch.nn.functional.pad(values.cumsum(dim=-1), (1, 0))
+        return cumulative[..., t + 1] - cumulative[..., start]
+
+    return sums(x), sums(x * x), count
+
+
+def rolling_mean(x: torch.Tensor, window: int = ROLLING) -> torch.Tensor:
+    """Mean of the trailing ``window`` values, the current one included (fewer at the start)."""
+    total, _, count = _rolling_sums(x, window)
+    return (total / count).float()
+
+
+def rolling_zscore(x: torch.Tensor, window: int = ROLLING, eps: float = EPSILON) -> torch.Tensor:
+    """Eq. 3: ``(x(t) − μ(t)) / (σ(t) + ε)`` over the trailing ``window`` values, the current
+    one included; ``σ`` is the population standard deviation."""
+    total, squares, count = _rolling_sums(x, window)
+    mean = total / count
+    std = (squares / count - mean * mean).clamp(min=0).sqrt()
+    return ((x.double() - mean) / (std + eps)).float()
+
+
+# -- layers -------------------------------------------------------------------------------------
+def scale_layer(layer: int, num_layers: int) -> int:
+    """Layer ``layer`` of a 32-layer model mapped to a ``num_layers``-layer one (round half up)."""
+    return min(num_layers - 1, (2 * layer * num_layers + REFERENCE_DEPTH) // (2 * REFERENCE_DEPTH))
+
+
+def scale_band(band: tuple[int, int], num_layers: int) -> tuple[int, ...]:
+    """The layers of a band ``(first, last)`` of a 32-layer model, scaled to ``num_layers``."""
+    first, last = (scale_layer(layer, num_layers) for layer in band)
+    return tuple(range(first, last + 1))
+
+
+def _check_layers(name: str, layers: tuple[int, ...] | None, count: int | None = None) -> None:
+    if layers is None:
+        return
+    ok = isinstance(layers, (tuple, list)) and all(isinstance(i, int) and i >= 0 for i in layers)
+    if not ok or (count is not None and len(layers) != count) or not layers:
+        shape = f"{count} layer indices" if count else "layer indices"
+        raise ValueError(f"{name}: expected {shape} (ints >= 0) or None (scaled defaults), got {layers!r}")
+
+
+# -- policies -----------------------------------------------------------------------------------
+class HiddenStatePolicy(PromptKeeping):
+    """Base of the hidden-state policies: prompt and recent window kept, the rest by the
+    frozen per-token score (unscored tokens, i.e. the one in flight, count as ``+inf``)."""
+
+    def __init__(self, *, rolling: int = ROLLING, window: int | None = None, regime: Regime | None = None):
+        if isinstance(rolling, bool) or not isinstance(rolling, int) or rolling < 1:
+            raise ValueError(
+                f"{self.name}: rolling must be an integer >= 1 (window of the statistics), got {rolling!r}"
+            )
+        super().__init__(window=window, regime=regime)
+        self.rolling = rolling
+
+    @property
+    def hidden_context(self) -> int:
+        return self.rolling - 1
+
+    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+        return layer.owner.hidden.lookup(layer.positions)
+
+
+class HSVariance(HiddenStatePolicy):
+    """HS-variance (Eq. 2): ``s(t) = ḡ_A(t) − ḡ_B(t)``, rolling means over 64 tokens.
+
+    Args:
+        layers: ``(A, B)`` decoder layers (default: 10 and 21 scaled to the model's depth).
+        rolling: window of the rolling statistics (64).
+        window: recent tokens kept (None: ``min(128, K/4)``); the prompt is kept while it fits.
+    """
+
+    name = "hs-variance"
+    summary = "keep prompt + recent; rank decode tokens by rolling-mean hidden-state change g_A - g_B (EpiKV)"
+
+    def __init__(
+        self,
+        *,
+        layers: tuple[int, int] | None = None,
+        rolling: int = ROLLING,
+        window: int | None = None,
+        regime: Regime | None = None,
+    ):
+        _check_layers(self.name, layers, count=2)
+        super().__init__(rolling=rolling, window=window, regime=regime)
+        self.layers = None if layers is None else tuple(layers)
+        self._pair = (LAYER_A, LAYER_B)
+
+    def bind(self, config: PretrainedConfig) -> None:
+        depth = config.num_hidden_layers
+        self._pair = self.layers or (scale_layer(LAYER_A, depth), scale_layer(LAYER_B, depth))
+
+    def hidden_layers(self, num_layers: int) -> tuple[int, ...]:
+        return self._pair
+
+    def hidden_scores(self, changes: dict[int, torch.Tensor]) -> torch.Tensor:
+        a, b = self._pair
+        return rolling_mean(changes[a], self.rolling) - rolling_mean(changes[b], self.rolling)
+
+
+class EpiKV(HSVariance):
+    """EpiKV (Eq. 3), the paper's primary method: ``s(t) = z_A(t) − z_B(t)`` where ``z_l`` is
+    the causal rolling z-score of ``g_l`` over the trailing 64 values (current included,
+    population std + 1e-6), which removes the positional trend of the raw signal."""
+
+    name = "epikv"
+    summary = "keep prompt + recent; rank decode tokens by rolling z-score of hidden-state change z_A - z_B"
+
+    def hidden_scores(self, changes: dict[int, torch.Tensor]) -> torch.Tensor:
+        a, b = self._pair
+        return rolling_zscore(changes[a], self.rolling) - rolling_zscore(changes[b], self.rolling)
+
+
+class BandAdaptive(HiddenStatePolicy):
+    """Band-adaptive: the bands averaged, ``s(t) = mean_{l∈A} z_l(t) − mean_{l∈B} z_l(t)``
+    (each layer z-scored before averaging, so no layer dominates by its magnitude).
+
+    Args:
+        bands: ``(band A layers, band B layers)`` (default: 7–13 and 18–25 scaled to the depth).
+    """
+
+    name = "band-adaptive"
+    summary = "keep prompt + recent; rank by mean rolling z-score of band A (7-13) minus band B (18-25)"
+
+    def __init__(
+        self,
+        *,
+        bands: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+        rolling: int = ROLLING,
+        window: int | None = None,
+        regime: Regime | None = None,
+    ):
+        if bands is not None:
+            if not isinstance(bands, (tuple, list)) or len(bands) != 2:
+                raise ValueError(f"{self.name}: bands must be (band A layers, band B layers), got {bands!r}")
+            for band in bands:
+                _check_layers(self.name, band)
+        super().__init__(rolling=rolling, window=window, regime=regime)
+        self.bands = None if bands is None else (tuple(bands[0]), tuple(bands[1]))
+        self._bands: tuple[tuple[int, ...], tuple[int, ...]] = (tuple(range(7, 14)), tuple(range(18, 26)))
+
+    def bind(self, config: PretrainedConfig) -> None:
+        depth = config.num_hidden_layers
+        self._bands = self.bands or (scale_band(BAND_A, depth), scale_band(BAND_B, depth))
+
+    def hidden_layers(self, num_layers: int) -> tuple[int, ...]:
+        return tuple(sorted({*self._bands[0], *self._bands[1]}))
+
+    def hidden_scores(self, changes: dict[int, torch.Tensor]) -> torch.Tensor:
+        def band(layers: tuple[int, ...]) -> torch.Tensor:
+            return torch.stack([rolling_zscore(changes[i], self.rolling) for i in layers]).mean(dim=0)
+
+        return band(self._bands[0]) - band(self._bands[1])
+
+
+def standardize(x: torch.Tensor, eps: float = EPSILON) -> torch.Tensor:
+    """``(x − mean) / (std + eps)`` over the last dimension (population std), fp32."""
+    x = x.float()
+    return (x - x.mean(dim=-1, keepdim=True)) / (x.std(dim=-1, correction=0, keepdim=True) + eps)
+
+
+class AttnXHS(HiddenStatePolicy):
+    """Attn×HS, the attention + hidden-state hybrid of seed 000 (Table 1): cumulative
+    attention (H2O's, prompt column sums included, GQA mean) plus ``z_A``.
+
+    The two live on different scales, so the cumulative attention is standardised over the
+    entries of each KV head at eviction time: ``score = standardize(Σ attention) + z_A``.
+    Attention-requiring (column sums in chunks, never an n×n matrix). Prompt and recent
+    window kept as in the rest of the family.
+
+    Args:
+        layer: the band-A layer (default 10 scaled to the depth).
+    """
+
+    name = "attn-x-hs"
+    summary = "keep prompt + recent; rank by standardised cumulative attention + z_A (hybrid)"
+
+    def __init__(
+        self,
+        *,
+        layer: int | None = None,
+        rolling: int = ROLLING,
+        window: int | None = None,
+        regime: Regime | None = None,
+    ):
+        _check_layers(self.name, None if layer is None else (layer,))
+        super().__init__(rolling=rolling, window=window, regime=regime)
+        self.layer = layer
+        self._layer = LAYER_A
+        self._cumulative = H2O(sinks=0)
+
+    def bind(self, config: PretrainedConfig) -> None:
+        self._layer = scale_layer(LAYER_A, config.num_hidden_layers) if self.layer is None else self.layer
+
+    def hidden_layers(self, num_layers: int) -> tuple[int, ...]:
+        return (self._layer,)
+
+    def hidden_scores(self, changes: dict[int, torch.Tensor]) -> torch.Tensor:
+        return rolling_zscore(changes[self._layer], self.rolling)
+
+    def requirements(self, phase: Phase, evicting: bool) -> Requirements:
+        return Requirements(column_sums=True)
+
+    def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
+        return self._cumulative.new_tokens(layer, num_new)
+
+    def observe(self, layer: EvictionLayer, signals: Signals) -> None:
+        self._cumulative.observe(layer, signals)
+
+    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+        return standardize(layer.state[ACCUMULATED]) + super().score(layer, signals)

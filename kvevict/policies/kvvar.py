@@ -1,0 +1,202 @@
+"""The KV-vector family of EpiKV (seed 000, §3.3) and LagKV (Liang et al., 2025, "LagKV:
+Lag-Relative Information of the KV Cache Tells Which Tokens Are Important"; DESIGN §3).
+
+All of them read only the cached keys and values (post-RoPE keys; the paper finds pre- vs
+post-RoPE statistics make no difference), never attention:
+
+* ``kv-key-var`` / ``kv-val-var`` (decode): the variance of a token's key / value vector
+  over the head dimension, rolling mean over the trailing 64 tokens, per KV head.
+* ``lag-kv`` (decode, causal): each key and value is min-max normalised per channel by the
+  range of the *previous* complete chunk of ``lag`` tokens, then the variances are summed and
+  smoothed the same way.
+* ``lagkv`` (prefill, the original): chunks of ``lag`` tokens after the sinks, normalised by
+  the *next* chunk's range; score = softmax within the chunk of the std over the head
+  dimension, keys plus values; the top fraction of every chunk is kept.
+
+Decode scores are computed once, when the token enters the cache, and frozen (per-token
+state, gathered with the entries); the history they need lives in the layer's ``memo``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvevict.policies.base import Policy, Regime, Signals
+from kvevict.policies.epikv import EPSILON, ROLLING, rolling_mean
+from kvevict.policies.selection import PromptKeeping, select_by_tiers, within_group_rank
+
+if TYPE_CHECKING:
+    from kvevict.cache import EvictionLayer
+
+SCORE = "kv_score"
+HISTORY = "kv_history"
+LAG = 128
+
+
+def head_variance(x: torch.Tensor) -> torch.Tensor:
+    """Population variance over the head dimension, ``[B, H, n, d]`` → ``[B, H, n]`` fp32."""
+    return x.float().var(dim=-1, correction=0)
+
+
+def min_max_normalize(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """``(x − low) / (high − low + ε)`` per channel."""
+    return (x - low) / (high - low + EPSILON)
+
+
+class RollingKVStatistic(PromptKeeping):
+    """Base of the decode-time KV-vector policies: a raw per-token statistic of the new
+    entries, smoothed by a trailing rolling mean, frozen as per-token state."""
+
+    def __init__(self, *, rolling: int = ROLLING, window: int | None = None, regime: Regime | None = None):
+        if isinstance(rolling, bool) or not isinstance(rolling, int) or rolling < 1:
+            raise ValueError(f"{self.name}: rolling must be an integer >= 1 (window of the mean), got {rolling!r}")
+        super().__init__(window=window, regime=regime)
+        self.rolling = rolling
+
+    def raw(self, layer: EvictionLayer, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """The statistic of the new entries ``[B, H, n, d]`` → ``[B, H, n]`` fp32."""
+        raise NotImplementedError
+
+    def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
+        raw = self.raw(layer, layer.keys[:, :, -num_new:], layer.values[:, :, -num_new:])
+        history = layer.memo.get(HISTORY)
+        series = raw if history is None else torch.cat([history, raw], dim=-1)
+        layer.memo[HISTORY] = series[..., series.shape[-1] - min(series.shape[-1], self.rolling - 1) :]
+        return {SCORE: rolling_mean(series, self.rolling)[..., -num_new:]}
+
+    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+        return layer.state[SCORE]
+
+
+class KVKeyVariance(RollingKVStatistic):
+    """KV-key var: rolling mean (64) of the variance of the key over the head dimension."""
+
+    name = "kv-key-var"
+    summary = "keep prompt + recent; rank decode tokens by rolling-mean key variance (EpiKV KV family)"
+
+    def raw(self, layer: EvictionLayer, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return head_variance(keys)
+
+
+class KVValueVariance(RollingKVStatistic):
+    """KV-val var: rolling mean (64) of the variance of the value over the head dimension."""
+
+    name = "kv-val-var"
+    summary = "keep prompt + recent; rank decode tokens by rolling-mean value variance (EpiKV KV family)"
+
+    def raw(self, layer: EvictionLayer, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return head_variance(values)
+
+
+def lag_normalize(x: torch.Tensor, first: int, lag: int, ranges: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Causal lag normalisation of the entries at positions ``first, first + 1, ...``
+    (``x`` ``[B, H, n, d]``): chunk ``c`` (positions ``c·lag ..``) is normalised per channel by
+    the min-max range of chunk ``c − 1``; chunk 0, which has no predecessor, by its own running
+    range up to the token. ``ranges`` carries ``previous_low/high`` (the last complete chunk)
+    and ``running_low/high`` (the current one) between calls and is updated in place."""
+    x = x.float()
+    out = torch.empty_like(x)
+    start = 0
+    while start < x.shape[2]:
+        position = first + start
+        stop = min(x.shape[2], start + lag - position % lag)  # the end of this chunk in the pass
+        part = x[:, :, start:stop]
+        low, high = part.cummin(dim=2).values, part.cummax(dim=2).values
+        if "running_low" in ranges:
+            low = torch.minimum(low, ranges["running_low"][:, :, None])
+            high = torch.maximum(high, ranges["running_high"][:, :, None])
+        if "previous_low" in ranges:
+            out[:, :, start:stop] = min_max_normalize(
+                part, ranges["previous_low"][:, :, None], ranges["previous_high"][:, :, None]
+            )
+        else:
+            out[:, :, start:stop] = min_max_normalize(part, low, high)
+        ranges["running_low"], ranges["running_high"] = low[:, :, -1], high[:, :, -1]
+        if (first + stop) % lag == 0:  # the chunk is complete: it becomes the reference
+            ranges["previous_low"], ranges["previous_high"] = ranges.pop("running_low"), ranges.pop("running_high")
+        start = stop
+    return out
+
+
+class LagKVDecode(RollingKVStatistic):
+    """Lag-KV (decode, causal; seed 000 §3.3): keys and values normalised by the previous
+    chunk's per-channel range (:func:`lag_normalize`), score = rolling mean (64) of
+    ``var(k̂) + var(v̂)``.
+
+    Args:
+        lag: chunk length (128, as LagKV).
+    """
+
+    name = "lag-kv"
+    summary = "keep prompt + recent; rank by rolling variance of K,V normalised by the previous chunk's range"
+
+    def __init__(
+        self, *, lag: int = LAG, rolling: int = ROLLING, window: int | None = None, regime: Regime | None = None
+    ):
+        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
+            raise ValueError(f"{self.name}: lag must be an integer >= 1 (chunk length), got {lag!r}")
+        super().__init__(rolling=rolling, window=window, regime=regime)
+        self.lag = lag
+
+    def raw(self, layer: EvictionLayer, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        first = layer.seen - keys.shape[2]
+        parts = [
+            head_variance(lag_normalize(x, first, self.lag, layer.memo.setdefault(name, {})))
+            for name, x in (("lag_keys", keys), ("lag_values", values))
+        ]
+        return parts[0] + parts[1]
+
+
+def lagkv_chunk_scores(x: torch.Tensor, lag: int) -> torch.Tensor:
+    """LagKV's score of the chunks ``[B, H, m·lag, d]`` but the last: each chunk normalised
+    by the next chunk's range, std over the head dimension, softmax within the chunk →
+    ``[B, H, (m − 1)·lag]``."""
+    b, h, n, d = x.shape
+    chunks = x.float().reshape(b, h, n // lag, lag, d)
+    reference = chunks[:, :, 1:]
+    low, high = reference.amin(dim=3, keepdim=True), reference.amax(dim=3, keepdim=True)
+    spread = min_max_normalize(chunks[:, :, :-1], low, high).std(dim=-1)
+    return spread.softmax(dim=-1).reshape(b, h, -1)
+
+
+class LagKV(Policy):
+    """LagKV (prefill; Liang et al., 2025): the prompt after ``sinks`` is cut into chunks of
+    ``lag`` tokens; every chunk that has a successor is scored by
+    :func:`lagkv_chunk_scores` (keys plus values) and keeps the same share of its entries
+    (its top ranks, round-robin over chunks until the budget is full). Sinks are kept, and
+    the tail (the last full chunk, the reference of the one before, plus the partial chunk)
+    is kept next, most recent first, as it cannot be scored.
+
+    Args:
+        lag: chunk length (128). sinks: first tokens kept (4).
+    """
+
+    name = "lagkv"
+    summary = "prefill: per-chunk top share by std of K,V normalised by the next chunk's range (LagKV)"
+    regimes = ("prefill",)
+
+    def __init__(self, *, lag: int = LAG, sinks: int = 4, regime: Regime | None = None):
+        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
+            raise ValueError(f"{self.name}: lag must be an integer >= 1 (chunk length), got {lag!r}")
+        super().__init__(sinks=sinks, regime=regime)
+        self.lag = lag
+
+    def select(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
+        n = layer.length
+        chunks = max(0, (n - self.sinks) // self.lag)
+        end = self.sinks + max(0, chunks - 1) * self.lag  # scored entries: sinks .. end
+        positions = torch.arange(n, device=layer.keys.device).expand_as(layer.positions)
+        tiers = torch.where(positions < self.sinks, 3, 2).expand_as(positions).clone()
+        values = positions.float() / n  # the tail: most recent first
+        if chunks >= 2:
+            span = slice(self.sinks, self.sinks + chunks * self.lag)
+            score = lagkv_chunk_scores(layer.keys[:, :, span], self.lag) + lagkv_chunk_scores(
+                layer.values[:, :, span], self.lag
+            )
+            chunk = (positions[..., self.sinks : end] - self.sinks) // self.lag
+            tiers[..., self.sinks : end] = 1
+            # round-robin over chunks: rank inside the chunk first, the score breaks ties (< 1)
+            values[..., self.sinks : end] = -within_group_rank(chunk, score).float() + score / 4
+        return select_by_tiers(tiers, values, budget)

@@ -1,0 +1,85 @@
+"""Selection rules shared by the EpiKV paper's decode-time policies (seed 000, App. D).
+
+* :class:`PromptKeeping`: the prompt is kept whole and the recent ``min(128, K/4)`` tokens
+  are kept; the rest of the budget ``K`` goes to the top decode tokens by score.
+* :func:`within_group_rank` and :func:`select_by_tiers`: lexicographic selection (a tier
+  first, then a value), used by the per-chunk (LagKV) and per-segment (ThinKV) quotas.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvevict.policies.base import Policy, Regime, keep_top
+
+if TYPE_CHECKING:
+    from kvevict.cache import EvictionLayer
+
+MAX_RECENT = 128
+
+
+def paper_recent_window(budget: int) -> int:
+    """The recency window of every policy of the EpiKV paper: ``min(128, K/4)``."""
+    return min(MAX_RECENT, budget // 4)
+
+
+class PromptKeeping(Policy):
+    """Decode-time base: prompt kept, recent ``min(128, K/4)`` kept, top decode tokens by score.
+
+    Like RaaS, the prompt is protected only while it leaves room for the recent window
+    (``prompt + recent ≤ K``); a longer prompt is scored like the decode tokens, so every
+    budget works.
+
+    Args:
+        window: recent tokens kept (None: ``min(128, budget // 4)``).
+        regime: ``"decode"`` (the only one: these scores are made while generating).
+    """
+
+    regimes: tuple[Regime, ...] = ("decode",)
+
+    def __init__(self, *, window: int | None = None, regime: Regime | None = None):
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
+            raise ValueError(
+                f"{self.name}: window must be an integer >= 0 or None (min(128, budget // 4)), got {window!r}"
+            )
+        super().__init__(regime=regime)
+        self.window = window  # None: scales with the budget, see recent_window
+
+    def recent_window(self, budget: int) -> int:
+        return paper_recent_window(budget) if self.window is None else self.window
+
+    def keeps_prompt(self, prompt_length: int, budget: int) -> bool:
+        """Whether the prompt is protected whole at this budget."""
+        return prompt_length + self.recent_window(budget) <= budget
+
+    def protected(self, layer: EvictionLayer, budget: int) -> torch.Tensor:
+        positions = layer.positions
+        keep = positions >= layer.seen - self.recent_window(budget)
+        if self.keeps_prompt(layer.prompt_length, budget):
+            keep |= positions < layer.prompt_length
+        return keep
+
+
+def within_group_rank(groups: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Rank of each entry among the entries of its group by ``values`` (0 = highest), along
+    the last dimension; ties keep the earlier entry first. ``groups`` is an integer tensor."""
+    n = values.shape[-1]
+    by_value = values.argsort(dim=-1, descending=True, stable=True)
+    by_group = groups.gather(-1, by_value).argsort(dim=-1, stable=True)
+    order = by_value.gather(-1, by_group)  # grouped, highest value first inside a group
+    sorted_groups = groups.gather(-1, order)
+    index = torch.arange(n, device=values.device).expand_as(sorted_groups)
+    starts = sorted_groups != torch.nn.functional.pad(sorted_groups[..., :-1], (1, 0), value=-1)
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    return torch.empty_like(order).scatter_(-1, order, index - first)
+
+
+def select_by_tiers(tiers: torch.Tensor, values: torch.Tensor, budget: int) -> torch.Tensor:
+    """Keep mask ``[B, H, n]`` of the ``budget`` entries with the highest tier, ties broken
+    by the highest value (then the more recent entry)."""
+    n = values.shape[-1]
+    value_rank = values.float().argsort(dim=-1, stable=True).argsort(dim=-1)
+    key = tiers.double() * n + value_rank.double()
+    return keep_top(key, torch.full(key.shape[:2], min(budget, n), device=key.device))

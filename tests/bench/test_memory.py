@@ -1,0 +1,66 @@
+import json
+
+import pytest
+import torch
+
+from kvevict.bench import memory
+from kvevict.bench.memory import LiveTensorBytes, longest_feasible, predicted_over_cap, run_memory
+from kvevict.cli import main
+from tests.conftest import tiny_model
+
+
+def test_live_tensor_bytes_counts_allocations_until_freed() -> None:
+    with LiveTensorBytes() as tracker:
+        a = torch.zeros(1000)
+        b = a + 1
+        view = b[:10]  # same storage: not counted twice
+        del a
+        c = b * 2
+        del b, view
+    assert tracker.peak == 2 * 4000  # never more than two of a, b, c alive together
+    assert tracker.live == 4000  # c is still alive
+    del c
+    assert tracker.live == 0
+
+
+def test_feasibility_from_the_cap() -> None:
+    points = [(n, 100 + n + n * n) for n in (10, 20, 40)]
+    assert longest_feasible(points, 2000) == (40, 43)  # 100 + n + n² = 2000 at n ≈ 43.1
+    assert longest_feasible(points[:2], 2000) == (20, int(20 * (2000 / 520) ** 0.5))
+    assert predicted_over_cap(points, 80, 5000) and not predicted_over_cap(points, 50, 5000)
+
+
+def test_eager_attentions_grow_faster_than_the_attention_free_path(tmp_path) -> None:
+    model = tiny_model()
+    lengths = (64, 128, 256)
+    summary = run_memory(model, "tiny", lengths, tmp_path, cap_bytes=2**30, progress=False)
+    peak = {(r["path"], r["length"]): r["peak_bytes"] for r in summary["results"]}
+    assert len(peak) == 9
+    eager_growth = peak[("eager-attentions", 256)] / peak[("eager-attentions", 64)]
+    free_growth = peak[("attention-free", 256)] / peak[("attention-free", 64)]
+    assert eager_growth > 6 and free_growth < 5  # quadratic attention maps vs linear activations
+    assert peak[("eager-attentions", 256)] > peak[("attention-requiring", 256)] > 0
+    lines = (tmp_path / "memory.jsonl").read_text().splitlines()
+    assert len(lines) == 9 and json.loads(lines[0])["measure"].startswith("live tensor bytes")
+    # resumed: nothing is measured again; a cap below eager's peak at 128 stops that path
+    cap = peak[("eager-attentions", 128)] - 1
+    summary = run_memory(
+        model, "tiny", (*lengths, 512), tmp_path, cap_bytes=cap, paths=("eager-attentions",), progress=False
+    )
+    eager = summary["feasible"]["eager-attentions"]
+    assert eager["longest_measured"] == 64 and eager["not_run"] == [512] and 64 < eager["extrapolated"] < 128
+    assert len((tmp_path / "memory.jsonl").read_text().splitlines()) == 9
+    text = memory.format_summary(summary)
+    assert "over cap" in text and "eager-attentions: longest measured under the cap 64" in text
+    assert memory.plot_summary(summary, tmp_path / "memory.png").is_file()
+
+
+def test_bench_memory_command_line(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "memory", "--help"])
+    assert exit_info.value.code == 0 and "usage: kvevict bench memory" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "memory", "--paths", "eager"])
+    assert "unknown paths ['eager']; known paths: eager-attentions" in capsys.readouterr().err
+    assert main(["bench", "memory", "--memory-cap", "0"]) == 2
+    assert "--memory-cap must be a positive number of MiB" in capsys.readouterr().err

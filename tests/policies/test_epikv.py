@@ -1,0 +1,161 @@
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+import kvevict
+from kvevict import attention
+from kvevict.policies.base import NOTHING
+from kvevict.policies.epikv import rolling_mean, rolling_zscore, scale_band, scale_layer, standardize
+from kvevict.policies.h2o import ACCUMULATED
+from tests.conftest import greedy, kept_indices, prompt, tiny_model
+
+ATTENTION_FREE = ["hs-variance", "epikv", "band-adaptive", "kv-key-var", "kv-val-var", "lag-kv", "lagkv"]
+HIDDEN = ["hs-variance", "epikv", "band-adaptive", "attn-x-hs", "segment-hs"]
+
+
+def test_rolling_mean_and_zscore_follow_a_hand_computed_series() -> None:
+    x = torch.tensor([[1.0, 3.0, 2.0, 6.0]])
+    # window 3: [1], [1 3], [1 3 2], [3 2 6]
+    torch.testing.assert_close(rolling_mean(x, 3), torch.tensor([[1.0, 2.0, 2.0, 11 / 3]]))
+    # z: 0/(0+ε); (3-2)/1; (2-2)/σ; (6-11/3)/σ with σ² = ((3-11/3)² + (2-11/3)² + (6-11/3)²)/3 = 26/9
+    expected = torch.tensor([[0.0, 1 / (1 + 1e-6), 0.0, (6 - 11 / 3) / ((26 / 9) ** 0.5 + 1e-6)]])
+    torch.testing.assert_close(rolling_zscore(x, 3), expected)
+
+
+def test_rolling_zscore_matches_a_direct_loop_over_64_values() -> None:
+    x = torch.rand(1, 200, generator=torch.Generator().manual_seed(0)) * 10
+    z = rolling_zscore(x)
+    for t in (0, 1, 63, 64, 199):
+        window = x[0, max(0, t - 63) : t + 1].double()
+        expected = (x[0, t] - window.mean()) / (window.std(correction=0) + 1e-6)
+        assert z[0, t].item() == pytest.approx(expected.item(), abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("depth", "a", "b", "band_a", "band_b"),
+    [(32, 10, 21, range(7, 14), range(18, 26)), (30, 9, 20, range(7, 13), range(17, 24))],
+)
+def test_bands_scale_with_depth(depth: int, a: int, b: int, band_a: range, band_b: range) -> None:
+    assert (scale_layer(10, depth), scale_layer(21, depth)) == (a, b)
+    assert scale_band((7, 13), depth) == tuple(band_a) and scale_band((18, 25), depth) == tuple(band_b)
+    config = LlamaConfig(num_hidden_layers=depth)
+    epikv, bands = kvevict.make_policy("epikv"), kvevict.make_policy("band-adaptive")
+    epikv.bind(config)
+    bands.bind(config)
+    assert epikv.hidden_layers(depth) == (a, b)
+    assert bands.hidden_layers(depth) == (*band_a, *band_b)
+    configured = kvevict.make_policy("epikv", layers=(3, 4))
+    configured.bind(config)
+    assert configured.hidden_layers(depth) == (3, 4)
+
+
+def test_scores_of_the_hidden_state_family() -> None:
+    changes = {0: torch.tensor([[1.0, 3.0, 2.0]]), 1: torch.tensor([[2.0, 2.0, 8.0]])}
+    config = LlamaConfig(num_hidden_layers=2)
+    policies = {
+        "hs-variance": kvevict.make_policy("hs-variance", layers=(0, 1), rolling=2),
+        "epikv": kvevict.make_policy("epikv", layers=(0, 1), rolling=2),
+        "band-adaptive": kvevict.make_policy("band-adaptive", bands=((0,), (0, 1)), rolling=2),
+    }
+    for policy in policies.values():
+        policy.bind(config)
+    # rolling-2 means: layer 0 [1, 2, 2.5], layer 1 [2, 2, 5]
+    torch.testing.assert_close(policies["hs-variance"].hidden_scores(changes), torch.tensor([[-1.0, 0.0, -2.5]]))
+    # rolling-2 z-scores: layer 0 [0, 1, -1], layer 1 [0, 0, 1] (σ + 1e-6 in the denominators)
+    z0, z1 = torch.tensor([[0.0, 1.0, -1.0]]), torch.tensor([[0.0, 0.0, 1.0]])
+    torch.testing.assert_close(policies["epikv"].hidden_scores(changes), z0 - z1, atol=1e-5, rtol=0)
+    torch.testing.assert_close(policies["band-adaptive"].hidden_scores(changes), z0 - (z0 + z1) / 2, atol=1e-5, rtol=0)
+
+
+def fake_layer(scores: list[float], prompt_length: int, accumulated: list[float] | None = None):
+    n = len(scores)
+    recorder = SimpleNamespace(lookup=lambda positions: torch.tensor(scores)[positions])
+    return SimpleNamespace(
+        positions=torch.arange(n)[None, None],
+        seen=n,
+        prompt_length=prompt_length,
+        owner=SimpleNamespace(hidden=recorder),
+        state={} if accumulated is None else {ACCUMULATED: torch.tensor([[accumulated]])},
+        valid=None,
+        head_lengths=lambda: torch.tensor([[n]]),
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompt_length", "budget", "kept"),
+    [
+        (3, 8, [0, 1, 2, 3, 4, 5, 8, 9]),  # prompt + recent min(128, 2) + the top 3 decode scores
+        (7, 8, [0, 2, 3, 4, 5, 6, 8, 9]),  # 7 + 2 > 8: the prompt is scored like the rest
+    ],
+)
+def test_prompt_and_recent_are_kept_and_the_rest_goes_by_score(prompt_length: int, budget: int, kept) -> None:
+    scores = [0.0, -9.0, 0.5, 3.0, 2.0, 1.0, 0.9, -1.0, -5.0, -5.0]
+    policy = kvevict.make_policy("epikv")
+    assert kept_indices(policy.select(fake_layer(scores, prompt_length), None, budget)) == [[kept]]
+
+
+def test_attn_x_hs_adds_standardised_cumulative_attention_to_z_a() -> None:
+    layer = fake_layer([1.0, 0.0, -1.0, 0.0], 0, accumulated=[3.0, 1.0, 1.0, 3.0])
+    score = kvevict.make_policy("attn-x-hs").score(layer, None)
+    torch.testing.assert_close(
+        score, standardize(torch.tensor([[[3.0, 1.0, 1.0, 3.0]]])) + torch.tensor([1.0, 0, -1, 0])
+    )
+    assert standardize(torch.tensor([3.0, 1.0, 1.0, 3.0])).tolist() == pytest.approx([1, -1, -1, 1], abs=1e-5)
+
+
+def count_attention_work(monkeypatch, policy: str, attn: str = "sdpa") -> int:
+    calls = []
+    for name in ("attention_rows", "column_sums"):
+        original = getattr(attention, name)
+
+        def spy(*args, original=original, name=name, **kwargs):
+            calls.append(name)
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(attention, name, spy)
+    model = tiny_model(attn=attn)
+    cache = kvevict.EvictionCache(model, policy, budget=40)
+    greedy(model, prompt(96), cache, new_tokens=6)
+    assert max(cache.layer_lengths()) <= 46
+    return len(calls)
+
+
+@pytest.mark.parametrize("policy", ATTENTION_FREE)
+def test_attention_free_policies_do_no_attention_work(policy: str, monkeypatch) -> None:
+    assert count_attention_work(monkeypatch, policy) == 0
+    assert all(kvevict.make_policy(policy).requirements(phase, True) == NOTHING for phase in ("prefill", "decode"))
+
+
+def test_attention_requiring_policies_are_counted(monkeypatch) -> None:
+    assert count_attention_work(monkeypatch, "h2o") > 0
+    assert count_attention_work(monkeypatch, "attn-x-hs") > 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash-attn is not installed")
+@pytest.mark.parametrize("policy", ATTENTION_FREE)
+def test_attention_free_policies_run_on_flash_attention(policy: str, monkeypatch) -> None:
+    assert count_attention_work(monkeypatch, policy, attn="flash_attention_2") == 0
+
+
+def test_decode_eviction_keeps_prompt_recent_and_top_frozen_scores() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, kvevict.make_policy("epikv", layers=(0, 1), rolling=8), budget=36)
+    twin = kvevict.EvictionCache(model, kvevict.make_policy("epikv", layers=(0, 1), rolling=8), budget=10_000)
+    with torch.no_grad():
+        for c in (cache, twin):
+            model(input_ids=prompt(16), past_key_values=c)
+            for step in range(30):
+                model(input_ids=torch.tensor([[step % 50 + 3]]), past_key_values=c)
+    torch.testing.assert_close(cache.hidden.scores[:, :17], twin.hidden.scores[:, :17])  # before any eviction
+    layer = cache.layers[0]
+    positions = layer.positions[0, 0].tolist()
+    recent = 36 // 4
+    assert positions[:16] == list(range(16)) and positions[-recent:] == list(range(46 - recent, 46))
+    assert len(positions) == 36 and all(torch.equal(layer.positions, other.positions) for other in cache.layers)
+    # frozen scores: evicting the lowest each step leaves the top ones of every token that left the window
+    middle = cache.hidden.scores[0, 16 : 46 - recent]
+    expected = (middle.topk(36 - 16 - recent).indices + 16).sort().values.tolist()
+    assert positions[16:-recent] == expected
