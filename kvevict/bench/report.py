@@ -24,8 +24,10 @@ class ReportRow:
     score: float
     """Mean score × 100."""
     kv_mib: float
-    """Mean retained KV at the end of generation, MiB."""
+    """Mean KV allocated at the end of generation, MiB."""
     fidelity: dict[str, float]
+    real_mib: float | None = None
+    """Mean KV of real entries, MiB: below ``kv_mib`` where head-wise budgets pad heads."""
     peak_tokens: int = 0
     """Most entries a KV head held while decoding (budget + interval for lagged eviction)."""
     percent_of_full: float | None = None
@@ -75,6 +77,8 @@ def _row(key: tuple, members: list[dict[str, Any]]) -> ReportRow:
         samples=len(members),
         score=100 * statistics.fmean(member["score"] for member in members),
         kv_mib=statistics.fmean(member["kv_bytes_final"] for member in members) / 2**20,
+        real_mib=statistics.fmean(member.get("kv_bytes_real_final", member["kv_bytes_final"]) for member in members)
+        / 2**20,
         fidelity=_mean_fidelity(fidelity),
         peak_tokens=max(member.get("decode_peak_tokens", 0) for member in members),
     )
@@ -103,6 +107,7 @@ def _averages(rows: list[ReportRow], tasks: list[str]) -> list[ReportRow]:
                 samples=sum(member.samples for member in members),
                 score=statistics.fmean(member.score for member in members),
                 kv_mib=statistics.fmean(member.kv_mib for member in members),
+                real_mib=statistics.fmean(member.real_mib for member in members),
                 fidelity=_mean_fidelity(fidelity) if len(fidelity) == len(members) else {},
                 peak_tokens=max(member.peak_tokens for member in members),
             )
@@ -114,7 +119,9 @@ def format_report(rows: list[ReportRow]) -> str:
     """A plain-text table (fidelity columns appear when the run measured them)."""
     with_fidelity = any(row.fidelity for row in rows)
     with_peak = any(row.peak_tokens for row in rows)
+    with_padding = any(row.real_mib is not None and row.real_mib < row.kv_mib - 5e-3 for row in rows)
     header = ["task", "policy", "budget", "n", "score", "% full", "KV MiB"]
+    header += ["real MiB"] if with_padding else []
     header += ["peak tok"] if with_peak else []
     header += ["top-1", "KL", "ppl"] if with_fidelity else []
     table = []
@@ -128,6 +135,8 @@ def format_report(rows: list[ReportRow]) -> str:
             "-" if row.percent_of_full is None else f"{row.percent_of_full:.0f}%",
             f"{row.kv_mib:.2f}",
         ]
+        if with_padding:
+            cells.append(f"{row.real_mib:.2f}")
         if with_peak:
             cells.append(str(row.peak_tokens) if row.peak_tokens else "-")
         if with_fidelity:

@@ -232,6 +232,7 @@ class BenchRunner:
                 "kv_bytes_prefill": kv_prefill,
                 "kv_bytes_prefill_by_layer": kv_layers,  # (allocated, real entries): differ for head-wise budgets
                 "kv_bytes_final": cache.kv_bytes(),
+                "kv_bytes_real_final": sum(real for _, real in cache.layer_bytes()),
                 "retained_tokens": max(cache.layer_lengths()),
                 "decode_peak_tokens": cache.decode_peak(),
                 "prefill_s": round(prefill_seconds, 4),

@@ -53,3 +53,15 @@ def test_table_lists_task_policy_budget_and_share() -> None:
 def test_plot_writes_a_png(tmp_path) -> None:
     path = plot_report(summarize(ResultStore(RUN)), tmp_path / "plot.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_real_bytes_appear_only_where_heads_were_padded(tmp_path) -> None:
+    store = ResultStore(tmp_path)
+    base = {"task": "vt", "index": 0, "budget": 64, "keep": None, "score": 1.0, "kv_bytes_final": 4 * 2**20}
+    store.append({**base, "policy": "snapkv", "kv_bytes_real_final": 4 * 2**20})
+    store.append({**base, "policy": "adakv+snapkv", "kv_bytes_final": 5 * 2**20, "kv_bytes_real_final": 4 * 2**20})
+    rows = {row.policy: row for row in summarize(store) if row.task == "vt"}
+    assert (rows["adakv+snapkv"].kv_mib, rows["adakv+snapkv"].real_mib) == (5.0, 4.0)
+    lines = format_report(summarize(store)).splitlines()
+    assert "real MiB" in lines[0]
+    assert any(line.split()[:2] == ["vt", "adakv+snapkv"] and line.split()[-1] == "4.00" for line in lines)
