@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from kvevict.bench.report import text_table
+from kvevict.figures import pyplot, save_figure
 from kvevict.moments import MomentStats, accumulate, nc_correct
 
 if TYPE_CHECKING:
@@ -218,10 +219,7 @@ def _cells(m: dict[str, float]) -> list[str]:
 
 def plot_directional(layers: list[LayerDirectional], path: str | Path, title: str = "") -> Path:
     """Three panels per layer: ``w_E``; ``cos(f_E, f_R)``; relative error without / with NC."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     index = [layer.layer for layer in layers]
     means = [layer.means() for layer in layers]
@@ -243,12 +241,7 @@ def plot_directional(layers: list[LayerDirectional], path: str | Path, title: st
         axis.grid(alpha=0.3)
     if title:
         figure.suptitle(title)
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 def write_directional(layers: list[LayerDirectional], config: dict[str, object], directory: str | Path) -> Path:

@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvevict.bench.report import text_table
+from kvevict.figures import pyplot, save_figure
 from kvevict.policies.allocation import model_fingerprint
 from kvevict.policies.base import NOTHING, Phase, Policy, Requirements, Signals
 
@@ -155,10 +156,7 @@ def write_profile(profile: dict, path: str | Path) -> Path:
 
 def plot_profile(profile: dict, path: str | Path) -> Path:
     """A layer × head heatmap of the retrieval scores."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     matrix = importance_matrix(profile)
     fig, ax = plt.subplots(figsize=(1 + 0.4 * matrix.shape[1], 1 + 0.22 * matrix.shape[0]))
@@ -167,8 +165,4 @@ def plot_profile(profile: dict, path: str | Path) -> Path:
     ax.set_ylabel("layer")
     ax.set_title("retrieval score")
     fig.colorbar(image, ax=ax)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

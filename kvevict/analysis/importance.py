@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvevict.bench.report import text_table
+from kvevict.figures import pyplot, save_figure
 from kvevict.generation import continue_greedy
 from kvevict.hidden import HiddenStateRecorder, decoder_layers
 from kvevict.policies.epikv import ROLLING, rolling_mean, rolling_zscore
@@ -345,10 +346,7 @@ def write_outputs(samples: Sequence[LabelledSample], result: dict[str, Any], out
 
 
 def plot_correlations(result: dict[str, Any], path: str | Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     layers = [c["layer"] for c in result["layers"]]
     figure, axes = plt.subplots(figsize=(7, 3.5))
@@ -357,8 +355,4 @@ def plot_correlations(result: dict[str, Any], path: str | Path) -> Path:
     axes.axhline(0, color="black", linewidth=0.8)
     axes.set(xlabel="decoder layer", ylabel="Spearman ρ with importance", title=f"{result['model']}")
     axes.legend()
-    figure.tight_layout()
-    path = Path(path)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)

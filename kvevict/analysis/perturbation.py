@@ -23,6 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvevict.bench.report import text_table
+from kvevict.figures import pyplot, save_figure
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -179,10 +180,7 @@ def write_result(result: Perturbation, comparison: dict, directory: str | Path) 
 
 def plot_comparison(result: Perturbation, comparison: dict, path: str | Path) -> Path:
     """Left: mean perturbation per layer of both policies; right: per-head reduction."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     base, cand = comparison["baseline"], comparison["candidate"]
     a, b = result.matrix(base), result.matrix(cand)
@@ -201,8 +199,4 @@ def plot_comparison(result: Perturbation, comparison: dict, path: str | Path) ->
     right.set_title(f"1 − {cand} / {base} (blue: {cand} lower)")
     fig.colorbar(image, ax=right)
     fig.suptitle(f"first decoded token, budget {result.budget}, {result.prompts} prompts")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from kvevict.bench.report import text_table
+from kvevict.figures import pyplot, save_figure
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -392,10 +393,7 @@ def _cells(percentiles: dict[int, int]) -> list[str]:
 
 def plot_histogram(mri_values: np.ndarray, path: str | Path, window: int | None = None, title: str = "") -> Path:
     """Histogram of MRI over all entries (log-scale counts), a dashed line at ``window``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     values = np.asarray(mri_values, dtype=np.int64).reshape(-1)
     top = int(values.max()) if values.size else 0
@@ -410,12 +408,7 @@ def plot_histogram(mri_values: np.ndarray, path: str | Path, window: int | None 
     axis.set_ylabel("entries (log)")
     axis.set_title(title or "MRI distribution")
     axis.grid(alpha=0.3)
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 def write_summary(summary: dict[str, Any], directory: str | Path) -> Path:

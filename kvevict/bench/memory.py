@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import PreTrainedModel
 
 from kvevict.bench.report import text_table
+from kvevict.figures import pyplot, save_figure
 
 PATHS = ("eager-attentions", "attention-free", "attention-requiring")
 RESULTS_FILE = "memory.jsonl"
@@ -270,10 +271,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def plot_summary(summary: dict[str, Any], path: str | Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     figure, axes = plt.subplots(figsize=(6, 4))
     for name in summary["feasible"]:
@@ -284,12 +282,7 @@ def plot_summary(summary: dict[str, Any], path: str | Path) -> Path:
     axes.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="peak memory (MiB)")
     axes.set_title(f"one prefill pass, {summary['model']}")
     axes.legend()
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path)
 
 
 def build_parser() -> argparse.ArgumentParser:

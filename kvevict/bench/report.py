@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvevict.figures import pyplot, save_figure
+
 AVERAGE = "average"
 FIDELITY_FIELDS = ("top1", "kl", "ppl")
 
@@ -158,10 +160,7 @@ def text_table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def plot_report(rows: list[ReportRow], path: str | Path) -> Path:
     """Score vs budget, one line per policy and one panel per task (``full`` dashed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     tasks = sorted({row.task for row in rows}, key=lambda task: (task == AVERAGE, task))
     columns = min(3, len(tasks))
@@ -190,8 +189,4 @@ def plot_report(rows: list[ReportRow], path: str | Path) -> Path:
         axis.set_visible(False)
     legend = {label: handle for axis in axes.flat for handle, label in zip(*axis.get_legend_handles_labels())}
     figure.legend(legend.values(), legend.keys(), loc="lower center", ncol=min(len(legend), 8), frameon=False)
-    figure.tight_layout(rect=(0, 0.07, 1, 1))
-    path = Path(path)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path, rect=(0, 0.07, 1, 1))
