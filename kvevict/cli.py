@@ -150,12 +150,14 @@ def _heads_parser(analyses: argparse._SubParsersAction) -> None:
 def _perturbation_parser(analyses: argparse._SubParsersAction) -> None:
     perturbation = analyses.add_parser(
         "perturbation",
-        help="per-head attention-output perturbation of two policies against full attention (CriticalKV Figs. 4-6)",
+        help="per-head attention-output perturbation of policies against full attention (CriticalKV Figs. 4-6)",
         description="Compress offline RULER prompts (query-aware) under each policy, run the first decoded token and "
         "measure, per layer and query head, the L1 distance of the attention output from the full cache's (and of "
-        "the final hidden state); report the share of heads where the second policy perturbs less than the first.",
+        "the final hidden state); report the share of heads where the last policy perturbs less than each other one.",
     )
-    perturbation.add_argument("--policies", type=_names, required=True, help="two policies: BASELINE,CANDIDATE")
+    perturbation.add_argument(
+        "--policies", type=_names, required=True, help="BASELINE[,...],CANDIDATE: the last is compared with each"
+    )
     perturbation.add_argument("--budget", type=int, required=True, help="tokens per KV head per layer")
     perturbation.add_argument("--samples", type=int, default=8, help="prompts (default: 8)")
     perturbation.add_argument("--length", type=int, default=1024, help="prompt length in tokens (default: 1024)")
@@ -376,8 +378,10 @@ def _analyze_perturbation(args: argparse.Namespace) -> int:
     from kvevict import load_model, make_policy
     from kvevict.analysis import perturbation as analysis
 
-    if len(args.policies) != 2:
-        raise ValueError(f"--policies takes two policies, BASELINE,CANDIDATE; got {','.join(args.policies)}")
+    if len(args.policies) < 2:
+        raise ValueError(
+            f"--policies takes two or more policies, BASELINE[,...],CANDIDATE; got {','.join(args.policies)}"
+        )
     for name in args.policies:  # bad input fails before the model loads
         make_policy(name).check_budget(args.budget)
     if args.samples < 1:
@@ -386,12 +390,13 @@ def _analyze_perturbation(args: argparse.Namespace) -> int:
     result = analysis.run_perturbation(
         model, tokenizer, list(args.policies), args.budget, samples=args.samples, length=args.length, seed=args.seed
     )
-    comparison = analysis.compare(result, *args.policies)
+    *baselines, candidate = args.policies
+    comparisons = [analysis.compare(result, baseline, candidate) for baseline in baselines]
     if args.out:
-        print(f"result: {analysis.write_result(result, comparison, args.out)}", file=sys.stderr)
-    print(analysis.format_comparison(comparison))
+        print(f"result: {analysis.write_result(result, comparisons, args.out)}", file=sys.stderr)
+    print("\n\n".join(analysis.format_comparison(comparison) for comparison in comparisons))
     if args.plot:
-        print(f"plot: {analysis.plot_comparison(result, comparison, args.plot)}", file=sys.stderr)
+        print(f"plot: {analysis.plot_comparison(result, comparisons[0], args.plot)}", file=sys.stderr)
 
 
 def _analyze_directional(args: argparse.Namespace) -> int:

@@ -33,7 +33,7 @@ def test_help_everywhere(argv, capsys) -> None:
     [
         (["generate", "--policy", "h2oo", "--budget", "64", "hi"], "unknown policy 'h2oo'; known policies: full"),
         (["generate", "--policy", "snapkv", "--budget", "8", "hi"], "budget 8 is smaller than snapkv's"),
-        (["analyze", "perturbation", "--policies", "snapkv", "--budget", "64"], "takes two policies"),
+        (["analyze", "perturbation", "--policies", "snapkv", "--budget", "64"], "takes two or more policies"),
         (["analyze", "perturbation", "--policies", "snapkv,critical+snapkvv", "--budget", "64"], "unknown policy"),
         (["analyze", "perturbation", "--policies", "snapkv,critical+snapkv", "--budget", "16"], "smaller than"),
     ],

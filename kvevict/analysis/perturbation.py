@@ -3,9 +3,10 @@
 
 For each offline prompt (RULER tasks, query-aware: everything but the last prompt token is
 compressed), the first decoded token's pass is run with a full cache and under each
-policy. The perturbation of query head ``h`` of layer ``ℓ`` is the L1 distance
-``‖o − ô‖₁`` between its attention outputs (the input of ``o_proj``, per head); the final
-hidden state's L1 distance is reported too. Perturbations accumulate across layers, as in
+policy. The perturbation of query head ``h`` of layer ``ℓ`` is the L1 distance between its
+contributions to the attention output, ``‖(o_h − ô_h) W_O[:, h·d:(h+1)·d]ᵀ‖₁`` (the head's
+output projected by its slice of ``W_O``: the quantity CriticalKV bounds, ``‖(A − A′)VW_O‖₁``);
+the final hidden state's L1 distance is reported too. Perturbations accumulate across layers, as in
 the paper: every layer sees the hidden states its own evicted predecessors produced.
 
 The comparison ``A`` vs ``B`` reports per layer the mean perturbation of each and the share
@@ -38,7 +39,8 @@ class FirstToken:
     """What the first decoded token's pass produced."""
 
     head_outputs: torch.Tensor
-    """Attention output per layer and query head, ``[L, Hq, d]`` fp32."""
+    """Each query head's contribution to its layer's attention output (its output projected
+    by its slice of ``W_O``), ``[L, Hq, hidden]`` fp32."""
     final_hidden: torch.Tensor
     """The last hidden state (after the final norm), ``[hidden]`` fp32."""
 
@@ -68,7 +70,17 @@ def first_token(
         for hook in hooks:
             hook.remove()
     heads = blocks[0].self_attn.config.num_attention_heads
-    return FirstToken(torch.stack(outputs).view(len(blocks), heads, -1), out.hidden_states[-1][0, -1].float())
+    per_head = torch.stack(outputs).view(len(blocks), heads, -1)  # [L, Hq, d]
+    d = per_head.shape[-1]
+    contributions = torch.stack(
+        [
+            torch.stack(
+                [per_head[i, h] @ block.self_attn.o_proj.weight[:, h * d : (h + 1) * d].float().T for h in range(heads)]
+            )
+            for i, block in enumerate(blocks)
+        ]
+    )
+    return FirstToken(contributions, out.hidden_states[-1][0, -1].float())
 
 
 @dataclass
@@ -170,11 +182,11 @@ def format_comparison(comparison: dict) -> str:
     )
 
 
-def write_result(result: Perturbation, comparison: dict, directory: str | Path) -> Path:
+def write_result(result: Perturbation, comparisons: list[dict], directory: str | Path) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "perturbation.json"
-    path.write_text(json.dumps({**asdict(result), "comparison": comparison}, indent=1))
+    path.write_text(json.dumps({**asdict(result), "comparisons": comparisons}, indent=1))
     return path
 
 

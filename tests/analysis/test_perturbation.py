@@ -20,8 +20,14 @@ def test_head_outputs_are_the_attention_output_per_head() -> None:
     model = tiny_model()
     ids = prompt(50)
     captured = first_token(model, ids, None, None)
-    assert captured.head_outputs.shape == (2, 4, 16)
-    # the last layer's o_proj of the captured heads plus the residual reproduces the model
+    assert captured.head_outputs.shape == (2, 4, 64)  # layers, query heads, hidden
+    # the heads' contributions sum to the attention output (o_proj has no bias)
+    outputs = []
+    hook = model.model.layers[1].self_attn.o_proj.register_forward_hook(lambda m, a, out: outputs.append(out))
+    with torch.no_grad():
+        model(input_ids=ids)
+    hook.remove()
+    torch.testing.assert_close(captured.head_outputs[1].sum(dim=0), outputs[0][0, -1], rtol=1e-4, atol=1e-5)
     unchanged = first_token(model, ids, "full", None)
     assert torch.equal(captured.head_outputs, unchanged.head_outputs)
     assert torch.equal(captured.final_hidden, unchanged.final_hidden)
