@@ -66,15 +66,15 @@ def adakv_counts(scores: torch.Tensor, budget: int, safeguard: float = 0.2) -> t
     held = protected.sum(dim=-1)
     spare = (budget - held).clamp(min=0)
     floor = (safeguard * spare).floor().long()
-    guaranteed = free & (_ranks(scores.masked_fill(~free, float("-inf"))) < floor[..., None])
+    guaranteed = free & (descending_ranks(scores.masked_fill(~free, float("-inf"))) < floor[..., None])
     contest = scores.masked_fill(~free | guaranteed, float("-inf"))
     slots = (spare - floor).sum(dim=-1)  # [B]
     flat = contest.flatten(1)
-    wins = (_ranks(flat) < slots[:, None]) & torch.isfinite(flat)
+    wins = (descending_ranks(flat) < slots[:, None]) & torch.isfinite(flat)
     return held + guaranteed.sum(dim=-1) + wins.view_as(scores).sum(dim=-1)
 
 
-def _ranks(scores: torch.Tensor) -> torch.Tensor:
+def descending_ranks(scores: torch.Tensor) -> torch.Tensor:
     """Rank of every entry along the last dim (0 = highest; ties: the earlier entry)."""
     order = scores.argsort(dim=-1, descending=True, stable=True)
     positions = torch.arange(scores.shape[-1], device=scores.device).expand_as(order)

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
+from kvevict.budgets import descending_ranks
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -232,11 +234,7 @@ class Policy:
 def keep_top(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Mask ``[B, H, n]`` of the ``counts[b, h]`` highest scores of each head (ties: the
     earlier entry)."""
-    order = scores.argsort(dim=-1, descending=True, stable=True)
-    ranks = torch.empty_like(order).scatter_(
-        -1, order, torch.arange(scores.shape[-1], device=scores.device).expand_as(order)
-    )
-    return ranks < counts[..., None]
+    return descending_ranks(scores) < counts[..., None]
 
 
 class Wrapper(Policy):
