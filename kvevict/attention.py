@@ -22,10 +22,9 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvevict.policies.base import Phase, Requirements, Signals
-
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
+    from kvevict.policies.base import Phase, Requirements, Signals
 
 PREFIX = "kvevict_"
 BASE_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
@@ -134,10 +133,11 @@ _register()
 
 
 # -- signals ----------------------------------------------------------------------------
-def attention_rows(
+def attention_logits(
     query: torch.Tensor, keys: torch.Tensor, scaling: float, valid: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Post-softmax attention (fp32) of the last ``r`` queries over ``n`` keys.
+    """Scaled attention logits (fp32) of the last ``r`` queries over ``n`` keys, ``-inf``
+    where a query may not look.
 
     ``query`` is ``[B, Hq, r, d]`` and sits at the end of the key sequence: row ``i`` sees
     keys ``0 .. n - r + i`` (causal). ``keys`` is ``[B, Hkv, n, d]``; query head ``h``
@@ -152,7 +152,31 @@ def attention_rows(
         logits = logits.masked_fill(~_causal(r, n, query.device), float("-inf"))
     if valid is not None:
         logits = logits.masked_fill(~_heads_mask(valid, hq)[:, :, None, :], float("-inf"))
-    return logits.softmax(dim=-1)
+    return logits
+
+
+def attention_rows(
+    query: torch.Tensor, keys: torch.Tensor, scaling: float, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Post-softmax attention (fp32) of the last ``r`` queries over ``n`` keys,
+    ``[B, Hq, r, n]`` (see :func:`attention_logits`)."""
+    return attention_logits(query, keys, scaling, valid).softmax(dim=-1)
+
+
+def query_chunks(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None, chunk: int):
+    """The pass's queries ``chunk`` at a time, each with the keys it may see: yields
+    ``(start, stop, queries, visible keys, their validity)`` (memory ``chunk × n`` per head)."""
+    q, n = query.shape[-2], keys.shape[-2]
+    for start in range(0, q, chunk):
+        stop = min(start + chunk, q)
+        visible = n - q + stop  # queries start..stop sit at key positions n - q + start ..
+        yield (
+            start,
+            stop,
+            query[:, :, start:stop],
+            keys[:, :, :visible],
+            None if valid is None else valid[..., :visible],
+        )
 
 
 def column_sums(
@@ -164,16 +188,9 @@ def column_sums(
 ) -> torch.Tensor:
     """Attention received by each key from every query of the pass, ``[B, Hq, n]`` fp32,
     computed ``chunk`` queries at a time (memory ``chunk × n`` per head)."""
-    q, n = query.shape[-2], keys.shape[-2]
-    total = query.new_zeros(*query.shape[:2], n, dtype=torch.float32)
-    for start in range(0, q, chunk):
-        stop = min(start + chunk, q)
-        # queries start..stop sit at key positions n - q + start ..; drop the keys after them
-        visible = n - q + stop
-        rows = attention_rows(
-            query[:, :, start:stop], keys[:, :, :visible], scaling, None if valid is None else valid[..., :visible]
-        )
-        total[..., :visible] += rows.sum(dim=2)
+    total = query.new_zeros(*query.shape[:2], keys.shape[-2], dtype=torch.float32)
+    for _, _, rows, visible_keys, visible_valid in query_chunks(query, keys, valid, chunk):
+        total[..., : visible_keys.shape[-2]] += attention_rows(rows, visible_keys, scaling, visible_valid).sum(dim=2)
     return total
 
 
@@ -211,6 +228,8 @@ def compute_signals(
 ) -> Signals:
     """Compute exactly the signals in ``requirements`` for one pass of one layer."""
     keys, valid, num_new = layer.keys, layer.valid, query.shape[-2]
+    from kvevict.policies.base import Signals  # the policies build on this module's signals: no import cycle
+
     signals = Signals(phase=phase, num_new=num_new, query=query, scaling=scaling)
     if requirements.last_query_attention:
         signals.last_query_attention = attention_rows(query[:, :, -1:], keys, scaling, valid)[:, :, 0]

@@ -29,6 +29,8 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from kvevict.attention import attention_logits, query_chunks
+
 LOG_PARTITION_CHUNK = 256
 """Queries per chunk of :func:`nc_log_partition`: memory is ``chunk × n`` per head."""
 
@@ -214,21 +216,9 @@ def nc_log_partition(
     sees keys ``0 .. n − q + i``, the pass's own entries being causal). A log-sum-exp over
     ``chunk`` queries at a time: never exponentiated outside it, never an n×n matrix.
     """
-    b, hq, q, d = query.shape
-    hkv, n = keys.shape[1], keys.shape[2]
-    group = hq // hkv
-    k = keys.float().transpose(-1, -2)
-    positions = torch.arange(n, device=query.device)
-    invalid = None if valid is None else ~valid.repeat_interleave(group, dim=1)[:, :, None, :]
-    out = torch.empty(b, hq, q, dtype=torch.float32, device=query.device)
-    for start in range(0, q, chunk):
-        stop = min(start + chunk, q)
-        rows = query[:, :, start:stop].float().reshape(b, hkv, group * (stop - start), d)
-        logits = ((rows @ k) * scaling).reshape(b, hq, stop - start, n)
-        hidden = positions[None, :] > positions[n - q + start : n - q + stop, None]  # causal within the pass
-        if invalid is not None:
-            hidden = hidden | invalid
-        out[..., start:stop] = logits.masked_fill(hidden, float("-inf")).logsumexp(dim=-1)
+    out = query.new_empty(query.shape[:3], dtype=torch.float32)
+    for start, stop, rows, visible_keys, visible_valid in query_chunks(query, keys, valid, chunk):
+        out[..., start:stop] = attention_logits(rows, visible_keys, scaling, visible_valid).logsumexp(dim=-1)
     return out
 
 
