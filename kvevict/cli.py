@@ -39,7 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compress the prompt under a policy, then decode greedily (decode-time policies keep evicting).",
     )
     generate.add_argument("prompt", help="the prompt text, or '-' to read it from standard input")
-    generate.add_argument("--policy", default="full", help="policy name (see `kvevict policies`; default: full)")
+    generate.add_argument(
+        "--policy",
+        default="full",
+        help="policy name (see `kvevict policies`; default: full), parameters in brackets: "
+        "lazyeviction[window=22], critical+snapkv[critical.alpha=0]",
+    )
     _budget_args(generate)
     generate.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     _model_args(generate)
@@ -54,7 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         "`kvevict bench memory --help`: the prefill peak-memory microbenchmark.",
     )
     bench.add_argument("tasks", type=_names, help="comma-separated task names (see `kvevict tasks`)")
-    bench.add_argument("--policies", type=_names, default=("full",), help="comma-separated policies (default: full)")
+    bench.add_argument(
+        "--policies",
+        type=_names,
+        default=("full",),
+        help="comma-separated policies (default: full); parameters in brackets: h2o,lazyeviction[window=22]",
+    )
     budgets = bench.add_mutually_exclusive_group()
     budgets.add_argument(
         "--budgets", type=_ints, default=(), help="comma-separated budgets, tokens per KV head per layer"
@@ -212,7 +222,9 @@ ANALYSES = (_recurrence_parser, _heads_parser, _perturbation_parser, _directiona
 
 
 def _names(text: str) -> tuple[str, ...]:
-    return tuple(name.strip() for name in text.split(",") if name.strip())
+    from kvevict.policies import split_names
+
+    return split_names(text)
 
 
 def _ints(text: str) -> tuple[int, ...]:

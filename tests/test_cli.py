@@ -33,6 +33,8 @@ def test_help_everywhere(argv, capsys) -> None:
     [
         (["generate", "--policy", "h2oo", "--budget", "64", "hi"], "unknown policy 'h2oo'; known policies: full"),
         (["generate", "--policy", "snapkv", "--budget", "8", "hi"], "budget 8 is smaller than snapkv's"),
+        (["generate", "--policy", "h2o[window=8", "--budget", "64", "hi"], "bad policy spec 'h2o[window=8'"),
+        (["generate", "--policy", "h2o[window=80]", "--budget", "64", "hi"], "smaller than h2o's sinks (4) + recent"),
         (["analyze", "perturbation", "--policies", "snapkv", "--budget", "64"], "takes two or more policies"),
         (["analyze", "perturbation", "--policies", "snapkv,critical+snapkvv", "--budget", "64"], "unknown policy"),
         (["analyze", "perturbation", "--policies", "snapkv,critical+snapkv", "--budget", "16"], "smaller than"),

@@ -8,6 +8,8 @@ goes in ``_WRAPPERS`` and composes by name: ``critical+adakv+snapkv``.
 
 from __future__ import annotations
 
+import ast
+
 from kvevict.policies.allocation import AdaKV, HeadKV, PyramidKV
 from kvevict.policies.base import Policy, Requirements, Signals, Wrapper, group_reduce
 from kvevict.policies.critical import Critical
@@ -79,10 +81,63 @@ def describe_policies() -> list[tuple[str, str]]:
     ]
 
 
+def split_names(text: str) -> tuple[str, ...]:
+    """Split a comma-separated list of policy specs, leaving commas inside ``[...]`` alone:
+    ``"h2o,lazyeviction[window=22,alpha=1e-4]"`` → ``("h2o", "lazyeviction[window=22,alpha=1e-4]")``."""
+    names, depth, start = [], 0, 0
+    for i, char in enumerate(text + ","):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            names.append(text[start:i].strip())
+            start = i + 1
+    return tuple(name for name in names if name)
+
+
+def _value(text: str) -> object:
+    """A parameter value: a Python literal (``22``, ``1e-4``, ``None``, ``True``), ``true``/``false``,
+    or else the text itself (``pool=avg``, ``profile=heads.json``)."""
+    lowered = text.lower()
+    if lowered in ("true", "false", "none"):
+        return {"true": True, "false": False, "none": None}[lowered]
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, object]]:
+    """``"name[key=value,...]"`` → ``(name, params)``; a wrapper's parameter is written
+    ``prefix.key=value`` and lands in a dict under its prefix (what :func:`make_policy` takes):
+    ``"critical+snapkv[critical.alpha=0,window=16]"`` → ``("critical+snapkv",
+    {"critical": {"alpha": 0}, "window": 16})``. A name without brackets has no parameters."""
+    name, bracket, rest = spec.partition("[")
+    if not bracket:
+        return spec, {}
+    if not rest.endswith("]") or "[" in rest[:-1] or "]" in rest[:-1]:
+        raise ValueError(f"bad policy spec {spec!r}: write name[key=value,...] with one pair of brackets")
+    params: dict[str, object] = {}
+    for item in split_names(rest[:-1]):
+        key, equals, value = (part.strip() for part in item.partition("="))
+        if not equals or not key or not value:
+            raise ValueError(f"bad parameter {item!r} in policy spec {spec!r}: write key=value")
+        prefix, dot, field = key.rpartition(".")
+        target = params.setdefault(prefix, {}) if dot else params
+        if not isinstance(target, dict) or field in target:
+            raise ValueError(f"parameter {key!r} given twice in policy spec {spec!r}")
+        target[field] = _value(value)
+    return name.strip(), params
+
+
 def make_policy(name: str, **params: object) -> Policy:
     """Build a policy by name: ``make_policy("snapkv", window=16)``, or a composition whose
     wrappers take their parameters as a dict under their prefix:
-    ``make_policy("critical+adakv+snapkv", critical={"alpha": 0.0}, window=16)``."""
+    ``make_policy("critical+adakv+snapkv", critical={"alpha": 0.0}, window=16)``. The name may
+    carry parameters itself, as on the command line (:func:`parse_spec`):
+    ``make_policy("critical+adakv+snapkv[critical.alpha=0,window=16]")``."""
+    name, spec_params = parse_spec(name)
+    if both := sorted(set(spec_params) & set(params)):
+        raise ValueError(f"parameters {', '.join(both)} of policy {name!r} given both in its name and as arguments")
+    params = {**spec_params, **params}
     *prefixes, base = ALIASES.get(name, name).split("+")
     unknown = [prefix for prefix in prefixes if prefix not in WRAPPERS]
     if unknown or base not in POLICIES:
@@ -110,4 +165,6 @@ __all__ = [
     "group_reduce",
     "list_policies",
     "make_policy",
+    "parse_spec",
+    "split_names",
 ]

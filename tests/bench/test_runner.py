@@ -193,15 +193,21 @@ def test_fidelity_scored_long_generation_replays_and_reports_peak_memory(tmp_pat
     monkeypatch.setattr(tasks_module, "all_tasks", lambda: {"longgen": LongGeneration()})
     model = tiny_model(vocab=len(tokenizer))
     run = BenchConfig(
-        tasks=("longgen",), policies=("h2o", "lazyeviction"), budgets=(64,), samples=1, max_new_tokens=120
+        tasks=("longgen",),
+        policies=("h2o", "lazyeviction", "lazyeviction[window=8]"),
+        budgets=(64,),
+        samples=1,
+        max_new_tokens=120,
     )
-    assert [setting.policy for setting in run.settings] == ["full", "h2o", "lazyeviction"]  # full is the reference
+    # full is the reference
+    assert [setting.policy for setting in run.settings] == ["full", "h2o", "lazyeviction", "lazyeviction[window=8]"]
     records = {r["policy"]: r for r in BenchRunner(run, tmp_path, model, tokenizer).run(progress=False)}
     assert records["full"]["score"] == 1.0 and records["full"]["new_tokens"] == 120
     ids = records["full"]["prediction_ids"]
     grams = [tuple(ids[i : i + 4]) for i in range(len(ids) - 3)]
     assert len(grams) == len(set(grams))  # no repeated 4-gram: the reference does not loop
-    for policy, interval in (("h2o", 1), ("lazyeviction", 16)):
+    assert records["lazyeviction[window=8]"]["policy_params"]["window"] == 8
+    for policy, interval in (("h2o", 1), ("lazyeviction", 16), ("lazyeviction[window=8]", 8)):
         record = records[policy]
         assert record["prediction"] is None and record["score"] == record["fidelity"]["top1"]
         # the prompt's last chunk is appended in one pass before its eviction; then budget + interval

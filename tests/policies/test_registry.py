@@ -1,7 +1,7 @@
 import pytest
 
 import kvevict
-from kvevict.policies import POLICIES
+from kvevict.policies import POLICIES, parse_spec, split_names
 
 
 def test_registry_lists_every_baseline() -> None:
@@ -47,3 +47,48 @@ def test_cache_argument_errors() -> None:
         kvevict.EvictionCache(model, "h2o")
     with pytest.raises(ValueError, match="interval must be an integer >= 1"):
         kvevict.EvictionCache(model, "h2o", budget=64, interval=0)
+
+
+def test_a_spec_carries_parameters_for_the_policy_and_its_wrappers() -> None:
+    assert parse_spec("h2o") == ("h2o", {})
+    assert parse_spec("lazyeviction[window=22, alpha=1e-4]") == ("lazyeviction", {"window": 22, "alpha": 1e-4})
+    assert parse_spec("critical+snapkv[critical.alpha=0,pool=avg,sinks=None]") == (
+        "critical+snapkv",
+        {"critical": {"alpha": 0}, "pool": "avg", "sinks": None},
+    )
+    assert parse_spec("momentkv[mi=false,nc=True]") == ("momentkv", {"mi": False, "nc": True})
+    policy = kvevict.make_policy("critical+adakv+snapkv[critical.alpha=0,adakv.safeguard=0.1,window=16]")
+    assert (policy.alpha, policy.inner.safeguard, policy.inner.inner.window) == (0, 0.1, 16)
+    assert (
+        kvevict.make_policy("lazyeviction[window=22]").params()
+        == kvevict.make_policy("lazyeviction", window=22).params()
+    )
+
+
+def test_policy_lists_split_outside_brackets() -> None:
+    assert split_names("full, h2o,lazyeviction[window=22,alpha=1e-4],,critical+snapkv[critical.alpha=0]") == (
+        "full",
+        "h2o",
+        "lazyeviction[window=22,alpha=1e-4]",
+        "critical+snapkv[critical.alpha=0]",
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("h2o[window=8", r"bad policy spec 'h2o\[window=8': write name\[key=value,...\] with one pair"),
+        ("h2o[window]", r"bad parameter 'window' in policy spec 'h2o\[window\]': write key=value"),
+        ("h2o[window=8,window=9]", r"parameter 'window' given twice"),
+        ("h2o[windw=8]", r"bad parameters for policy 'h2o'.*'windw'"),
+        ("snapkvv[window=8]", r"unknown policy 'snapkvv'"),
+    ],
+)
+def test_bad_specs_say_what_is_allowed(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        kvevict.make_policy(spec)
+
+
+def test_a_parameter_in_the_spec_and_as_an_argument_is_refused() -> None:
+    with pytest.raises(ValueError, match="parameters window of policy 'h2o' given both in its name and as arguments"):
+        kvevict.make_policy("h2o[window=8]", window=9)
