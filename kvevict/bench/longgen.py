@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from kvevict.bench.tasks import Sample, Task
 
 TOPICS = (
+    # seed 0
     "the history of the printing press",
     "how bridges are designed to carry heavy loads",
     "the water cycle and its effect on climate",
@@ -25,7 +26,28 @@ TOPICS = (
     "how a compiler turns source code into machine code",
     "the role of bees in agriculture",
     "the causes and consequences of the industrial revolution",
+    # seed 1
+    "how vaccines train the immune system",
+    "the rise and fall of the Roman Empire",
+    "how electricity reaches a home from a power plant",
+    "why cities grow where they do",
+    "the discovery of penicillin and the antibiotics that followed",
+    "how a search engine ranks web pages",
+    "the life cycle of a star",
+    "how interest rates affect an economy",
+    # seed 2
+    "the domestication of the horse",
+    "how glaciers shape mountains and valleys",
+    "the invention of writing and early alphabets",
+    "how airplanes stay in the air",
+    "the spread of coffee around the world",
+    "how an operating system schedules programs",
+    "the causes of the French Revolution",
+    "how forests recover after a wildfire",
 )
+TOPICS_PER_SEED = 8
+"""Seeds draw from disjoint sets of topics (seed ``s`` from set ``s mod 3``), so a parameter
+tuned on one seed's samples can be checked on another's."""
 INSTRUCTION = (
     "Write a long, detailed essay about {topic}. Reason step by step through its causes, mechanisms and "
     "consequences, give concrete examples, and do not stop early."
@@ -47,7 +69,9 @@ class LongGeneration(Task):
     scored_by_fidelity = True
 
     def samples(self, tokenizer: PreTrainedTokenizerBase, *, length: int, count: int, seed: int = 0) -> list[Sample]:
-        topics = random.Random(seed).sample(TOPICS, k=min(count, len(TOPICS)))
+        start = (seed % (len(TOPICS) // TOPICS_PER_SEED)) * TOPICS_PER_SEED
+        pool = TOPICS[start : start + TOPICS_PER_SEED]
+        topics = random.Random(seed).sample(pool, k=min(count, len(pool)))
         return [
             Sample(
                 self.name,
