@@ -164,7 +164,7 @@ class BenchRunner:
             "policy_params": policy.params(),
             "budget": setting.budget,
             "keep": setting.keep,
-            "interval": self.config.interval,
+            "interval": None if setting.policy == "full" else self.config.interval,  # the reference never evicts
             "query_aware": self.config.query_aware,
             "max_new_tokens": self.config.max_new_tokens or sample.max_new_tokens,
         }

@@ -161,6 +161,15 @@ def test_fidelity_replays_the_full_answer_even_after_a_resume(tmp_path, model, t
     assert tight["kl"] > loose["kl"]
 
 
+def test_the_full_reference_is_shared_by_every_eviction_interval(tmp_path, model, tokenizer) -> None:
+    BenchRunner(config(policies=("h2o",), budgets=(40,), fidelity=True), tmp_path, model, tokenizer).run(progress=False)
+    store = BenchRunner(
+        config(policies=("h2o",), budgets=(40,), fidelity=True, interval=4), tmp_path, model, tokenizer
+    ).run(progress=False)
+    settings = [(r["policy"], r["interval"]) for r in store if r["index"] == 0]
+    assert len(settings) == 3 and set(settings) == {("full", None), ("h2o", None), ("h2o", 4)}
+
+
 def test_query_aware_compresses_the_question_too(tmp_path, model, tokenizer) -> None:
     store = BenchRunner(config(policies=("snapkv",), budgets=(40,), query_aware=True), tmp_path, model, tokenizer).run(
         progress=False
