@@ -46,12 +46,31 @@ class ReportRow:
         return self.budget if self.budget is not None else self.keep
 
 
+def _label(record: dict[str, Any], shown: set[str]) -> str:
+    """The policy as the report shows it: its spec, plus the ``shown`` run settings where the
+    record has them (not for ``full``: the reference, whatever the run's settings)."""
+    label = record["policy"]
+    if label != "full":
+        if "interval" in shown and record.get("interval"):
+            label += f" (interval {record['interval']})"
+        if "query_aware" in shown and record.get("query_aware"):
+            label += " (query-aware)"
+    return label
+
+
 def summarize(records: Iterable[dict[str, Any]]) -> list[ReportRow]:
-    """Rows per (task, policy, budget), then an ``average`` over tasks for every setting
-    present in each task; each with its score as a share of ``full`` on the same tasks."""
+    """Rows per (task, setting, budget), then an ``average`` over tasks for every setting
+    present in each task; each with its score as a share of ``full`` on the same tasks.
+    Samples of every seed are pooled; an eviction interval or query-aware compression is
+    named in the policy column where the records mix runs with and without it."""
+    records = list(records)
+    evicting = [record for record in records if record["policy"] != "full"]
+    shown = {
+        field for field in ("interval", "query_aware") if len({record.get(field) or None for record in evicting}) > 1
+    }
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for record in records:
-        groups[(record["task"], record["policy"], record.get("budget"), record.get("keep"))].append(record)
+        groups[(record["task"], _label(record, shown), record.get("budget"), record.get("keep"))].append(record)
     rows = [_row(key, members) for key, members in sorted(groups.items(), key=lambda item: _order(item[0]))]
     tasks = sorted({row.task for row in rows})
     if len(tasks) > 1:

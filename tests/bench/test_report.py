@@ -65,3 +65,22 @@ def test_real_bytes_appear_only_where_heads_were_padded(tmp_path) -> None:
     lines = format_report(summarize(store)).splitlines()
     assert "real MiB" in lines[0]
     assert any(line.split()[:2] == ["vt", "adakv+snapkv"] and line.split()[-1] == "4.00" for line in lines)
+
+
+def test_an_interval_or_query_awareness_is_a_separate_row_where_runs_mix(tmp_path) -> None:
+    store = ResultStore(tmp_path)
+    base = {"task": "longgen", "policy": "tova", "budget": 64, "keep": None, "kv_bytes_final": 2**20}
+    for seed in (0, 1):  # seeds pool
+        store.append({**base, "index": 0, "seed": seed, "score": 0.5 + seed / 4})
+    store.append({**base, "index": 0, "seed": 0, "interval": 32, "score": 1.0})
+    store.append({**base, "index": 0, "seed": 0, "query_aware": True, "score": 0.0})
+    store.append({**base, "index": 0, "seed": 0, "query_aware": True, "policy": "full", "budget": None, "score": 1.0})
+    rows = {row.policy: (row.samples, row.score) for row in summarize(store)}
+    assert rows == {
+        "full": (1, 100.0),  # the reference whatever the run's settings
+        "tova": (2, 62.5),
+        "tova (interval 32)": (1, 100.0),
+        "tova (query-aware)": (1, 0.0),
+    }
+    uniform = [record for record in store if record.get("query_aware")]  # a run that is all query-aware
+    assert {row.policy for row in summarize(uniform)} == {"full", "tova"}
