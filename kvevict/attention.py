@@ -22,15 +22,13 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from kvevict.signals import causal_mask, heads_mask
+
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
-    from kvevict.policies.base import Phase, Requirements, Signals
 
 PREFIX = "kvevict_"
 BASE_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
-COLUMN_SUM_CHUNK = 256
-"""Queries per chunk when summing attention columns: memory is ``chunk × n`` per head."""
-
 _pending = threading.local()
 
 
@@ -39,11 +37,28 @@ def mark_pending(layer: EvictionLayer, keys: torch.Tensor) -> None:
     _pending.entry = (layer, keys)
 
 
-def _take_pending(keys: torch.Tensor) -> EvictionLayer | None:
+def _take_pending(module: torch.nn.Module, keys: torch.Tensor) -> EvictionLayer | None:
+    """The eviction layer whose ``update`` produced ``keys``, or None for any other cache.
+
+    The layer is matched by the attention module's ``layer_idx``; if its keys reach the
+    kernel as another tensor (copied, cast, re-laid out by code between ``update`` and the
+    kernel), the layer could no longer tell which entries were attended, so this raises
+    rather than let eviction silently stop.
+    """
     entry = getattr(_pending, "entry", None)
     _pending.entry = None
-    if entry is not None and entry[1] is keys:
-        return entry[0]
+    if entry is None:
+        return None
+    layer, pending_keys = entry
+    if keys is pending_keys:
+        return layer
+    if getattr(module, "layer_idx", None) == layer.layer_idx:
+        raise RuntimeError(
+            f"the keys of eviction layer {layer.layer_idx} reached the attention kernel altered "
+            f"(shape {tuple(keys.shape)}, expected the tensor of shape {tuple(pending_keys.shape)} returned by the "
+            "cache): something between the cache update and the kernel copied or transformed them, so kvevict "
+            "cannot evict this layer exactly; use an attention implementation that passes the cache's keys through"
+        )
     return None
 
 
@@ -57,7 +72,7 @@ def base_kernel(base: str, module: torch.nn.Module) -> Callable:
 def _make_attention(base: str) -> Callable:
     def kvevict_attention(module, query, key, value, attention_mask, **kwargs):
         kernel = base_kernel(base, module)
-        layer = _take_pending(key)
+        layer = _take_pending(module, key)
         if layer is None:  # not an eviction cache: pure pass-through
             return kernel(module, query, key, value, attention_mask, **kwargs)
         attention_mask = _layer_mask(base, attention_mask, query, key, layer.valid)
@@ -84,7 +99,7 @@ def _layer_mask(
                 "head-wise budgets (adakv, headkv, ...) need a per-head mask, which flash attention kernels do not "
                 "take; load the model with attn_implementation='sdpa' or 'eager'"
             )
-        allowed = _causal(q, n, query.device) & _heads_mask(valid, query.shape[1])[:, :, None, :]
+        allowed = causal_mask(q, n, query.device) & heads_mask(valid, query.shape[1])[:, :, None, :]
     elif q == 1 or base.startswith("flash"):  # flash aligns causality bottom-right by itself
         return None if mask is None or mask.shape[-1] != n else mask
     elif mask is not None and mask.shape[-1] == n:
@@ -92,23 +107,12 @@ def _layer_mask(
     elif mask is None and n == q:
         return None
     else:
-        allowed = _causal(q, n, query.device)[None, None]
+        allowed = causal_mask(q, n, query.device)[None, None]
     if base == "sdpa":
         return allowed
     return torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(
         ~allowed, torch.finfo(query.dtype).min
     )
-
-
-def _causal(q: int, n: int, device: torch.device) -> torch.Tensor:
-    """``[q, n]``: the last ``q`` of ``n`` entries are the queries, each sees itself and before."""
-    rows = torch.arange(q, device=device)[:, None] + (n - q)
-    return torch.arange(n, device=device)[None, :] <= rows
-
-
-def _heads_mask(valid: torch.Tensor, num_query_heads: int) -> torch.Tensor:
-    """A KV-head mask ``[B, Hkv, n]`` for the query heads ``[B, Hq, n]`` (GQA groups)."""
-    return valid.repeat_interleave(num_query_heads // valid.shape[1], dim=1)
 
 
 def install(model: PreTrainedModel) -> None:
@@ -130,117 +134,3 @@ def _register() -> None:
 
 
 _register()
-
-
-# -- signals ----------------------------------------------------------------------------
-def attention_logits(
-    query: torch.Tensor, keys: torch.Tensor, scaling: float, valid: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Scaled attention logits (fp32) of the last ``r`` queries over ``n`` keys, ``-inf``
-    where a query may not look.
-
-    ``query`` is ``[B, Hq, r, d]`` and sits at the end of the key sequence: row ``i`` sees
-    keys ``0 .. n - r + i`` (causal). ``keys`` is ``[B, Hkv, n, d]``; query head ``h``
-    uses KV head ``h // (Hq / Hkv)`` (GQA, as ``repeat_kv``). ``valid`` ``[B, Hkv, n]``
-    hides the padding of head-wise budgets. Returns ``[B, Hq, r, n]``.
-    """
-    b, hq, r, d = query.shape
-    hkv, n = keys.shape[1], keys.shape[2]
-    grouped = query.float().reshape(b, hkv, (hq // hkv) * r, d)
-    logits = (grouped @ keys.float().transpose(-1, -2)).reshape(b, hq, r, n) * scaling
-    if r > 1:
-        logits = logits.masked_fill(~_causal(r, n, query.device), float("-inf"))
-    if valid is not None:
-        logits = logits.masked_fill(~_heads_mask(valid, hq)[:, :, None, :], float("-inf"))
-    return logits
-
-
-def attention_rows(
-    query: torch.Tensor, keys: torch.Tensor, scaling: float, valid: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Post-softmax attention (fp32) of the last ``r`` queries over ``n`` keys,
-    ``[B, Hq, r, n]`` (see :func:`attention_logits`)."""
-    return attention_logits(query, keys, scaling, valid).softmax(dim=-1)
-
-
-def query_chunks(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None, chunk: int):
-    """The pass's queries ``chunk`` at a time, each with the keys it may see: yields
-    ``(start, stop, queries, visible keys, their validity)`` (memory ``chunk × n`` per head)."""
-    q, n = query.shape[-2], keys.shape[-2]
-    for start in range(0, q, chunk):
-        stop = min(start + chunk, q)
-        visible = n - q + stop  # queries start..stop sit at key positions n - q + start ..
-        yield (
-            start,
-            stop,
-            query[:, :, start:stop],
-            keys[:, :, :visible],
-            None if valid is None else valid[..., :visible],
-        )
-
-
-def column_sums(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    scaling: float,
-    valid: torch.Tensor | None = None,
-    chunk: int = COLUMN_SUM_CHUNK,
-) -> torch.Tensor:
-    """Attention received by each key from every query of the pass, ``[B, Hq, n]`` fp32,
-    computed ``chunk`` queries at a time (memory ``chunk × n`` per head)."""
-    total = query.new_zeros(*query.shape[:2], keys.shape[-2], dtype=torch.float32)
-    for _, _, rows, visible_keys, visible_valid in query_chunks(query, keys, valid, chunk):
-        total[..., : visible_keys.shape[-2]] += attention_rows(rows, visible_keys, scaling, visible_valid).sum(dim=2)
-    return total
-
-
-VALUE_NORM_CHUNK = 4096
-"""Values per chunk when projecting by W_O: memory ``chunk × hidden`` for one query head."""
-
-
-def projected_value_norms(values: torch.Tensor, o_proj: torch.Tensor, num_query_heads: int) -> torch.Tensor:
-    """CriticalKV's ``‖v W_O‖₁`` per KV head, ``[B, Hkv, m]`` fp32.
-
-    ``values`` is ``[B, Hkv, m, d]``; ``o_proj`` is the output projection's weight
-    ``[hidden, Hq·d]``. Query head ``h`` projects its KV head's values by its own slice
-    ``W_O[:, h·d:(h+1)·d]``; the L1 norm is over the hidden dimension and the result is
-    averaged over the query heads of each KV head. One query head and ``VALUE_NORM_CHUNK``
-    values at a time, never ``m × hidden`` for all heads at once.
-    """
-    b, hkv, m, d = values.shape
-    group = num_query_heads // hkv
-    norms = values.new_zeros(b, hkv, m, dtype=torch.float32)
-    for head in range(num_query_heads):
-        slice_t = o_proj[:, head * d : (head + 1) * d].float().T  # [d, hidden]
-        for start in range(0, m, VALUE_NORM_CHUNK):
-            chunk = values[:, head // group, start : start + VALUE_NORM_CHUNK].float()
-            norms[:, head // group, start : start + VALUE_NORM_CHUNK] += (chunk @ slice_t).abs().sum(dim=-1)
-    return norms / group
-
-
-def compute_signals(
-    requirements: Requirements,
-    layer: EvictionLayer,
-    phase: Phase,
-    query: torch.Tensor,
-    scaling: float,
-    module: torch.nn.Module | None = None,
-) -> Signals:
-    """Compute exactly the signals in ``requirements`` for one pass of one layer."""
-    keys, valid, num_new = layer.keys, layer.valid, query.shape[-2]
-    from kvevict.policies.base import Signals  # the policies build on this module's signals: no import cycle
-
-    signals = Signals(phase=phase, num_new=num_new, query=query, scaling=scaling)
-    if requirements.last_query_attention:
-        signals.last_query_attention = attention_rows(query[:, :, -1:], keys, scaling, valid)[:, :, 0]
-    if requirements.window:
-        window = min(requirements.window, query.shape[-2])
-        signals.window_attention = attention_rows(query[:, :, -window:], keys, scaling, valid)
-    if requirements.column_sums:
-        signals.column_sums = column_sums(query, keys, scaling, valid)
-    if requirements.value_norms:
-        if module is None or not hasattr(module, "o_proj"):
-            raise ValueError("value norms need the attention module's output projection (o_proj)")
-        new_values = layer.values[:, :, -num_new:]
-        signals.value_norms = projected_value_norms(new_values, module.o_proj.weight, query.shape[1])
-    return signals

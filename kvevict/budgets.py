@@ -50,6 +50,13 @@ class Budget:
         return f"keep={self.keep}" if self.keep is not None else "unlimited"
 
 
+def capped_share(budget: int, cap: int = 128, divisor: int = 4) -> int:
+    """``min(cap, budget // divisor)``: the default recent window, reserve or interval that
+    several methods size from the budget (H2O/EpiKV/RaaS ``min(128, B/4)``, LazyEviction
+    ``min(32, B/4)``, R-KV ``min(128, B/2)``)."""
+    return min(cap, budget // divisor)
+
+
 # -- budget allocators: how a layer's budget is split over heads and layers (DESIGN §3) ------
 # Scores come in as a policy's selection scores ``[B, H, n]``: protected entries (sinks,
 # recent window) at +inf, padding at -inf. Counts include the protected entries.

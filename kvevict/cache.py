@@ -25,7 +25,7 @@ from kvevict.budgets import Budget
 from kvevict.hidden import HiddenStateRecorder
 from kvevict.models import check_supported
 from kvevict.policies import Policy, make_policy
-from kvevict.policies.base import Phase
+from kvevict.signals import Phase, compute_signals
 
 
 class EvictionLayer(DynamicLayer):
@@ -161,7 +161,7 @@ class EvictionLayer(DynamicLayer):
         phase, num_new = self.phase(), query.shape[-2]
         evicting = self.eviction_due(phase, num_new)
         requirements = self.policy.requirements(phase, evicting)
-        signals = attention.compute_signals(requirements, self, phase, query, scaling, module)
+        signals = compute_signals(requirements, self, phase, query, scaling, module)
         self.policy.observe(self, signals)
         if evicting:
             self.keep(self.policy.select(self, signals, self.budget))

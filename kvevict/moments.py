@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from kvevict.attention import attention_logits, query_chunks
+from kvevict.signals import attention_logits, query_chunks
 
 LOG_PARTITION_CHUNK = 256
 """Queries per chunk of :func:`nc_log_partition`: memory is ``chunk × n`` per head."""

@@ -6,9 +6,8 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import repeat_kv
 
 import kvevict
-from kvevict import attention
-from kvevict.attention import attention_rows, column_sums, compute_signals
-from kvevict.policies.base import NOTHING, Requirements
+from kvevict import signals
+from kvevict.signals import NOTHING, Requirements, attention_rows, column_sums, compute_signals
 from tests.conftest import prompt, tiny_model
 
 
@@ -57,13 +56,13 @@ def test_only_requested_signals_are_computed(qk) -> None:
 )
 def test_attention_work_is_limited_to_what_the_policy_asks(monkeypatch, policy: str, calls: int) -> None:
     seen = []
-    original = attention.attention_rows
+    original = signals.attention_rows
 
     def counting(query, keys, scaling, valid=None):
         seen.append((query.shape[-2], keys.shape[-2]))
         return original(query, keys, scaling, valid)
 
-    monkeypatch.setattr(attention, "attention_rows", counting)
+    monkeypatch.setattr(signals, "attention_rows", counting)
     model = tiny_model()
     cache = kvevict.EvictionCache(model, policy, budget=None if policy == "full" else 40)
     with torch.no_grad():
@@ -75,14 +74,14 @@ def test_attention_work_is_limited_to_what_the_policy_asks(monkeypatch, policy: 
 
 def test_column_sums_never_build_an_n_by_n_matrix(monkeypatch) -> None:
     rows = []
-    original = attention.attention_rows
+    original = signals.attention_rows
     monkeypatch.setattr(
-        attention, "attention_rows", lambda q, k, s, v=None: rows.append(q.shape[-2]) or original(q, k, s, v)
+        signals, "attention_rows", lambda q, k, s, v=None: rows.append(q.shape[-2]) or original(q, k, s, v)
     )
     model = tiny_model()
     with torch.no_grad():
         model(input_ids=prompt(700), past_key_values=kvevict.EvictionCache(model, "h2o", budget=64))
-    assert max(rows) <= attention.COLUMN_SUM_CHUNK < 700
+    assert max(rows) <= signals.COLUMN_SUM_CHUNK < 700
 
 
 def test_wrapper_is_a_pure_pass_through_without_an_eviction_cache(attn: str) -> None:

@@ -35,6 +35,7 @@ from torch import Tensor
 from kvevict.bench.report import text_table
 from kvevict.figures import pyplot, save_figure
 from kvevict.moments import MomentStats, accumulate, nc_correct
+from kvevict.signals import attention_logits
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -82,17 +83,11 @@ def directional_metrics(
     ``[B, Hkv, n, d]`` (causal among its own entries); ``evicted`` ``[B, Hkv, m]`` flags the
     evicted entries among ``evicted_keys``/``evicted_values`` ``[B, Hkv, m, d]``, all visible.
     """
-    b, hq, q, _ = query.shape
-    hkv, n = keys.shape[1], keys.shape[2]
+    b, hq = query.shape[:2]
+    hkv = keys.shape[1]
     group = hq // hkv
-    rows = query.float()
-    future = torch.arange(n)[None, :] > torch.arange(n - q, n)[:, None]
-    log_r = (rows @ keys.float().repeat_interleave(group, 1).transpose(-1, -2) * scaling).masked_fill(
-        future.to(query.device), float("-inf")
-    )
-    log_e = (rows @ evicted_keys.float().repeat_interleave(group, 1).transpose(-1, -2) * scaling).masked_fill(
-        ~evicted.repeat_interleave(group, 1)[:, :, None, :], float("-inf")
-    )
+    log_r = attention_logits(query, keys, scaling)
+    log_e = attention_logits(query, evicted_keys, scaling, evicted, causal=False)
     z_r, z_e = log_r.logsumexp(-1), log_e.logsumexp(-1)
     f_r = log_r.softmax(-1) @ values.float().repeat_interleave(group, 1)
     f_e = log_e.softmax(-1) @ evicted_values.float().repeat_interleave(group, 1)

@@ -26,7 +26,8 @@ from tqdm.auto import tqdm
 from kvevict.bench.report import text_table
 from kvevict.figures import pyplot, save_figure
 from kvevict.policies.allocation import model_fingerprint
-from kvevict.policies.base import NOTHING, Phase, Policy, Requirements, Signals
+from kvevict.policies.base import Policy
+from kvevict.signals import NOTHING, Phase, Requirements, Signals
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ast
 
 from kvevict.policies.allocation import AdaKV, HeadKV, PyramidKV
-from kvevict.policies.base import Policy, Requirements, Signals, Wrapper, group_reduce
+from kvevict.policies.base import Policy, Wrapper
 from kvevict.policies.critical import Critical
 from kvevict.policies.epikv import AttnXHS, BandAdaptive, EpiKV, HSVariance
 from kvevict.policies.h2o import H2O
@@ -24,6 +24,7 @@ from kvevict.policies.simple import Full, KNorm, Random, StreamingLLM
 from kvevict.policies.snapkv import SnapKV
 from kvevict.policies.thinkv import SegmentHS, ThinKV
 from kvevict.policies.tova import TOVA
+from kvevict.signals import Requirements, Signals, group_reduce
 
 _CLASSES: tuple[type[Policy], ...] = (
     Full,

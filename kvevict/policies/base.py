@@ -17,82 +17,17 @@ Adding a method is one subclass with a ``name`` and a ``summary``, registered in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from kvevict.budgets import descending_ranks
+from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from kvevict.cache import EvictionLayer
-
-Phase = Literal["prefill", "decode"]
-Regime = Literal["prefill", "decode", "both"]
-GroupReduce = Literal["mean", "max"]
-
-
-@dataclass(frozen=True)
-class Requirements:
-    """Signals a policy asks the attention path to compute for one forward pass.
-
-    Every attention signal is post-softmax, in fp32, per *query* head, over the keys
-    retained before the pass plus the keys of the pass, and never an n×n matrix.
-    """
-
-    last_query_attention: bool = False
-    """Attention row of the last query of the pass, ``[B, Hq, n]``."""
-    window: int = 0
-    """Attention rows of the last ``window`` queries of the pass (causal inside the
-    window), ``[B, Hq, window, n]``."""
-    column_sums: bool = False
-    """Attention received by each key, summed over every query of the pass (computed in
-    query chunks), ``[B, Hq, n]``."""
-    value_norms: bool = False
-    """``‖v W_O‖₁`` of the pass's new values, per KV head (mean over its query heads),
-    ``[B, Hkv, num_new]``."""
-
-    @property
-    def any(self) -> bool:
-        return self.last_query_attention or self.window > 0 or self.column_sums or self.value_norms
-
-    def __or__(self, other: Requirements) -> Requirements:
-        """Everything either side asks for (wrappers add their signals to the inner policy's)."""
-        return Requirements(
-            last_query_attention=self.last_query_attention or other.last_query_attention,
-            window=max(self.window, other.window),
-            column_sums=self.column_sums or other.column_sums,
-            value_norms=self.value_norms or other.value_norms,
-        )
-
-
-NOTHING = Requirements()
-
-
-@dataclass
-class Signals:
-    """What the attention path computed for one layer and one forward pass."""
-
-    phase: Phase
-    num_new: int
-    """Entries appended by this pass (the last ``num_new`` of the layer)."""
-    query: torch.Tensor
-    """Post-RoPE queries of the pass, ``[B, Hq, q, d]`` (model dtype)."""
-    scaling: float
-    """The attention's logit scale (``1/√d`` for most models)."""
-    last_query_attention: torch.Tensor | None = None
-    window_attention: torch.Tensor | None = None
-    column_sums: torch.Tensor | None = None
-    value_norms: torch.Tensor | None = None
-
-
-def group_reduce(x: torch.Tensor, num_kv_heads: int, how: GroupReduce = "mean") -> torch.Tensor:
-    """Reduce a query-head signal ``[B, Hq, ...]`` to KV heads ``[B, Hkv, ...]`` (GQA)."""
-    b, hq = x.shape[:2]
-    grouped = x.reshape(b, num_kv_heads, hq // num_kv_heads, *x.shape[2:])
-    return grouped.amax(dim=2) if how == "max" else grouped.mean(dim=2)
 
 
 class Policy:

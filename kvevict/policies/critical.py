@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Phase, Policy, Requirements, Signals, Wrapper, keep_top
+from kvevict.policies.base import Policy, Wrapper, keep_top
+from kvevict.signals import Phase, Requirements, Signals
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Phase, Regime, Requirements, Signals
 from kvevict.policies.h2o import ACCUMULATED, H2O
 from kvevict.policies.selection import PromptKeeping
+from kvevict.signals import Phase, Regime, Requirements, Signals
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

@@ -6,7 +6,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import NOTHING, GroupReduce, Phase, Policy, Regime, Requirements, Signals, group_reduce
+from kvevict.budgets import capped_share
+from kvevict.policies.base import Policy
+from kvevict.signals import NOTHING, GroupReduce, Phase, Regime, Requirements, Signals, group_reduce
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
@@ -48,7 +50,7 @@ class H2O(Policy):
         self.group = group
 
     def recent_window(self, budget: int) -> int:
-        return min(128, budget // 4) if self.window is None else self.window
+        return capped_share(budget) if self.window is None else self.window
 
     def requirements(self, phase: Phase, evicting: bool) -> Requirements:
         # Scores accumulate over the whole sequence: observe every pass that can still

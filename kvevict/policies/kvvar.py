@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Policy, Regime, Signals
+from kvevict.policies.base import Policy
 from kvevict.policies.epikv import EPSILON, ROLLING, rolling_mean
 from kvevict.policies.selection import PromptKeeping, select_by_tiers, within_group_rank
+from kvevict.signals import Regime, Signals
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer

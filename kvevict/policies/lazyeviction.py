@@ -7,7 +7,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import NOTHING, Phase, Policy, Regime, Requirements, Signals, group_reduce
+from kvevict.budgets import capped_share
+from kvevict.policies.base import Policy
+from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals, group_reduce
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -85,7 +87,7 @@ class LazyEviction(Policy):
             self.alpha = ALPHA_QWEN if config.model_type.startswith("qwen") else ALPHA_LLAMA
 
     def recent_window(self, budget: int) -> int:
-        return min(32, budget // 4) if self.window is None else self.window
+        return capped_share(budget, cap=32) if self.window is None else self.window
 
     def default_interval(self, budget: int) -> int:
         return self.recent_window(budget)

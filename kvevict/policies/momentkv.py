@@ -19,19 +19,9 @@ import torch.nn.functional as F
 
 from kvevict.budgets import adakv_counts
 from kvevict.moments import MomentStats, accumulate, mi_evict, nc_correct, nc_log_partition
-from kvevict.policies.base import (
-    NOTHING,
-    GroupReduce,
-    Phase,
-    Policy,
-    Regime,
-    Requirements,
-    Signals,
-    Wrapper,
-    group_reduce,
-    keep_top,
-)
+from kvevict.policies.base import Policy, Wrapper, keep_top
 from kvevict.policies.snapkv import snapkv_scores
+from kvevict.signals import NOTHING, GroupReduce, Phase, Regime, Requirements, Signals, group_reduce
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionCache, EvictionLayer

@@ -7,7 +7,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import NOTHING, Phase, Policy, Regime, Requirements, Signals, group_reduce
+from kvevict.budgets import capped_share
+from kvevict.policies.base import Policy
+from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals, group_reduce
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
@@ -81,7 +83,7 @@ class RaaS(Policy):
 
     def decode_reserve(self, budget: int) -> int:
         """Slots left for decode tokens before the prompt is protected."""
-        return max(1, min(128, budget // 4)) if self.reserve is None else self.reserve
+        return max(1, capped_share(budget)) if self.reserve is None else self.reserve
 
     def keeps_prompt(self, prompt_length: int, budget: int) -> bool:
         """Whether the prompt is protected whole at this budget."""

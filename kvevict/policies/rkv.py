@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvevict.policies.base import Policy, Regime, Signals
+from kvevict.budgets import capped_share
+from kvevict.policies.base import Policy
+from kvevict.signals import Regime, Signals, attention_logits, group_reduce
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
@@ -25,11 +27,8 @@ def rkv_importance(queries: torch.Tensor, keys: torch.Tensor, scaling: float, ke
     softmaxed over the ``m`` keys, averaged over the ``r`` queries and smoothed by a 1-D max
     pool of width ``kernel`` (stride 1, same length). Returns ``[B, Hkv, m]`` fp32.
     """
-    b, hq, r, d = queries.shape
-    hkv, m = keys.shape[1], keys.shape[2]
-    grouped = queries.float().reshape(b, hkv, (hq // hkv) * r, d)
-    logits = (grouped @ keys.float().transpose(-1, -2)).reshape(b, hkv, hq // hkv, r, m) * scaling
-    importance = logits.amax(dim=2).softmax(dim=-1).mean(dim=2)  # [B, Hkv, m]
+    logits = attention_logits(queries, keys, scaling, causal=False)  # [B, Hq, r, m]
+    importance = group_reduce(logits, keys.shape[1], "max").softmax(dim=-1).mean(dim=2)  # [B, Hkv, m]
     if kernel > 1:
         importance = F.max_pool1d(importance, kernel, stride=1, padding=kernel // 2)
     return importance
@@ -123,7 +122,7 @@ class RKV(Policy):
         self.threshold = threshold
 
     def default_interval(self, budget: int) -> int:
-        return max(1, min(128, budget // 2)) if self.interval is None else self.interval
+        return max(1, capped_share(budget, divisor=2)) if self.interval is None else self.interval
 
     def observe(self, layer: EvictionLayer, signals: Signals) -> None:
         """Keep the post-RoPE queries of the last ``window`` tokens (every pass)."""

@@ -12,17 +12,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Policy, Regime, keep_top
+from kvevict.budgets import capped_share
+from kvevict.policies.base import Policy, keep_top
+from kvevict.signals import Regime
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
-
-MAX_RECENT = 128
-
-
-def paper_recent_window(budget: int) -> int:
-    """The recency window of every policy of the EpiKV paper: ``min(128, K/4)``."""
-    return min(MAX_RECENT, budget // 4)
 
 
 class PromptKeeping(Policy):
@@ -48,7 +43,7 @@ class PromptKeeping(Policy):
         self.window = window  # None: scales with the budget, see recent_window
 
     def recent_window(self, budget: int) -> int:
-        return paper_recent_window(budget) if self.window is None else self.window
+        return capped_share(budget) if self.window is None else self.window
 
     def keeps_prompt(self, prompt_length: int, budget: int) -> bool:
         """Whether the prompt is protected whole at this budget."""

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Phase, Policy, Regime, Signals
+from kvevict.policies.base import Policy
+from kvevict.signals import Phase, Regime, Signals
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer

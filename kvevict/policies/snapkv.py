@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn.functional as F
 
-from kvevict.policies.base import NOTHING, GroupReduce, Phase, Policy, Requirements, Signals, group_reduce
+from kvevict.policies.base import Policy
+from kvevict.signals import NOTHING, GroupReduce, Phase, Requirements, Signals, group_reduce
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Phase, Regime, Requirements, Signals
 from kvevict.policies.epikv import EpiKV
 from kvevict.policies.h2o import ACCUMULATED, H2O
 from kvevict.policies.selection import select_by_tiers, within_group_rank
+from kvevict.signals import Phase, Regime, Requirements, Signals
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

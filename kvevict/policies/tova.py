@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import NOTHING, Phase, Policy, Regime, Requirements, Signals
+from kvevict.policies.base import Policy
+from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer

@@ -20,9 +20,9 @@ from kvevict.analysis.recurrence import (
     summarize_run,
     track_generation,
 )
-from kvevict.attention import attention_rows
 from kvevict.cli import main
 from kvevict.policies.lazyeviction import ALPHA_LLAMA, ALPHA_QWEN, MRI, TIMESTAMP
+from kvevict.signals import attention_rows
 from tests.conftest import capture_passes, prompt, tiny_model
 
 PAD = SimpleNamespace(pad_token_id=0, eos_token_id=0)  # what continue_greedy needs of a tokenizer

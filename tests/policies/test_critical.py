@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import kvevict
-from kvevict.attention import projected_value_norms
 from kvevict.policies.critical import VALUE_NORM, critical_keep
+from kvevict.signals import projected_value_norms
 from tests.conftest import prompt, tiny_model
 
 INF = float("inf")

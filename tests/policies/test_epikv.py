@@ -6,10 +6,10 @@ import torch
 from transformers import LlamaConfig
 
 import kvevict
-from kvevict import attention
-from kvevict.policies.base import NOTHING
+from kvevict import signals
 from kvevict.policies.epikv import rolling_mean, rolling_zscore, scale_band, scale_layer, standardize
 from kvevict.policies.h2o import ACCUMULATED
+from kvevict.signals import NOTHING
 from tests.conftest import greedy, kept_indices, prompt, tiny_model
 
 ATTENTION_FREE = ["hs-variance", "epikv", "band-adaptive", "kv-key-var", "kv-val-var", "lag-kv", "lagkv"]
@@ -109,13 +109,13 @@ def test_attn_x_hs_adds_standardised_cumulative_attention_to_z_a() -> None:
 def count_attention_work(monkeypatch, policy: str, attn: str = "sdpa") -> int:
     calls = []
     for name in ("attention_rows", "column_sums"):
-        original = getattr(attention, name)
+        original = getattr(signals, name)
 
         def spy(*args, original=original, name=name, **kwargs):
             calls.append(name)
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(attention, name, spy)
+        monkeypatch.setattr(signals, name, spy)
     model = tiny_model(attn=attn)
     cache = kvevict.EvictionCache(model, policy, budget=40)
     greedy(model, prompt(96), cache, new_tokens=6)

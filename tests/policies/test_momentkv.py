@@ -6,13 +6,12 @@ import pytest
 import torch
 
 import kvevict
-from kvevict.attention import attention_rows
 from kvevict.budgets import adakv_counts
 from kvevict.moments import MomentStats, mi_evict
-from kvevict.policies import Signals
 from kvevict.policies.base import keep_top
 from kvevict.policies.momentkv import MOMENTS, MomentKV, MomentNC, chunk_pool, moment_bytes
 from kvevict.policies.snapkv import snapkv_scores
+from kvevict.signals import Signals, attention_rows
 from tests.conftest import capture_passes, greedy, prompt, reference_logits, tiny_model
 
 INF = float("inf")

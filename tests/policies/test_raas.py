@@ -4,9 +4,8 @@ import pytest
 import torch
 
 import kvevict
-from kvevict.attention import attention_rows
-from kvevict.policies import Signals, group_reduce
 from kvevict.policies.raas import TIMESTAMP, raas_update
+from kvevict.signals import Signals, attention_rows, group_reduce
 from tests.conftest import capture_passes, prompt, tiny_model
 
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import kvevict
-from kvevict.policies import Signals
 from kvevict.policies.rkv import QUERIES, rkv_importance, rkv_redundancy
+from kvevict.signals import Signals
 from tests.conftest import capture_passes, prompt, tiny_model
 
 

@@ -1,8 +1,8 @@
 import torch
 
 import kvevict
-from kvevict.attention import attention_rows
 from kvevict.policies.snapkv import snapkv_scores
+from kvevict.signals import attention_rows
 from tests.conftest import capture_passes, prompt, tiny_model
 
 INF = float("inf")

@@ -1,8 +1,8 @@
 import torch
 
 import kvevict
-from kvevict.attention import attention_rows
 from kvevict.policies.tova import tova_scores
+from kvevict.signals import attention_rows
 from tests.conftest import capture_passes, prompt, tiny_model
 
 
