@@ -22,7 +22,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvevict.signals import causal_mask, heads_mask
+from kvevict.signals import heads_mask
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
@@ -75,10 +75,12 @@ def _make_attention(base: str) -> Callable:
         layer = _take_pending(module, key)
         if layer is None:  # not an eviction cache: pure pass-through
             return kernel(module, query, key, value, attention_mask, **kwargs)
-        attention_mask = _layer_mask(base, attention_mask, query, key, layer.valid)
+        layer.begin_pass(attention_mask)
+        attention_mask = _layer_mask(base, attention_mask, query, layer)
         output, weights = kernel(module, query, key, value, attention_mask, **kwargs)
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-        output = layer.policy.correct_output(layer, query, output, scaling)  # before this pass evicts
+        if layer.policy.corrects_output:
+            output = layer.correct_output(query, output, scaling)  # before this pass evicts
         layer.after_attention(query, scaling, module)
         return output, weights
 
@@ -86,33 +88,55 @@ def _make_attention(base: str) -> Callable:
     return kvevict_attention
 
 
-def _layer_mask(
-    base: str, mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor | None
-) -> torch.Tensor | None:
-    """The mask for an eviction layer: every retained entry is visible, the pass's own
-    entries are causal, and padding (``valid`` false, head-wise budgets) is hidden per
-    head. Reuses the model's mask when it already fits this layer."""
-    q, n = query.shape[-2], key.shape[-2]
-    if valid is not None:
-        if base.startswith("flash"):
-            raise ValueError(
-                "head-wise budgets (adakv, headkv, ...) need a per-head mask, which flash attention kernels do not "
-                "take; load the model with attn_implementation='sdpa' or 'eager'"
-            )
-        allowed = causal_mask(q, n, query.device) & heads_mask(valid, query.shape[1])[:, :, None, :]
-    elif q == 1 or base.startswith("flash"):  # flash aligns causality bottom-right by itself
-        return None if mask is None or mask.shape[-1] != n else mask
-    elif mask is not None and mask.shape[-1] == n:
+def check_flash(base: str, ragged: bool) -> None:
+    """Flash kernels take no per-entry mask: refuse a layer whose rows or heads are ragged."""
+    if base.startswith("flash") and ragged:
+        raise ValueError(
+            f"{base} cannot mask entries per row or per head, which this cache needs (left-padded prompts of "
+            "different lengths, or rows/heads keeping different numbers of entries: keep=, adakv, headkv, ...); "
+            "load the model with attn_implementation='sdpa' or 'eager', or use flash with one prompt (or prompts "
+            "of equal length) and a uniform budget"
+        )
+
+
+def _layer_mask(base: str, mask: torch.Tensor | None, query: torch.Tensor, layer: EvictionLayer) -> torch.Tensor | None:
+    """The mask of an eviction layer's pass, from the layer itself: an entry is visible to a
+    query when it is real (``valid``) and not after the query's position; each query also
+    sees itself (so a padding query attends to something). Entries are not stored in
+    position order (eviction refills slots), so nothing is derived from the index order.
+    Until the first eviction the storage is the model's own layout and the model's mask is
+    reused as is (bit-identical to no eviction)."""
+    q, n = query.shape[-2], layer.length
+    valid = layer.valid
+    check_flash(base, valid is not None)
+    if not layer.compacted and (
+        mask is not None and mask.shape[-1] == n or mask is None and valid is None and q in (1, n)
+    ):
         return mask
-    elif mask is None and n == q:
+    if base.startswith("flash"):  # uniform rows: new entries at the end, causal bottom-right
         return None
+    if q == 1:
+        if valid is None:
+            return None
+        allowed = heads_mask(valid, query.shape[1])[:, :, None, :]
     else:
-        allowed = causal_mask(q, n, query.device)[None, None]
+        positions = layer.positions[:, :, None, :]  # [B, Hkv, 1, n]
+        queries = _row_query_positions(layer, q)
+        allowed = positions <= queries
+        if valid is not None:
+            allowed &= valid[:, :, None, :] | (positions == queries)
+        allowed = allowed.repeat_interleave(query.shape[1] // allowed.shape[1], dim=1)
     if base == "sdpa":
         return allowed
     return torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(
         ~allowed, torch.finfo(query.dtype).min
     )
+
+
+def _row_query_positions(layer: EvictionLayer, q: int) -> torch.Tensor:
+    """Positions of the pass's queries, ``[B, 1, q, 1]``: each row's ``q`` newest tokens."""
+    seen = torch.tensor([row.seen for row in layer.rows], device=layer.device)
+    return (seen[:, None] - q + torch.arange(q, device=layer.device))[:, None, :, None]
 
 
 def install(model: PreTrainedModel) -> None:

@@ -28,8 +28,40 @@ from kvevict.policies import Policy, make_policy
 from kvevict.signals import Phase, compute_signals
 
 
+class _Row:
+    """Bookkeeping of one sequence (batch row) of a layer: what a batch-1 layer holds as ints."""
+
+    __slots__ = ("budget", "decode_peak", "interval", "memo", "prompt_length", "seen", "start", "width")
+
+    def __init__(self) -> None:
+        self.seen = 0
+        """Real tokens of this row seen so far (its next absolute position)."""
+        self.prompt_length = 0
+        self.budget: int | None = None
+        self.interval = 1
+        self.decode_peak = 0
+        self.start = 0
+        """First storage column of this row (its left padding, until the first eviction)."""
+        self.width = 0
+        """Storage columns ``start .. start + width`` hold this row (its longest head)."""
+        self.memo: dict[str, object] = {}
+
+
 class EvictionLayer(DynamicLayer):
-    """One full-attention layer of an :class:`EvictionCache`."""
+    """One full-attention layer of an :class:`EvictionCache`.
+
+    Storage is preallocated (``budget + interval`` entries once evicting) and shared by the
+    rows of a batch: row ``b`` occupies columns ``[start_b, start_b + width_b)``; columns a
+    row or a head does not hold (left padding of its prompt, rows or heads keeping fewer
+    entries) are marked false in :attr:`valid` and masked out of attention and selection.
+    Entries are *not* sorted by position: an evicted entry's slot is reused by an entry from
+    the end (O(1) data movement per evicted entry), and :attr:`positions` says where each
+    entry sits in its sequence.
+
+    The policy never sees the batch: every hook runs on a :class:`RowView`, which holds one
+    row exactly as a batch-1 layer holding that prompt alone would (same entries in the same
+    order, same counters), so a batch gives each row what it gets alone.
+    """
 
     is_croppable = False
 
@@ -40,25 +72,42 @@ class EvictionLayer(DynamicLayer):
         self._clear()
 
     def _clear(self) -> None:
-        self.seen = 0
+        self.tokens = 0
+        """Columns of every pass so far, padding included (transformers' ``cache_position``)."""
         self.passes = 0
-        self.prompt_length = 0
-        self.budget: int | None = None
-        self.interval = 1
-        self.decode_peak = 0
-        """Most entries held during a decode pass (after appending, before evicting)."""
-        self.positions = torch.empty(0, dtype=torch.long)
-        self.valid: torch.Tensor | None = None
-        """``[B, Hkv, n]`` bool once heads hold different numbers of entries (head-wise
-        budgets): each head is padded to the longest one and its padding is masked out of
-        attention and selection. ``None`` while every entry is real."""
-        self.state: dict[str, torch.Tensor] = {}
-        self.memo: dict[str, object] = {}
-        """Per-layer policy data that is not per token (e.g. recent queries)."""
+        self.rows: list[_Row] = [_Row()]
+        self.compacted = False
+        """Whether an eviction reordered the storage (until then it is the model's own layout)."""
+        self._num_new = 0
+        self._capacity = 0
+        self._keys = self._values = torch.empty(0, 0, 0, 0)
+        self._positions = torch.empty(0, 0, 0, dtype=torch.long)
+        self._valid: torch.Tensor | None = None
+        self._state: dict[str, torch.Tensor] = {}
+        self._refresh(0)
+
+    def _refresh(self, n: int) -> None:
+        """Expose the first ``n`` storage columns as :attr:`keys`, :attr:`values`, ..."""
+        self.n = n
+        self.keys = self._keys[:, :, :n]
+        self.values = self._values[:, :, :n]
+        self.positions = self._positions[:, :, :n]
+        """Absolute position of each entry in its own sequence ``[B, Hkv, n]`` (the model's RoPE
+        position; negative for left padding, which is never valid)."""
+        self.valid = None if self._valid is None else self._valid[:, :, :n]
+        """``[B, Hkv, n]`` bool once rows or heads hold different numbers of entries (left
+        padding, head-wise budgets, ``keep=`` with prompts of different lengths): each is
+        padded to the longest and its padding is masked out of attention and selection.
+        ``None`` while every entry is real."""
+        self.state = {name: value[:, :, :n] for name, value in self._state.items()}
 
     @property
     def policy(self) -> Policy:
         return self.owner.policy
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
 
     @property
     def num_kv_heads(self) -> int:
@@ -66,8 +115,46 @@ class EvictionLayer(DynamicLayer):
 
     @property
     def length(self) -> int:
-        """Retained entries per KV head (of the longest head when head-wise budgets differ)."""
-        return 0 if not self.is_initialized else self.keys.shape[-2]
+        """Storage columns in use (entries of the longest row and head)."""
+        return self.n
+
+    def _per_row(self, name: str) -> int | torch.Tensor:
+        values = [getattr(row, name) for row in self.rows]
+        if len(values) == 1:
+            return values[0]
+        return torch.tensor(values, device=self.device)[:, None, None]
+
+    @property
+    def seen(self) -> int | torch.Tensor:
+        """Real tokens seen (an int; per row ``[B, 1, 1]`` for a batch, broadcasting with :attr:`positions`)."""
+        return self._per_row("seen")
+
+    @property
+    def prompt_length(self) -> int | torch.Tensor:
+        """Prompt tokens without padding (an int; per row ``[B, 1, 1]`` for a batch)."""
+        return self._per_row("prompt_length")
+
+    @property
+    def budget(self) -> int | None | torch.Tensor:
+        """The resolved budget (an int; per row ``[B, 1, 1]`` for a batch, ``keep=`` resolves per row)."""
+        return None if self.rows[0].budget is None else self._per_row("budget")
+
+    @property
+    def decode_peak(self) -> int:
+        """Most entries a row held during a decode pass (after appending, before evicting)."""
+        return max(row.decode_peak for row in self.rows)
+
+    @property
+    def decode_step(self) -> int:
+        """Tokens processed after the prompt (the same for every row)."""
+        return self.rows[0].seen - self.rows[0].prompt_length
+
+    @property
+    def memo(self) -> dict[str, object]:
+        """Per-layer policy data that is not per token (of the only row; see :meth:`row_view` for a batch)."""
+        if len(self.rows) != 1:
+            raise ValueError("a batched layer keeps policy data per row: read layer.row_view(b).memo")
+        return self.rows[0].memo
 
     def head_lengths(self) -> torch.Tensor:
         """Real (unpadded) entries of each KV head, ``[B, Hkv]`` int64."""
@@ -75,71 +162,311 @@ class EvictionLayer(DynamicLayer):
             return self.valid.sum(dim=-1)
         return torch.full(self.keys.shape[:2], self.length, dtype=torch.long, device=self.device)
 
+    def row_view(self, row: int) -> RowView:
+        """Row ``row`` as a batch-1 layer holding that sequence alone (what policies see)."""
+        return RowView(self, row)
+
     # -- transformers' layer API ------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
         b, h = key_states.shape[:2]
-        if b != 1:
-            raise ValueError(
-                f"batch size {b} is not supported yet: kvevict evicts per sequence, so pass one prompt at a time "
-                "(batch size 1)"
-            )
-        self.keys = key_states.new_empty(b, h, 0, key_states.shape[-1])
-        self.values = value_states.new_empty(b, h, 0, value_states.shape[-1])
-        self.positions = torch.empty(b, h, 0, dtype=torch.long, device=self.device)
+        self.rows = [_Row() for _ in range(b)]
+        self._keys = key_states.new_zeros(b, h, 0, key_states.shape[-1])
+        self._values = value_states.new_zeros(b, h, 0, value_states.shape[-1])
+        self._positions = torch.zeros(b, h, 0, dtype=torch.long, device=self.device)
+        self._refresh(0)
+
+    def _reserve(self, needed: int) -> None:
+        """Make room for ``needed`` storage columns (grown geometrically: appends are O(1) amortised)."""
+        if needed <= self._capacity:
+            return
+        capacity = max(needed, self._capacity + self._capacity // 2)
+
+        def grow(x: torch.Tensor) -> torch.Tensor:
+            bigger = x.new_zeros(*x.shape[:2], capacity, *x.shape[3:])
+            bigger[:, :, : self.n] = x[:, :, : self.n]
+            return bigger
+
+        self._keys, self._values, self._positions = grow(self._keys), grow(self._values), grow(self._positions)
+        self._valid = None if self._valid is None else grow(self._valid)
+        self._state = {name: grow(value) for name, value in self._state.items()}
+        self._capacity = capacity
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        b, h, num_new = key_states.shape[:3]
-        new_positions = torch.arange(self.seen, self.seen + num_new, device=self.device).expand(b, h, num_new)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.positions = torch.cat([self.positions, new_positions], dim=-1)
-        if self.valid is not None:
-            self.valid = torch.cat([self.valid, self.valid.new_ones(b, h, num_new)], dim=-1)
-        self.seen += num_new
+        b, num_new = key_states.shape[0], key_states.shape[2]
+        if b != len(self.rows):
+            raise ValueError(f"batch size changed from {len(self.rows)} to {b}: an EvictionCache holds one batch")
+        ends = [row.start + row.width for row in self.rows]
+        self._reserve(max(ends) + num_new)
+        new = torch.arange(num_new, device=self.device)
+        if all(end == self.n for end in ends):  # rows end together: one slice
+            self._keys[:, :, self.n : self.n + num_new] = key_states
+            self._values[:, :, self.n : self.n + num_new] = value_states
+            seen = torch.tensor([row.seen for row in self.rows], device=self.device)
+            self._positions[:, :, self.n : self.n + num_new] = (seen[:, None] + new)[:, None, :]
+            if self._valid is not None:
+                self._valid[:, :, self.n : self.n + num_new] = True
+        else:  # each row appends at its own end
+            for i, (row, end) in enumerate(zip(self.rows, ends)):
+                self._keys[i, :, end : end + num_new] = key_states[i]
+                self._values[i, :, end : end + num_new] = value_states[i]
+                self._positions[i, :, end : end + num_new] = row.seen + new
+                self._valid[i, :, end : end + num_new] = True
+        for row in self.rows:
+            row.width += num_new
+            row.seen += num_new
+        self.tokens += num_new
         self.passes += 1
-        if self.passes == 1:
-            self.prompt_length = num_new
-            self.budget = self.owner.budget.resolve(num_new)
-            if self.owner.budget.keep is not None:  # a token budget was checked up front
-                self.policy.check_budget(self.budget)
-            self.interval = self.owner.interval or (self.budget and self.policy.default_interval(self.budget)) or 1
-        for name, value in self.policy.new_tokens(self, num_new).items():
-            old = self.state.get(name)
-            self.state[name] = value if old is None else torch.cat([old, value], dim=2)
-        if self.passes > 1:
-            self.decode_peak = max(self.decode_peak, self.length)
+        self._num_new = num_new
+        self._refresh(max(row.start + row.width for row in self.rows))
         attention.mark_pending(self, self.keys)
         return self.keys, self.values
 
+    def begin_pass(self, attention_mask: torch.Tensor | None) -> None:
+        """Called by the attention path before the kernel: on the first pass, learn each row's
+        left padding from the model's mask; then give the policy the new entries' state.
+
+        Why the mask: transformers hands a cache layer only keys and values, but passes the
+        attention function the mask it built from the 2-D ``attention_mask``; the last query of
+        a left-padded prompt is a real token, so its mask row marks exactly the real columns.
+        ``generate`` gives real token ``i`` of a row the RoPE position ``i`` (the cumulative
+        sum of the mask), so a row's positions start at 0 after its padding."""
+        if self.passes == 1:
+            self._start_rows(_real_columns(attention_mask, self._num_new, len(self.rows)))
+        for i, row in enumerate(self.rows):
+            view = RowView(self, i)
+            for name, value in self.policy.new_tokens(view, view.num_new).items():
+                if name not in self._state:
+                    self._state[name] = value.new_zeros(
+                        len(self.rows), value.shape[1], self._capacity, *value.shape[3:]
+                    )
+                self._state[name][i : i + 1, :, row.start + row.width - view.num_new : row.start + row.width] = value
+        self._refresh(self.n)
+        if self.passes > 1:
+            for row in self.rows:
+                row.decode_peak = max(row.decode_peak, row.width)
+
+    def _start_rows(self, real: torch.Tensor | None) -> None:
+        num_new = self._num_new
+        pads = [0] * len(self.rows) if real is None else (num_new - real.sum(dim=-1)).tolist()
+        if any(pad >= num_new for pad in pads):
+            raise ValueError("a row of the batch has no real token: every prompt needs at least one token")
+        if any(pads):
+            columns = torch.arange(num_new, device=self.device)
+            pad = torch.tensor(pads, device=self.device)[:, None]
+            self._positions[:, :, :num_new] = (columns - pad)[:, None, :]
+            self._valid = torch.zeros(self._positions.shape, dtype=torch.bool, device=self.device)
+            self._valid[:, :, :num_new] = (columns >= pad)[:, None, :]
+        self.owner.row_offsets = pads
+        for row, pad in zip(self.rows, pads):
+            row.start, row.width = pad, num_new - pad
+            row.seen = row.prompt_length = num_new - pad
+            row.budget = self.owner.budget.resolve(row.prompt_length)
+            if self.owner.budget.keep is not None:  # a token budget was checked up front
+                self.policy.check_budget(row.budget)
+            row.interval = self.owner.interval or (row.budget and self.policy.default_interval(row.budget)) or 1
+        self._refresh(self.n)
+
     def get_seq_length(self) -> int:
-        return self.seen
+        return self.tokens
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, self.seen - self.length
+        return self.length + query_length, self.tokens - self.length
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
-        super().reset()
+        self.is_initialized = False
         self._clear()
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("an EvictionCache cannot be cropped: evicted entries cannot be restored")
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("beam search is not supported with an EvictionCache (batch size 1 only)")
+        raise ValueError(
+            "beam search (and any decoding that reorders or regroups cache rows) is not supported with an "
+            "EvictionCache: each row is evicted on its own; use greedy decoding or sampling (num_beams=1)"
+        )
 
     batch_repeat_interleave = batch_select_indices = reorder_cache
 
     # -- eviction -----------------------------------------------------------------------
     def phase(self) -> Phase:
         return "prefill" if self.passes == 1 else "decode"
+
+    def correct_output(self, query: torch.Tensor, output: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The policy's correction of the kernel's output ``[B, q, Hq, d]``, row by row."""
+        rows = []
+        for i in range(len(self.rows)):
+            view = RowView(self, i)
+            real = slice(query.shape[2] - view.num_new, None)
+            corrected = self.policy.correct_output(view, query[i : i + 1, :, real], output[i : i + 1, real], scaling)
+            rows.append(torch.cat([output[i : i + 1, : real.start], corrected], dim=1))
+        return torch.cat(rows)
+
+    def after_attention(self, query: torch.Tensor, scaling: float, module: torch.nn.Module | None = None) -> None:
+        """Called by the attention path once this pass attended: for each row, compute the
+        signals the policy asked for, let it observe them, and evict down to the row's budget
+        when due."""
+        phase, keeps, evicting = self.phase(), [], False
+        for i in range(len(self.rows)):
+            view = RowView(self, i)
+            due = view.eviction_due(phase, view.num_new)
+            requirements = self.policy.requirements(phase, due)
+            signals = compute_signals(requirements, view, phase, query[i : i + 1, :, -view.num_new :], scaling, module)
+            self.policy.observe(view, signals)
+            keep = self.policy.select(view, signals, view.budget) if due else None
+            view.write_back()
+            keeps.append(keep)
+            evicting |= due
+        if evicting:
+            self._keep_rows(keeps)
+
+    def keep(self, mask: torch.Tensor) -> None:
+        """Retain the entries where ``mask`` ``[B, Hkv, n]`` (storage columns) is true."""
+        self._keep_rows([mask[i : i + 1, :, row.start : row.start + row.width] for i, row in enumerate(self.rows)])
+
+    def _keep_rows(self, keeps: list[torch.Tensor | None]) -> None:
+        """Retain, per row, the entries its mask ``[1, Hkv, width]`` (row columns; None: every
+        real one) keeps. Padding never survives. Per head, a kept entry stays in its slot and
+        the slots of dropped entries are refilled from the end: O(dropped) data movement, and
+        a row's layout depends only on that row (the same as alone)."""
+        width = max(row.width for row in self.rows)
+        relative = torch.zeros(len(self.rows), self.num_kv_heads, width, dtype=torch.bool, device=self.device)
+        for i, (row, keep) in enumerate(zip(self.rows, keeps)):
+            view = RowView(self, i)
+            held = view.valid if view.valid is not None else torch.ones_like(view.positions, dtype=torch.bool)
+            keep = held if keep is None else keep & held
+            self.policy.on_evict(view, held & ~keep)
+            view.write_back()
+            relative[i, :, : row.width] = keep[0]
+        counts = relative.sum(dim=-1)  # [B, Hkv]
+        index = torch.arange(width, device=self.device)
+        prefix = index < counts[..., None]
+        holes, movers = (prefix & ~relative).nonzero(), (~prefix & relative).nonzero()
+        new_n = int(counts.max())
+        if all(row.start == 0 for row in self.rows):  # in place: each mover fills a hole
+            b, h, dst, src = holes[:, 0], holes[:, 1], holes[:, 2], movers[:, 2]
+            for storage in (self._keys, self._values, self._positions, *self._state.values()):
+                storage[b, h, dst] = storage[b, h, src]
+        else:  # the first eviction of a left-padded batch: rows move to column 0 (once)
+            source = index.expand(*counts.shape, width).clone()
+            source[holes[:, 0], holes[:, 1], holes[:, 2]] = movers[:, 2]
+            source = (
+                source[..., :new_n] + torch.tensor([row.start for row in self.rows], device=self.device)[:, None, None]
+            )
+            capacity = new_n + max(row.interval for row in self.rows)
+            self._keys, self._values, self._positions = (
+                _gather(x, source, capacity) for x in (self._keys, self._values, self._positions)
+            )
+            self._state = {name: _gather(value, source, capacity) for name, value in self._state.items()}
+            self._capacity = capacity
+        uniform = bool((counts == new_n).all())
+        if uniform:
+            self._valid = None
+        else:
+            self._valid = torch.zeros(self._positions.shape, dtype=torch.bool, device=self.device)
+            self._valid[:, :, :new_n] = prefix[..., :new_n]
+        for row, longest in zip(self.rows, counts.max(dim=1).values.tolist()):
+            row.start, row.width = 0, longest
+        self.compacted = True
+        self._refresh(new_n)
+
+    def row_bytes(self) -> list[tuple[int, int]]:
+        """Per row: (bytes allocated, bytes of real entries). Allocated counts the row's
+        longest head for every head (head-wise budgets pad heads); neither counts the row's
+        left padding nor the padding up to longer rows of the batch."""
+        if not self.is_initialized:
+            return [(0, 0)] * len(self.rows)
+        per_entry = self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
+        real = self.head_lengths().sum(dim=-1).tolist()
+        return [(self.num_kv_heads * row.width * per_entry, held * per_entry) for row, held in zip(self.rows, real)]
+
+    def kv_bytes(self) -> int:
+        """Bytes allocated for keys and values of every row (see :meth:`row_bytes`)."""
+        return sum(allocated for allocated, _ in self.row_bytes())
+
+    def retained_bytes(self) -> int:
+        """Bytes of the real entries: what a head-wise ragged layout would hold."""
+        return sum(real for _, real in self.row_bytes())
+
+
+def _real_columns(mask: torch.Tensor | None, num_new: int, batch: int) -> torch.Tensor | None:
+    """The real (not padding) columns ``[B, n]`` of a first pass, from the mask the model
+    built (None: no padding). Refuses padding anywhere but on the left."""
+    if mask is None:
+        return None
+    if mask.dim() == 2:  # flash kernels receive the 2-D padding mask itself
+        real = mask.bool()
+    elif mask.dtype == torch.bool:
+        real = mask[:, 0, -1, :]
+    else:  # additive float mask (eager)
+        real = mask[:, 0, -1, :] > torch.finfo(mask.dtype).min / 2
+    real = real.expand(batch, -1)[:, -num_new:]
+    if bool((real[:, 1:] < real[:, :-1]).any()):
+        raise ValueError(
+            "right padding (or padding inside a prompt) is not supported by an EvictionCache: pad prompts on the "
+            "left (tokenizer.padding_side = 'left'), so that every row ends with its last real token"
+        )
+    return None if bool(real.all()) else real
+
+
+def _gather(x: torch.Tensor, indices: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Entries ``indices`` ``[B, H, m]`` along dim 2 of ``[B, H, n, ...]``, into a new buffer of ``capacity``."""
+    index = indices.reshape(*indices.shape, *([1] * (x.dim() - 3))).expand(*indices.shape, *x.shape[3:])
+    out = x.new_zeros(*x.shape[:2], capacity, *x.shape[3:])
+    out[:, :, : indices.shape[-1]] = x.gather(2, index)
+    return out
+
+
+class RowView:
+    """One row of an :class:`EvictionLayer` exactly as a batch-1 layer holding that sequence
+    alone: ``keys``/``values`` ``[1, Hkv, n_b, d]``, ``positions``, ``valid`` (None when every
+    entry of the row is real), ``state`` and ``memo`` of the row, and its own counters
+    (``seen``, ``prompt_length``, ``budget``, ``decode_step``). Tensors are views of the
+    layer's storage, so in-place writes land there; a state entry the policy replaces is
+    written back by :meth:`write_back`."""
+
+    def __init__(self, layer: EvictionLayer, row: int):
+        info = layer.rows[row]
+        self.layer, self.row, self.info = layer, row, info
+        columns = slice(info.start, info.start + info.width)
+        rows = slice(row, row + 1)
+        self.keys = layer.keys[rows, :, columns]
+        self.values = layer.values[rows, :, columns]
+        self.positions = layer.positions[rows, :, columns]
+        valid = None if layer.valid is None else layer.valid[rows, :, columns]
+        self.valid = None if valid is None or bool(valid.all()) else valid
+        self._state = {name: value[rows, :, columns] for name, value in layer.state.items()}
+        self.state = dict(self._state)
+        self.memo = info.memo
+        self.seen, self.prompt_length, self.budget, self.interval = (
+            info.seen,
+            info.prompt_length,
+            info.budget,
+            info.interval,
+        )
+        self.passes, self.layer_idx, self.device = layer.passes, layer.layer_idx, layer.device
+        self.num_new = min(layer._num_new, info.width)
+        self.owner = _RowOwner(layer.owner, row)
+
+    policy = property(lambda self: self.layer.policy)
+    num_kv_heads = property(lambda self: self.keys.shape[1])
+    length = property(lambda self: self.keys.shape[2])
+    decode_step = property(lambda self: self.seen - self.prompt_length)
+    decode_peak = property(lambda self: self.info.decode_peak)
+    phase = EvictionLayer.phase
+
+    def head_lengths(self) -> torch.Tensor:
+        if self.valid is not None:
+            return self.valid.sum(dim=-1)
+        return torch.full(self.keys.shape[:2], self.length, dtype=torch.long, device=self.device)
 
     def eviction_due(self, phase: Phase, num_new: int) -> bool:
         """Over budget, and (decode) the step counter crossed a multiple of ``interval``."""
@@ -150,55 +477,40 @@ class EvictionLayer(DynamicLayer):
         step = self.decode_step  # the first decode step is 1
         return step // self.interval > (step - num_new) // self.interval
 
+    def write_back(self) -> None:
+        """Copy state entries the policy replaced (rather than wrote in place) into the layer."""
+        for name, value in self.state.items():
+            if value is not self._state.get(name):
+                self.layer._state[name][
+                    self.row : self.row + 1, :, self.info.start : self.info.start + self.info.width
+                ] = value
+                self._state[name] = value
+
+
+class _RowOwner:
+    """What a policy reads of the cache, for one row (its own shared data and hidden scores)."""
+
+    def __init__(self, cache: EvictionCache, row: int):
+        self.cache, self.row = cache, row
+
+    policy = property(lambda self: self.cache.policy)
+    eviction_layers = property(lambda self: self.cache.eviction_layers)
+    shared = property(lambda self: self.cache.row_shared(self.row))
+
     @property
-    def decode_step(self) -> int:
-        """Tokens processed after the prompt (``t`` of the decode-time methods)."""
-        return self.seen - self.prompt_length
-
-    def after_attention(self, query: torch.Tensor, scaling: float, module: torch.nn.Module | None = None) -> None:
-        """Called by the attention path once this pass attended: compute the signals the
-        policy asked for, let it observe them, and evict down to the budget when due."""
-        phase, num_new = self.phase(), query.shape[-2]
-        evicting = self.eviction_due(phase, num_new)
-        requirements = self.policy.requirements(phase, evicting)
-        signals = compute_signals(requirements, self, phase, query, scaling, module)
-        self.policy.observe(self, signals)
-        if evicting:
-            self.keep(self.policy.select(self, signals, self.budget))
-
-    def keep(self, mask: torch.Tensor) -> None:
-        """Retain the entries where ``mask`` ``[B, Hkv, n]`` is true, in order. Heads that
-        keep different numbers are padded to the longest and ``valid`` marks the real ones."""
-        if self.valid is not None:
-            mask = mask & self.valid
-        self.policy.on_evict(self, ~mask if self.valid is None else self.valid & ~mask)
-        counts = mask.sum(dim=-1)
-        width = int(counts.max())
-        # stable sort puts each head's kept entries first, in their original order
-        indices = mask.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :width]
-        uniform = bool((counts == width).all())
-        self.valid = None if uniform else torch.arange(width, device=self.device) < counts[..., None]
-        self.keys = _gather(self.keys, indices)
-        self.values = _gather(self.values, indices)
-        self.positions = _gather(self.positions, indices)
-        self.state = {name: _gather(value, indices) for name, value in self.state.items()}
-
-    def kv_bytes(self) -> int:
-        """Bytes allocated for keys and values (padding of head-wise budgets included)."""
-        return 0 if not self.is_initialized else self.keys.nbytes + self.values.nbytes
-
-    def retained_bytes(self) -> int:
-        """Bytes of the real entries: what a head-wise ragged layout would hold."""
-        if not self.is_initialized:
-            return 0
-        per_entry = self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
-        return int(self.head_lengths().sum()) * per_entry
+    def hidden(self) -> _RowHidden | None:
+        recorder = self.cache.hidden
+        return None if recorder is None else _RowHidden(recorder, self.row, self.cache.row_offsets[self.row])
 
 
-def _gather(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """Gather entries along dim 2 of ``[B, H, n, ...]``."""
-    index = indices.reshape(*indices.shape, *([1] * (x.dim() - 3))).expand(*indices.shape, *x.shape[3:])
-    return x.gather(2, index)
+class _RowHidden:
+    """A :class:`~kvevict.hidden.HiddenStateRecorder` seen from one row (positions of that row)."""
+
+    def __init__(self, recorder: HiddenStateRecorder, row: int, offset: int):
+        self.recorder, self.row, self.offset = recorder, row, offset
+
+    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.recorder.lookup(positions + self.offset, row=self.row)
 
 
 class EvictionCache(Cache):
@@ -247,7 +559,11 @@ class EvictionCache(Cache):
         config = model.config.get_text_config(decoder=True)
         self.policy.bind(config)
         self.shared: dict[str, object] = {}
-        """Per-cache policy data shared across layers (e.g. ThinKV's per-token entropy)."""
+        """Per-cache policy data shared across layers (e.g. ThinKV's per-token entropy), of
+        the first row; every row of a batch has its own (:meth:`row_shared`)."""
+        self._shared_rows: dict[int, dict[str, object]] = {0: self.shared}
+        self.row_offsets: list[int] = [0]
+        """Left padding of each row of the batch (columns before its first real token)."""
         hidden_layers = self.policy.hidden_layers(config.num_hidden_layers)
         self.hidden = (
             HiddenStateRecorder(
@@ -282,19 +598,43 @@ class EvictionCache(Cache):
     def eviction_layers(self) -> list[EvictionLayer]:
         return [layer for layer in self.layers if isinstance(layer, EvictionLayer)]
 
+    def row_shared(self, row: int) -> dict[str, object]:
+        """Policy data shared across layers, for one row of the batch."""
+        return self._shared_rows.setdefault(row, {})
+
     def kv_bytes(self) -> int:
-        """Bytes allocated for the retained keys and values of every layer."""
-        return sum(layer.kv_bytes() for layer in self.layers if layer.is_initialized and layer.keys is not None)
+        """Bytes allocated for the retained keys and values of every layer (never left padding)."""
+        return sum(allocated for allocated, _ in self.layer_bytes())
+
+    def row_bytes(self) -> list[tuple[int, int]]:
+        """Per row of the batch: (bytes allocated, bytes of real entries) over every layer.
+        Allocated counts each row's longest head for all its heads (head-wise budgets); neither
+        counts left padding nor the padding that lets rows of different lengths share storage."""
+        totals: list[list[int]] = []
+        for layer in self.layers:
+            if isinstance(layer, EvictionLayer):
+                rows = layer.row_bytes()
+            elif layer.is_initialized and layer.keys is not None:
+                held = (layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[0]
+                rows = [(held, held)] * layer.keys.shape[0]
+            else:
+                continue
+            totals += [[0, 0] for _ in range(len(rows) - len(totals))]
+            for total, (allocated, real) in zip(totals, rows):
+                total[0] += allocated
+                total[1] += real
+        return [(allocated, real) for allocated, real in totals]
 
     def layer_bytes(self) -> list[tuple[int, int]]:
         """Per layer: (bytes allocated, bytes of real entries). They differ only where
-        head-wise budgets pad heads to the longest one of their layer."""
+        head-wise budgets pad heads to the longest one of their layer, or rows of a batch keep
+        different numbers of entries."""
         rows = []
         for layer in self.layers:
             if isinstance(layer, EvictionLayer):
                 rows.append((layer.kv_bytes(), layer.retained_bytes()))
             else:
-                held = layer.keys.nbytes + layer.values.nbytes if layer.is_initialized else 0
+                held = layer.keys.nbytes + layer.values.nbytes if layer.is_initialized and layer.keys is not None else 0
                 rows.append((held, held))
         return rows
 

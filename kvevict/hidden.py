@@ -136,9 +136,19 @@ class HiddenStateRecorder:
         """Positions ``0 .. scored - 1`` have a frozen score."""
         return _length(self.scores)
 
+    @property
+    def offsets(self) -> list[int]:
+        """Left padding of each row of the cache's batch (the first pass's padding columns)."""
+        cache = None if self._cache is None else self._cache()
+        return getattr(cache, "row_offsets", None) or [0]
+
     def record(self, layer: int, hidden: torch.Tensor) -> None:
         """Append the changes of the tokens of one pass ``[B, n, D]`` through ``layer``."""
         changes = hidden_changes(hidden, self._last.get(layer))
+        if layer not in self._last:  # a row's first real token has no predecessor, padding or not
+            for row, pad in enumerate(self.offsets):
+                if pad:
+                    changes[row, pad] = 0.0
         self._last[layer] = hidden[:, -1].detach().float()
         old = self.changes[layer]
         self.changes[layer] = changes if old.numel() == 0 else torch.cat([old, changes], dim=1)
@@ -151,19 +161,34 @@ class HiddenStateRecorder:
         start = self.scored
         if ready <= start:
             return
-        begin = max(0, start - self.context)
-        window = {i: self.changes[i][:, begin:ready] for i in self.layers}
-        new = self.scorer(window)[:, start - begin :].float()
+        offsets = self.offsets
+        if not any(offsets):
+            begin = max(0, start - self.context)
+            window = {i: self.changes[i][:, begin:ready] for i in self.layers}
+            new = self.scorer(window)[:, start - begin :].float()
+        else:  # score each row on its own tokens, as alone (padding is neither scored nor context)
+            rows = []
+            for row, pad in enumerate(offsets):
+                first = max(start, pad)
+                begin = max(pad, first - self.context)
+                window = {i: self.changes[i][row : row + 1, begin:ready] for i in self.layers}
+                scored = self.scorer(window)[:, first - begin :].float()
+                rows.append(torch.nn.functional.pad(scored, (first - start, 0), value=float("inf")))
+            new = torch.cat(rows)
         self.scores = new if start == 0 else torch.cat([self.scores, new], dim=1)
 
-    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
+    def lookup(self, positions: torch.Tensor, row: int | None = None) -> torch.Tensor:
         """Frozen scores of the entries at ``positions`` ``[B, H, n]`` (fp32); ``+inf`` for
-        positions not scored yet (their pass has not reached every hooked layer)."""
+        positions not scored yet (their pass has not reached every hooked layer). Positions
+        count the columns of the passes (a row's left padding included); ``row``: look up
+        that row of the batch only (``positions`` then ``[1, H, n]``)."""
         b = positions.shape[0]
         out = torch.full(positions.shape, float("inf"), dtype=torch.float32, device=positions.device)
         if self.scored == 0:
             return out
         scores = self.scores.to(positions.device)
+        if row is not None:
+            scores = scores[row : row + 1]
         known = positions < self.scored
         values = scores[:, None, :].expand(b, positions.shape[1], -1).gather(2, positions.clamp(max=self.scored - 1))
         return torch.where(known, values, out)

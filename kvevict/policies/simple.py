@@ -24,7 +24,8 @@ class Full(Policy):
 
 
 class Random(Policy):
-    """Keeps a uniformly random subset (seeded, reproducible)."""
+    """Keeps a uniformly random subset (seeded, reproducible): each sequence draws from its
+    own generator seeded with ``seed``, so a row of a batch draws what it draws alone."""
 
     name = "random"
     summary = "keep a seeded random subset of the entries"
@@ -33,10 +34,10 @@ class Random(Policy):
     def __init__(self, *, seed: int = 0, sinks: int = 0, window: int = 0, regime: Regime | None = None):
         super().__init__(sinks=sinks, window=window, regime=regime)
         self.seed = seed
-        self._generator = torch.Generator().manual_seed(seed)
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
-        return torch.rand(layer.positions.shape, generator=self._generator).to(layer.positions.device)
+        generator = layer.owner.shared.setdefault("random.generator", torch.Generator().manual_seed(self.seed))
+        return torch.rand(layer.positions.shape, generator=generator).to(layer.positions.device)
 
 
 def knorm_scores(keys: torch.Tensor) -> torch.Tensor:
