@@ -358,9 +358,8 @@ class EvictionLayer(DynamicLayer):
         else:  # the first eviction of a left-padded batch: rows move to column 0 (once)
             source = index.expand(*counts.shape, width).clone()
             source[holes[:, 0], holes[:, 1], holes[:, 2]] = movers[:, 2]
-            source = (
-                source[..., :new_n] + torch.tensor([row.start for row in self.rows], device=self.device)[:, None, None]
-            )
+            starts = torch.tensor([row.start for row in self.rows], device=self.device)[:, None, None]
+            source = (source[..., :new_n] + starts).clamp(max=self.n - 1)  # beyond a head's count: unused
             capacity = new_n + max(row.interval for row in self.rows)
             self._keys, self._values, self._positions = (
                 _gather(x, source, capacity) for x in (self._keys, self._values, self._positions)

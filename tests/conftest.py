@@ -202,3 +202,30 @@ def tokenizer():
 
     path = smollm2_gguf()
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+def left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts ``[1, n_i]`` as one left-padded batch: ``(input_ids, attention_mask)``."""
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - p.shape[1] :] = p[0]
+        mask[row, width - p.shape[1] :] = 1
+    return ids, mask
+
+
+def greedy_batch(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, cache=None, new_tokens: int = 8):
+    """Greedy generation of a left-padded batch: (new tokens ``[B, new]``, per-step logits ``[B, new, V]``)."""
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        past_key_values=cache,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    return out.sequences[:, ids.shape[1] :], torch.stack(out.logits, dim=1)

@@ -1,0 +1,137 @@
+"""Batched eviction (issue 14): rows of a left-padded batch are evicted on their own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvevict
+from kvevict.attention import check_flash
+from tests.conftest import build_policy, greedy, greedy_batch, left_padded, prompt, tiny_model
+
+LENGTHS = (30, 50, 41)
+
+
+def batch() -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    prompts = [prompt(length, seed=seed) for seed, length in enumerate(LENGTHS)]
+    return (prompts, *left_padded(prompts))
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova", "adakv+snapkv"])
+def test_keep_resolves_per_row(policy: str) -> None:
+    model = tiny_model()
+    prompts, ids, mask = batch()
+    cache = kvevict.EvictionCache(model, build_policy(policy, window=8) if "snapkv" in policy else policy, keep=0.5)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    for layer in cache.eviction_layers:
+        assert layer.budget.flatten().tolist() == [15, 25, 21]  # ceil(0.5 × own prompt), padding excluded
+        assert layer.prompt_length.flatten().tolist() == list(LENGTHS)
+        held = layer.head_lengths()
+        if policy == "adakv+snapkv":  # head-wise: each row's heads share the row's budget
+            assert held.sum(dim=1).tolist() == [2 * 15, 2 * 25, 2 * 21]
+        else:
+            assert held.tolist() == [[15, 15], [25, 25], [21, 21]]
+    tokens, _ = greedy_batch(
+        model,
+        ids,
+        mask,
+        kvevict.EvictionCache(model, build_policy(policy, **({"window": 8} if "snapkv" in policy else {})), keep=0.5),
+        4,
+    )
+    for row, alone in enumerate(prompts):
+        single = kvevict.EvictionCache(
+            model, build_policy(policy, **({"window": 8} if "snapkv" in policy else {})), keep=0.5
+        )
+        expected, _ = greedy(model, alone, single, new_tokens=4)
+        assert torch.equal(tokens[row], expected[0, alone.shape[1] :])
+
+
+def test_padding_never_survives_the_first_eviction_and_positions_are_each_rows_own() -> None:
+    model = tiny_model()
+    prompts, ids, mask = batch()
+    cache = kvevict.EvictionCache(model, "h2o", budget=20)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    for layer in cache.eviction_layers:
+        assert layer.valid is None  # every row keeps 20 real entries: no padding, no mask
+        assert bool((layer.positions >= 0).all())
+        for row, length in enumerate(LENGTHS):
+            assert int(layer.positions[row].max()) <= length - 1
+            assert length - 1 in layer.positions[row, 0].tolist()  # the recent window is by position
+        assert layer.seen.flatten().tolist() == list(LENGTHS)
+
+
+def test_padding_is_masked_and_not_counted_before_any_eviction() -> None:
+    model = tiny_model()
+    prompts, ids, mask = batch()
+    cache = kvevict.EvictionCache(model, "h2o", budget=64)  # above every prompt: nothing evicted
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    layer = cache.eviction_layers[0]
+    assert layer.valid is not None and layer.valid.sum(dim=-1)[:, 0].tolist() == list(LENGTHS)
+    per_entry = 2 * layer.keys.shape[-1] * layer.keys.element_size()
+    layers = len(cache.eviction_layers)
+    assert cache.row_bytes() == [(layers * 2 * n * per_entry,) * 2 for n in LENGTHS]
+    assert cache.kv_bytes() == sum(allocated for allocated, _ in cache.row_bytes())
+    assert cache.kv_bytes() < sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.eviction_layers)
+
+
+def test_rows_keeping_different_numbers_share_padded_storage() -> None:
+    model = tiny_model()
+    prompts, ids, mask = batch()
+    cache = kvevict.EvictionCache(model, "h2o", keep=0.5)
+    greedy_batch(model, ids, mask, cache, 3)
+    layer = cache.eviction_layers[0]
+    assert layer.length == 25  # the longest row
+    assert layer.head_lengths()[:, 0].tolist() == [15, 25, 21]
+    assert layer.valid is not None and layer.valid.sum(dim=-1).tolist() == [[15, 15], [25, 25], [21, 21]]
+    per_entry = 2 * layer.keys.shape[-1] * layer.keys.element_size()
+    assert layer.row_bytes() == [(2 * n * per_entry,) * 2 for n in (15, 25, 21)]
+
+
+def test_right_padding_is_refused() -> None:
+    model = tiny_model()
+    ids, mask = left_padded([prompt(10), prompt(14)])
+    ids, mask = ids.flip(-1), mask.flip(-1)
+    cache = kvevict.EvictionCache(model, "h2o", budget=8)
+    with pytest.raises(ValueError, match="right padding.*padding_side = 'left'"), torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+
+
+def test_beam_search_is_refused() -> None:
+    model = tiny_model()
+    ids = prompt(20)
+    cache = kvevict.EvictionCache(model, "h2o", budget=8)
+    with pytest.raises(ValueError, match="beam search.*num_beams=1"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, num_beams=2, max_new_tokens=3)
+
+
+def test_flash_kernels_refuse_ragged_rows() -> None:
+    with pytest.raises(ValueError, match="flash_attention_2 cannot mask.*'sdpa' or 'eager'"):
+        check_flash("flash_attention_2", ragged=True)
+    check_flash("flash_attention_2", ragged=False)  # uniform rows: nothing to mask
+    check_flash("sdpa", ragged=True)
+
+
+def test_rows_that_stop_early_do_not_disturb_the_others() -> None:
+    model = tiny_model()
+    prompts, ids, mask = batch()
+    alone, _ = greedy(model, prompts[1], kvevict.EvictionCache(model, "tova", budget=20), new_tokens=6)
+    stop = int(alone[0, prompts[1].shape[1]])  # row 1 ends at its first token; the others go on
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        past_key_values=kvevict.EvictionCache(model, "tova", budget=20),
+        max_new_tokens=6,
+        do_sample=False,
+        eos_token_id=stop,
+        pad_token_id=0,
+    )
+    for row in (0, 2):
+        single, _ = greedy(model, prompts[row], kvevict.EvictionCache(model, "tova", budget=20), new_tokens=6)
+        expected = single[0, prompts[row].shape[1] :]
+        got = out[row, ids.shape[1] :]
+        cut = (expected == stop).nonzero()
+        end = int(cut[0]) + 1 if len(cut) else len(expected)
+        assert torch.equal(got[:end], expected[:end])
