@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run tasks × policies × budgets into a results directory",
         description="Run every task × policy × budget; one JSON line per sample in OUT/results.jsonl. "
         "Resumable: finished samples are skipped when the same command runs again. "
-        "`kvevict bench memory --help`: the prefill peak-memory microbenchmark.",
+        "`kvevict bench memory --help`: the prefill peak-memory microbenchmark; "
+        "`kvevict bench decode-speed --help`: the cost of a decode step under eviction.",
     )
     bench.add_argument("tasks", type=_names, help="comma-separated task names (see `kvevict tasks`)")
     bench.add_argument(
@@ -462,6 +463,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return memory.main(argv[2:])
         except (ValueError, FileNotFoundError) as err:
             print(f"kvevict bench memory: error: {err}", file=sys.stderr)
+            return EXIT_USAGE
+    if argv[:2] == ["bench", "decode-speed"]:
+        from kvevict.bench import speed
+
+        try:
+            return speed.main(argv[2:])
+        except (ValueError, FileNotFoundError) as err:
+            print(f"kvevict bench decode-speed: error: {err}", file=sys.stderr)
             return EXIT_USAGE
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -1,0 +1,123 @@
+"""``kvevict bench decode-speed``: the cost of a decode step under eviction.
+
+A decode step under an eviction policy is timed against a step of a full transformers
+``DynamicCache`` holding the same number of entries (``entries`` per KV head): the eviction
+cache is prefilled with a longer prompt and evicts to ``entries``, then every step appends
+one entry and (interval 1) evicts one; the full cache is prefilled with ``entries`` tokens
+and cropped back after every measurement. Configurations are measured in turns (round
+robin, ``repeats`` times, ``steps`` steps each) and the median per-step time is reported,
+so that load from other processes on a shared machine spreads over every configuration.
+A benchmark, never a test: timings depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from kvevict.cache import EvictionCache
+from kvevict.policies import split_names
+
+POLICIES = ("streamingllm", "epikv", "tova", "h2o", "lazyeviction", "snapkv")
+
+
+def _step_time(model: PreTrainedModel, cache: object, token: torch.Tensor, steps: int) -> float:
+    """Median seconds of ``steps`` single-token passes through ``cache``."""
+    times = []
+    with torch.inference_mode():
+        for _ in range(steps):
+            start = time.perf_counter()
+            model(input_ids=token, past_key_values=cache, use_cache=True)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(
+    model: PreTrainedModel,
+    policies: Sequence[str] = POLICIES,
+    *,
+    entries: int = 512,
+    batch_sizes: Sequence[int] = (1, 8),
+    steps: int = 8,
+    repeats: int = 5,
+    seed: int = 0,
+) -> list[dict[str, object]]:
+    """Rows ``{batch, policy, ms, full_ms, ratio}``: median step time under each policy and
+    of the full cache holding the same number of entries."""
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for batch in batch_sizes:
+        ids = torch.randint(min(100, vocab // 2), vocab, (batch, entries + 64), generator=generator).to(model.device)
+        token = ids[:, -1:]
+        caches: dict[str, object] = {}
+        with torch.inference_mode():
+            for name in policies:
+                caches[name] = EvictionCache(model, name, budget=entries, interval=1)
+                model(input_ids=ids, past_key_values=caches[name], use_cache=True)
+            full = DynamicCache()
+            model(input_ids=ids[:, :entries], past_key_values=full, use_cache=True)
+        times: dict[str, list[float]] = {name: [] for name in ("full", *policies)}
+        for _ in range(repeats):
+            times["full"].append(_step_time(model, full, token, steps))
+            full.crop(entries - full.get_seq_length())  # back to `entries` (a negative crop drops tokens)
+            for name in policies:
+                times[name].append(_step_time(model, caches[name], token, steps))
+        full_ms = 1e3 * statistics.median(times["full"])
+        for name in policies:
+            ms = 1e3 * statistics.median(times[name])
+            rows.append({"batch": batch, "policy": name, "ms": ms, "full_ms": full_ms, "ratio": ms / full_ms})
+        for cache in caches.values():
+            cache.close()
+    return rows
+
+
+def format_table(rows: list[dict[str, object]]) -> str:
+    lines = ["| policy | batch | ms / step | full DynamicCache ms / step | ratio |", "|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(
+            f"| {row['policy']} | {row['batch']} | {row['ms']:.1f} | {row['full_ms']:.1f} | {row['ratio']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvevict bench decode-speed",
+        description="Time a decode step under eviction against a full DynamicCache holding the same entries.",
+    )
+    parser.add_argument("--model", default="smollm2", help="model name or path (default: the embedded smollm2)")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
+    parser.add_argument("--entries", type=int, default=512, help="entries held per KV head (default 512)")
+    parser.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes (default 1,8)")
+    parser.add_argument("--steps", type=int, default=8, help="decode steps per measurement (default 8)")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved measurements per configuration")
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    from kvevict.models import load_model
+
+    args = build_parser().parse_args(argv)
+    try:
+        batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
+    except ValueError:
+        raise ValueError(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}") from None
+    if min(batch_sizes) < 1 or args.entries < 1 or args.steps < 1 or args.repeats < 1:
+        raise ValueError("--batch-sizes, --entries, --steps and --repeats must be >= 1")
+    model, _ = load_model(args.model)
+    rows = measure(
+        model,
+        split_names(args.policies),
+        entries=args.entries,
+        batch_sizes=batch_sizes,
+        steps=args.steps,
+        repeats=args.repeats,
+    )
+    print(format_table(rows))
+    return 0

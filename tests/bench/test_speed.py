@@ -1,0 +1,28 @@
+"""The decode-speed benchmark runs end to end (its timings are never asserted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvevict.bench import speed
+from kvevict.cli import main
+from tests.conftest import tiny_model
+
+
+def test_measure_reports_each_policy_and_batch_against_the_full_cache() -> None:
+    rows = speed.measure(tiny_model(), ["streamingllm", "h2o"], entries=16, batch_sizes=(1, 2), steps=1, repeats=1)
+    assert [(row["batch"], row["policy"]) for row in rows] == [
+        (1, "streamingllm"),
+        (1, "h2o"),
+        (2, "streamingllm"),
+        (2, "h2o"),
+    ]
+    assert all(row["ratio"] > 0 and row["full_ms"] > 0 for row in rows)
+    table = speed.format_table(rows)
+    assert table.count("\n") == 5 and "| h2o | 2 |" in table
+
+
+@pytest.mark.parametrize("flag", ["--batch-sizes=1,x", "--entries=0"])
+def test_bad_options_exit_with_usage_error(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "decode-speed", flag]) == 2
+    assert "kvevict bench decode-speed: error:" in capsys.readouterr().err
