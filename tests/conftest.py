@@ -76,11 +76,11 @@ def prompt(length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (1, length), generator=generator)
 
 
-def greedy(model: PreTrainedModel, ids: torch.Tensor, cache=None, new_tokens: int = 8):
+def greedy(model: PreTrainedModel, ids: torch.Tensor, cache=None, new_tokens: int = 8, mask=None):
     """Greedy generation returning (sequences, per-step logits)."""
     out = model.generate(
         ids,
-        attention_mask=torch.ones_like(ids),
+        attention_mask=torch.ones_like(ids) if mask is None else mask,
         past_key_values=cache,
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
@@ -217,15 +217,5 @@ def left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor
 
 def greedy_batch(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, cache=None, new_tokens: int = 8):
     """Greedy generation of a left-padded batch: (new tokens ``[B, new]``, per-step logits ``[B, new, V]``)."""
-    out = model.generate(
-        ids,
-        attention_mask=mask,
-        past_key_values=cache,
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-        pad_token_id=0,
-    )
-    return out.sequences[:, ids.shape[1] :], torch.stack(out.logits, dim=1)
+    sequences, logits = greedy(model, ids, cache, new_tokens, mask)
+    return sequences[:, ids.shape[1] :], logits

@@ -49,7 +49,7 @@ def test_keep_resolves_per_row(policy: str) -> None:
 
 def test_padding_never_survives_the_first_eviction_and_positions_are_each_rows_own() -> None:
     model = tiny_model()
-    prompts, ids, mask = batch()
+    _, ids, mask = batch()
     cache = kvevict.EvictionCache(model, "h2o", budget=20)
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, past_key_values=cache)
@@ -64,7 +64,7 @@ def test_padding_never_survives_the_first_eviction_and_positions_are_each_rows_o
 
 def test_padding_is_masked_and_not_counted_before_any_eviction() -> None:
     model = tiny_model()
-    prompts, ids, mask = batch()
+    _, ids, mask = batch()
     cache = kvevict.EvictionCache(model, "h2o", budget=64)  # above every prompt: nothing evicted
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, past_key_values=cache)
@@ -79,7 +79,7 @@ def test_padding_is_masked_and_not_counted_before_any_eviction() -> None:
 
 def test_rows_keeping_different_numbers_share_padded_storage() -> None:
     model = tiny_model()
-    prompts, ids, mask = batch()
+    _, ids, mask = batch()
     cache = kvevict.EvictionCache(model, "h2o", keep=0.5)
     greedy_batch(model, ids, mask, cache, 3)
     layer = cache.eviction_layers[0]
