@@ -90,8 +90,9 @@ def test_first_eviction_keeps_the_window_plus_the_top_scores() -> None:
         redundancy = rkv_redundancy(full.keys)[..., :42]
         scores = 0.1 * importance - 0.9 * redundancy
         expected = scores.topk(32, dim=-1).indices.sort(dim=-1).values
-        assert torch.equal(layer.positions[..., :32], full.positions.gather(2, expected))
-        assert layer.positions[0, 0, -8:].tolist() == list(range(42, 50))
+        kept = full.positions.gather(2, expected)
+        for head in range(2):  # the top 32 and the window of 8, in the slots they were given
+            assert sorted(layer.positions[0, head].tolist()) == sorted([*kept[0, head].tolist(), *range(42, 50)])
 
 
 def test_schedule_evicts_every_w_steps_and_lives_between_b_and_b_plus_w() -> None:
@@ -139,7 +140,7 @@ def test_both_regime_compresses_the_prompt_with_its_last_queries() -> None:
     with torch.no_grad():
         model(input_ids=prompt(96), past_key_values=cache)
     assert cache.layer_lengths() == [40, 40]
-    assert cache.layers[0].positions[0, 0, -8:].tolist() == list(range(88, 96))
+    assert set(range(88, 96)) <= set(cache.layers[0].positions[0, 0].tolist())
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ def test_knorm_keeps_the_low_norm_keys() -> None:
         model(input_ids=prompt(96), past_key_values=full)
     for layer, reference in zip(cache.layers, full.layers):
         expected = reference.keys.norm(dim=-1).topk(40, dim=-1, largest=False).indices.sort(dim=-1).values
-        assert torch.equal(layer.positions, expected)
+        assert torch.equal(layer.positions.sort(dim=-1).values, expected)  # entries are not kept in order
 
 
 def test_streamingllm_keeps_sinks_and_the_most_recent() -> None:
@@ -31,7 +31,7 @@ def test_streamingllm_keeps_sinks_and_the_most_recent() -> None:
     seen = sequences.shape[1] - 1
     expected = list(range(4)) + list(range(seen - 36, seen))
     for layer in cache.layers:
-        assert layer.positions[0, 0].tolist() == expected
+        assert sorted(layer.positions[0, 0].tolist()) == expected
         assert torch.equal(layer.positions[0, 0], layer.positions[0, 1])
 
 
