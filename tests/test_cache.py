@@ -37,11 +37,12 @@ def test_policy_state_stays_aligned_with_entries() -> None:
     with torch.no_grad():
         model(input_ids=prompt(60), past_key_values=cache)
     layer = cache.layers[0]
-    keys, scores = layer.keys.clone(), layer.state[ACCUMULATED].clone()
+    state = cache.policy.scorer.state(layer)
+    keys, scores = layer.keys.clone(), state[ACCUMULATED].clone()
     keep = torch.tensor([[[0, 5, 7], [1, 2, 59]]])
     layer.keep(torch.zeros(1, 2, 60, dtype=torch.bool).scatter(2, keep, True))
     assert layer.positions.tolist() == keep.tolist()
-    assert torch.equal(layer.state[ACCUMULATED], scores.gather(2, keep))
+    assert torch.equal(state[ACCUMULATED], scores.gather(2, keep))
     assert torch.equal(layer.keys, keys.gather(2, keep[..., None].expand(-1, -1, -1, 16)))
 
 
