@@ -106,6 +106,23 @@ def test_sliding_window_layers_keep_their_own_window() -> None:
     assert torch.isfinite(logits).all()
 
 
+def test_bytes_and_lengths_cover_every_layer_type_of_a_hybrid_model() -> None:
+    """Qwen2 with ``use_sliding_window`` and ``max_window_layers`` below the depth mixes
+    full-attention and sliding layers; every byte and length report covers both kinds."""
+    torch.manual_seed(0)
+    config = Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    model = Qwen2ForCausalLM(config).eval()
+    cache = kvevict.EvictionCache(model, "h2o", budget=40)
+    assert {type(layer).__name__ for layer in cache.layers} == {"EvictionLayer", "DynamicSlidingWindowLayer"}
+    greedy(model, prompt(96), cache, new_tokens=4)
+    lengths = cache.layer_lengths()
+    full = [i for i, layer in enumerate(cache.layers) if isinstance(layer, EvictionLayer)]
+    assert all(lengths[i] == 40 for i in full)  # the full-attention layers shrink to the budget
+    per_entry = 2 * 2 * 16 * 4  # (K, V) × KV heads × head_dim × fp32 bytes
+    assert cache.layer_bytes() == [(n * per_entry, n * per_entry) for n in lengths]
+    assert isinstance(cache.kv_bytes(), int) and cache.kv_bytes() == sum(lengths) * per_entry
+
+
 def test_batch_size_above_one_is_refused_with_a_reason() -> None:
     model = tiny_model()
     with pytest.raises(ValueError, match="batch size 2 is not supported yet"):

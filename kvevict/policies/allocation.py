@@ -45,7 +45,7 @@ class AdaKV(Allocator):
     def check(self, policy: Policy) -> None:
         if policy.scorer is None:
             raise ValueError(
-                f"{policy.name}: adakv shares each layer's budget across heads by comparing their scores, and "
+                "adakv shares each layer's budget across heads by comparing their scores, and "
                 f"{policy.method.name} has no score (it selects by its own quotas); over {policy.method.name} "
                 "use pyramidkv or headkv"
             )

@@ -75,9 +75,9 @@ class Namespaced(MutableMapping):
 class Stage:
     """A part of a policy with one duty (see the module docstring).
 
-    Parameters are declared in ``PARAMS`` and checked when the stage is built; the ones the
-    user gave (not None) are remembered, so :meth:`bind` never overwrites them with a model's
-    default. Hooks default to doing nothing.
+    Parameters are declared in ``PARAMS`` and checked when the stage is built (None, or not
+    given: the default); the ones the user gave are remembered, so :meth:`bind` never
+    overwrites them with a model's default. Hooks default to doing nothing.
     """
 
     name: ClassVar[str]
@@ -91,7 +91,8 @@ class Stage:
             known = ", ".join(self.PARAMS) or "none"
             raise ValueError(f"{self.name}: unknown parameter {unknown[0]!r}; its parameters: {known}")
         for key, spec in self.PARAMS.items():
-            value = params[key] if key in params else copy.deepcopy(spec.default)
+            value = params.get(key)
+            value = copy.deepcopy(spec.default) if value is None else value  # None: left unset
             setattr(self, key, spec.check(self.name, key, value))
         self._given = frozenset(key for key, value in params.items() if value is not None)
         self.namespace = self.name
@@ -121,7 +122,8 @@ class Stage:
                 setattr(self, key, value)
 
     def check(self, policy: Policy) -> None:
-        """Refuse (``ValueError``) a policy this stage cannot work in (called once assembled)."""
+        """Refuse (``ValueError`` saying why; the policy's spelling is prefixed) a policy this
+        stage cannot work in (called once the policy is assembled)."""
 
     def companions(self) -> tuple[Stage, ...]:
         """Observer stages this stage needs beside it (e.g. the statistics NC reads)."""
@@ -301,7 +303,7 @@ class TopK(Selector):
 
     def check(self, policy: Policy) -> None:
         if policy.scorer is None and policy.method.evicts:
-            raise ValueError(f"{policy.name}: top-k selection needs a scorer")
+            raise ValueError(f"top-k selection needs a scorer, and {policy.method.name} has none")
 
     def keep(
         self,

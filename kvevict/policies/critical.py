@@ -64,7 +64,7 @@ class Critical(Selector):
         scorer = policy.scorer
         if scorer is None or not scorer.attention_scores:
             raise ValueError(
-                f"{policy.name}: critical weights attention scores by ‖v W_O‖₁, and {policy.method.name}'s scores "
+                f"critical weights attention scores by ‖v W_O‖₁, and {policy.method.name}'s scores "
                 f"are not attention received; critical works over: {ATTENTION_SCORERS}"
             )
 

@@ -23,7 +23,7 @@ from kvevict.moments import MomentStats, accumulate, mi_evict, nc_correct, nc_lo
 from kvevict.policies.allocation import AdaKV
 from kvevict.policies.base import Corrector, Method, Observer, Selector, SinksAndWindow, Stage, Stages, Uniform
 from kvevict.policies.h2o import GROUP
-from kvevict.policies.params import choice, declare, flag, integer
+from kvevict.policies.params import choice, declare, flag, integer, number
 from kvevict.policies.snapkv import snapkv_scores
 from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals, group_reduce
 
@@ -201,13 +201,13 @@ class MomentKV(Method):
         pool_chunk=integer(4, low=1),
         evict_chunk=integer(1, low=1),
         group=GROUP,
-        allocation=choice("adakv", "adakv", "uniform"),
-        safeguard=AdaKV.PARAMS["safeguard"],
+        allocation=choice(None, "adakv", "uniform", unset="'adakv', unless an allocator is named over momentkv"),
+        safeguard=number(None, 0, 1, unset="0.2, AdaKV's"),
     )
 
     def stages(self) -> Stages:
         statistics = MomentStatistics(order=self.order) if self.mi or self.nc else None
-        allocator = AdaKV(safeguard=self.safeguard) if self.allocation == "adakv" else Uniform()
+        allocator = Uniform() if self.allocation == "uniform" else AdaKV(safeguard=self.safeguard)
         return Stages(
             scorer=self,
             protector=SinksAndWindow(self.sinks, self.window),

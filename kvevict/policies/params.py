@@ -87,9 +87,9 @@ def number(
     return Param(default, expects, accepts, unset, float)
 
 
-def choice(default: object, *options: object) -> Param:
-    """One of ``options`` (``default`` first among them)."""
-    return Param(default, "one of " + ", ".join(map(repr, options)), lambda v: v in options)
+def choice(default: object, *options: object, unset: str | None = None) -> Param:
+    """One of ``options``."""
+    return Param(default, "one of " + ", ".join(map(repr, options)), lambda v: v in options, unset)
 
 
 def flag(default: bool) -> Param:

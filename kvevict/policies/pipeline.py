@@ -89,7 +89,10 @@ class Policy:
             taken[stage.name] = taken.get(stage.name, 0) + 1
             stage.namespace = stage.name if taken[stage.name] == 1 else f"{stage.name}#{taken[stage.name]}"
         for stage in self.stages:
-            stage.check(self)
+            try:
+                stage.check(self)
+            except ValueError as refusal:
+                raise ValueError(f"{spelled}: {refusal}") from None
 
     def __repr__(self) -> str:
         return f"Policy({self.name!r}, {self.params()!r})"
