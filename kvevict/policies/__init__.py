@@ -85,7 +85,7 @@ def describe_policies() -> list[tuple[str, str]]:
     """``(name, one-line summary)`` of every registered policy, composition and prefix."""
     return [
         *((name, cls.summary) for name, cls in POLICIES.items()),
-        *((name, PREFIXES[ALIASES.get(name, name).split("+")[0]].summary) for name in COMPOSED),
+        *((name, make_policy(name).summary) for name in COMPOSED),
         *((f"{prefix}+<policy>", cls.summary) for prefix, cls in PREFIXES.items()),
     ]
 

@@ -222,20 +222,26 @@ class Allocator(Stage):
         raise NotImplementedError
 
 
+@dataclass(frozen=True)
+class Ranking:
+    """What a selector chooses from, for one eviction of one layer."""
+
+    scores: torch.Tensor | None
+    """The scorer's scores ``[B, Hkv, n]`` (fp32, or fp64 where a method needs it) with the
+    protected entries at ``+inf`` and padding at ``-inf``; None when the policy has no scorer."""
+    protected: torch.Tensor
+    """The real entries that must survive, ``[B, Hkv, n]`` bool."""
+    counts: torch.Tensor
+    """Entries each head keeps, protected ones included (the allocator's), ``[B, Hkv]`` int64."""
+
+
 class Selector(Stage):
     """Which entries fill each head's count."""
 
     slot = "selector"
 
-    def keep(
-        self,
-        layer: EvictionLayer,
-        signals: Signals,
-        scores: torch.Tensor | None,
-        protected: torch.Tensor,
-        counts: torch.Tensor,
-    ) -> torch.Tensor:
-        """The keep mask ``[B, Hkv, n]``: ``counts[b, h]`` real entries of each head."""
+    def keep(self, layer: EvictionLayer, signals: Signals, ranking: Ranking) -> torch.Tensor:
+        """The keep mask ``[B, Hkv, n]``: ``ranking.counts[b, h]`` real entries of each head."""
         raise NotImplementedError
 
 
@@ -305,15 +311,8 @@ class TopK(Selector):
         if policy.scorer is None and policy.method.evicts:
             raise ValueError(f"top-k selection needs a scorer, and {policy.method.name} has none")
 
-    def keep(
-        self,
-        layer: EvictionLayer,
-        signals: Signals,
-        scores: torch.Tensor | None,
-        protected: torch.Tensor,
-        counts: torch.Tensor,
-    ) -> torch.Tensor:
-        return keep_top(scores, counts)
+    def keep(self, layer: EvictionLayer, signals: Signals, ranking: Ranking) -> torch.Tensor:
+        return keep_top(ranking.scores, ranking.counts)
 
 
 # -- methods ----------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Selector, keep_top
+from kvevict.policies.base import Ranking, Selector, keep_top
 from kvevict.policies.params import declare, number
 from kvevict.signals import Phase, Regime, Requirements, Signals
 
@@ -80,12 +80,5 @@ class Critical(Selector):
         if signals.value_norms is not None:
             self.state(layer)[VALUE_NORM][..., -signals.num_new :] = signals.value_norms
 
-    def keep(
-        self,
-        layer: EvictionLayer,
-        signals: Signals,
-        scores: torch.Tensor | None,
-        protected: torch.Tensor,
-        counts: torch.Tensor,
-    ) -> torch.Tensor:
-        return critical_keep(scores, self.state(layer)[VALUE_NORM], counts, self.alpha, self.eps)
+    def keep(self, layer: EvictionLayer, signals: Signals, ranking: Ranking) -> torch.Tensor:
+        return critical_keep(ranking.scores, self.state(layer)[VALUE_NORM], ranking.counts, self.alpha, self.eps)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Method, Selector, SinksAndWindow, Stage, Stages
+from kvevict.policies.base import Method, Ranking, Selector, SinksAndWindow, Stage, Stages
 from kvevict.policies.epikv import EPSILON, ROLLING, rolling_mean
 from kvevict.policies.h2o import RECENT_WINDOW
 from kvevict.policies.params import declare, integer
@@ -193,14 +193,7 @@ class ChunkQuotas(Selector):
         super().__init__()
         self.lag, self.sinks = lag, sinks
 
-    def keep(
-        self,
-        layer: EvictionLayer,
-        signals: Signals,
-        scores: torch.Tensor | None,
-        protected: torch.Tensor,
-        counts: torch.Tensor,
-    ) -> torch.Tensor:
+    def keep(self, layer: EvictionLayer, signals: Signals, ranking: Ranking) -> torch.Tensor:
         n = layer.length
         chunks = max(0, (n - self.sinks) // self.lag)
         end = self.sinks + max(0, chunks - 1) * self.lag  # scored entries: sinks .. end
@@ -216,4 +209,4 @@ class ChunkQuotas(Selector):
             tiers[..., self.sinks : end] = 1
             # round-robin over chunks: rank inside the chunk first, the score breaks ties (< 1)
             values[..., self.sinks : end] = -within_group_rank(chunk, score).float() + score / 4
-        return select_by_tiers(tiers, values, counts, layer.valid)
+        return select_by_tiers(tiers, values, ranking.counts, layer.valid)

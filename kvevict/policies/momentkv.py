@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from kvevict.moments import MomentStats, accumulate, mi_evict, nc_correct, nc_log_partition
 from kvevict.policies.allocation import AdaKV
-from kvevict.policies.base import Corrector, Method, Observer, Selector, SinksAndWindow, Stage, Stages, Uniform
+from kvevict.policies.base import Corrector, Method, Observer, Ranking, Selector, SinksAndWindow, Stage, Stages, Uniform
 from kvevict.policies.h2o import GROUP
 from kvevict.policies.params import choice, declare, flag, integer, number
 from kvevict.policies.snapkv import snapkv_scores
@@ -102,23 +102,16 @@ class MomentMI(Selector):
         super().__init__()
         self.statistics, self.evict_chunk = statistics, evict_chunk
 
-    def keep(
-        self,
-        layer: EvictionLayer,
-        signals: Signals,
-        scores: torch.Tensor | None,
-        protected: torch.Tensor,
-        counts: torch.Tensor,
-    ) -> torch.Tensor:
-        alpha = scores.masked_fill(~torch.isfinite(scores), 0.0)  # protected and padding are never candidates
+    def keep(self, layer: EvictionLayer, signals: Signals, ranking: Ranking) -> torch.Tensor:
+        alpha = ranking.scores.masked_fill(~torch.isfinite(ranking.scores), 0.0)  # protected, padding: never candidates
         evicted = mi_evict(
             layer.keys,
             layer.values,
             alpha,
             self.statistics.statistics(layer),
-            counts,
+            ranking.counts,
             signals.scaling,
-            protected=protected,
+            protected=ranking.protected,
             valid=layer.valid,
             chunk=self.evict_chunk,
         )

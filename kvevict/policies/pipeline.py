@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Corrector, Method, Stage, TopK, Uniform
+from kvevict.policies.base import Corrector, Method, Ranking, Stage, TopK, Uniform
 from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals
 
 if TYPE_CHECKING:
@@ -191,7 +191,7 @@ class Policy:
         elif layer.valid is not None:
             protected = protected & layer.valid
         counts = self.allocator.counts(layer, scores, protected, budget)
-        return self.selector.keep(layer, signals, scores, protected, counts)
+        return self.selector.keep(layer, signals, Ranking(scores, protected, counts))
 
     def on_evict(self, layer: EvictionLayer, evicted: torch.Tensor) -> None:
         for stage in self.stages:

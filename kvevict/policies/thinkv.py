@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Scorer, Selector, SinksAndWindow, Stage, Stages
+from kvevict.policies.base import Ranking, Scorer, Selector, SinksAndWindow, Stage, Stages
 from kvevict.policies.epikv import EpiKV
 from kvevict.policies.h2o import GROUP, RECENT_WINDOW, CumulativeAttention
 from kvevict.policies.params import Param, declare, integer, is_integer
@@ -75,14 +75,14 @@ SEGMENT_PARAMS = declare(
 class SegmentQuotas(Selector):
     """ThinKV's selection (see the module docstring): the recent window first (the protected
     entries), then segments not classified yet, then each classified segment's quota of its
-    entries ranked best by ``ranking``'s score, then the rest, up to each head's count. Reads
+    entries ranked best by ``scorer``'s score, then the rest, up to each head's count. Reads
     the last query's attention of every pass for the entropy that classifies the segments."""
 
     name = "thinkv-quotas"
 
-    def __init__(self, ranking: Scorer, segment: int, quotas: dict[str, int], entropy_layers: int):
+    def __init__(self, scorer: Scorer, segment: int, quotas: dict[str, int], entropy_layers: int):
         super().__init__()
-        self.ranking = ranking
+        self.scorer = scorer
         """The method's scorer: its own scores, recent entries included, rank within a segment."""
         self.segment, self.quotas, self.entropy_layers = segment, quotas, entropy_layers
         self._first_entropy_layer = 0
@@ -118,27 +118,20 @@ class SegmentQuotas(Selector):
             for p in members:  # classified: the per-token entropies are no longer needed
                 del sums[p]
 
-    def keep(
-        self,
-        layer: EvictionLayer,
-        signals: Signals,
-        scores: torch.Tensor | None,
-        protected: torch.Tensor,
-        counts: torch.Tensor,
-    ) -> torch.Tensor:
+    def keep(self, layer: EvictionLayer, signals: Signals, ranking: Ranking) -> torch.Tensor:
         classes = self.segment_classes(layer)
         segment = torch.div(layer.positions, self.segment, rounding_mode="floor")
         quota = torch.tensor(
             [self.quotas[classes[s]] if s in classes else -1 for s in range(int(segment.max()) + 1)],
             device=segment.device,
         )[segment]
-        values = self.ranking.score(layer, signals).float()
+        values = self.scorer.score(layer, signals).float()
         if layer.valid is not None:  # padding ranks below every real entry of its segment
             values = values.masked_fill(~layer.valid, float("-inf"))
         in_quota = within_group_rank(segment, values) < quota
         tiers = torch.where(quota < 0, 2, torch.where(in_quota, 1, 0))
-        tiers = torch.where(protected, 3, tiers)
-        return select_by_tiers(tiers, values, counts, layer.valid)
+        tiers = torch.where(ranking.protected, 3, tiers)
+        return select_by_tiers(tiers, values, ranking.counts, layer.valid)
 
 
 def segment_stages(method: ThinKV | SegmentHS) -> Stages:

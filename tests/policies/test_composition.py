@@ -27,11 +27,8 @@ SPELLINGS = ["+".join([*prefixes, base]) for prefixes in PREFIX_SPELLINGS for ba
 
 
 @pytest.fixture(scope="module")
-def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: one thread is ~10x faster on a busy machine
-    yield tiny_model()
-    torch.set_num_threads(threads)
+def model(one_thread):
+    return tiny_model()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from tests.conftest import build_policy, tiny_model
 from tests.policies.golden import GOLDEN, kept_entries
@@ -15,11 +14,8 @@ EXPECTED: dict[str, object] = json.loads(GOLDEN.read_text())
 
 
 @pytest.fixture(scope="module")
-def model():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: one thread is ~10x faster on a busy machine
-    yield tiny_model()
-    torch.set_num_threads(threads)
+def model(one_thread):
+    return tiny_model()
 
 
 CHANGED_ON_PURPOSE: dict[str, str] = {

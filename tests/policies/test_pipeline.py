@@ -16,11 +16,8 @@ STATEFUL = ["random", "h2o", "momentkv", "lazyeviction", "thinkv", "rkv", "criti
 
 
 @pytest.fixture(scope="module")
-def models():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: one thread is ~10x faster on a busy machine
-    yield {"llama": tiny_model("llama"), "qwen2": tiny_model("qwen2", seed=1)}
-    torch.set_num_threads(threads)
+def models(one_thread):
+    return {"llama": tiny_model("llama"), "qwen2": tiny_model("qwen2", seed=1)}
 
 
 def kept(model, policy) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
