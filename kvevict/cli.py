@@ -88,10 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         "Spread the sweep over Ray actors, each loading the model once; the same results, resumable as "
         "ever. Needs pip install 'kvevict[ray]'. Exit status 1 if a unit of work failed.",
     )
-    cluster.add_argument("--workers", type=int, default=None, help="run on this many Ray workers (default: here)")
+    cluster.add_argument(
+        "--workers", type=int, default=None, metavar="N", help="run on N Ray workers (default: in this process)"
+    )
     cluster.add_argument(
         "--ray-address",
         default=None,
+        metavar="ADDRESS",
         help="join this running cluster (ray start --head prints it; 'auto': this node's); default: start a local "
         "cluster for the sweep and stop it afterwards",
     )
@@ -99,9 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpus-per-worker",
         type=float,
         default=0.0,
+        metavar="G",
         help="GPUs per worker, fractions share one (default: 0); with GPUs the model loads on cuda",
     )
-    cluster.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPUs per worker (default: 1)")
+    cluster.add_argument(
+        "--cpus-per-worker", type=float, default=1.0, metavar="C", help="CPUs and torch threads per worker (default: 1)"
+    )
 
     report = commands.add_parser(
         "report", help="summarise a results directory", description="Mean score per task × policy × budget, % of full."
