@@ -34,19 +34,18 @@ def model_dir(tmp_path_factory, tokenizer) -> Path:
     return path
 
 
-def sweep(model_dir: Path, **overrides: Any) -> BenchConfig:
-    """Two samples × (full, h2o, snapkv) at one budget, with fidelity: six units, three per context."""
-    values = {
-        "tasks": ("niah_single_1",),
-        "model": str(model_dir),
-        "policies": ("full", "h2o", "snapkv"),
-        "budgets": (40,),
-        "samples": 2,
-        "length": 200,
-        "max_new_tokens": 6,
-        "fidelity": True,
-    }
-    return BenchConfig(**{**values, **overrides})
+def sweep(model_dir: Path) -> BenchConfig:
+    """Two samples × (full, h2o, snapkv) at one budget, with fidelity: six units, three per sample."""
+    return BenchConfig(
+        tasks=("niah_single_1",),
+        model=str(model_dir),
+        policies=("full", "h2o", "snapkv"),
+        budgets=(40,),
+        samples=2,
+        length=200,
+        max_new_tokens=6,
+        fidelity=True,
+    )
 
 
 def comparable(store: ResultStore) -> list[dict[str, Any]]:
