@@ -24,7 +24,7 @@ from kvevict import attention
 from kvevict.budgets import Budget
 from kvevict.hidden import HiddenStateRecorder
 from kvevict.models import check_supported
-from kvevict.policies import Policy, make_policy
+from kvevict.policies import Method, Policy, make_policy
 from kvevict.signals import Phase, compute_signals
 
 
@@ -212,7 +212,9 @@ class EvictionCache(Cache):
     Args:
         model: the causal LM; its attention implementation is switched to kvevict's wrapper
             of the same kernel (a pure pass-through for any other cache).
-        policy: a registered policy name (see :func:`kvevict.list_policies`) or object.
+        policy: a registered policy name (see :func:`kvevict.list_policies`), a policy made by
+            :func:`kvevict.make_policy`, or a method object (``LazyEviction(alpha=1e-3)``). The
+            cache binds its own copy to the model; the object passed is left as it is.
         budget: retained tokens per KV head per layer.
         keep: fraction of the prompt to retain (resolved at prefill). Not with ``budget``.
         interval: decode-time eviction runs every ``interval`` steps once over budget
@@ -232,20 +234,23 @@ class EvictionCache(Cache):
         interval: int | None = None,
     ):
         check_supported(model)
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        if not isinstance(self.policy, Policy):
+        policy = make_policy(policy) if isinstance(policy, str) else policy
+        if isinstance(policy, Method):
+            policy = Policy(policy)
+        if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a policy name or a kvevict Policy, got {type(policy).__name__}")
         self.budget = Budget(budget, keep)
-        if not self.budget.given and self.policy.name != "full":
-            raise ValueError(f"policy {self.policy.name!r} needs a budget: give budget= (tokens) or keep= (fraction)")
+        if not self.budget.given and policy.name != "full":
+            raise ValueError(f"policy {policy.name!r} needs a budget: give budget= (tokens) or keep= (fraction)")
         if budget is not None:
-            self.policy.check_budget(budget)
+            policy.check_budget(budget)
         if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 1):
             raise ValueError(f"interval must be an integer >= 1 (1 = evict every step), got {interval!r}")
         self.interval = interval
         attention.install(model)
         config = model.config.get_text_config(decoder=True)
-        self.policy.bind(config)
+        self.policy = policy.bound(config)
+        """This cache's copy of the policy, bound to the model (the object passed is left as it is)."""
         self.shared: dict[str, object] = {}
         """Per-cache policy data shared across layers (e.g. ThinKV's per-token entropy)."""
         hidden_layers = self.policy.hidden_layers(config.num_hidden_layers)
@@ -283,12 +288,13 @@ class EvictionCache(Cache):
         return [layer for layer in self.layers if isinstance(layer, EvictionLayer)]
 
     def kv_bytes(self) -> int:
-        """Bytes allocated for the retained keys and values of every layer."""
-        return sum(layer.kv_bytes() for layer in self.layers if layer.is_initialized and layer.keys is not None)
+        """Bytes allocated for the retained keys and values of every layer (any layer type)."""
+        return sum(allocated for allocated, _ in self.layer_bytes())
 
     def layer_bytes(self) -> list[tuple[int, int]]:
         """Per layer: (bytes allocated, bytes of real entries). They differ only where
-        head-wise budgets pad heads to the longest one of their layer."""
+        head-wise budgets pad heads to the longest one of their layer; other layer types
+        (e.g. sliding-window layers) hold only real entries."""
         rows = []
         for layer in self.layers:
             if isinstance(layer, EvictionLayer):

@@ -20,7 +20,11 @@ def _budget_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2", help="'smollm2' (embedded, offline), a hub id or a local path")
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        help="'smollm2' (embedded, offline; default), a local directory with a config.json, or a hub id",
+    )
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16 or auto")
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where the model loads)")
     parser.add_argument("--attn", default=None, help="base attention kernel: sdpa (default), eager, flash_attention_2")
@@ -498,7 +502,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             return memory.main(argv[2:])
-        except (ValueError, FileNotFoundError) as err:
+        except (ValueError, OSError) as err:  # bad input, missing files, an unknown hub id
             print(f"kvevict bench memory: error: {err}", file=sys.stderr)
             return EXIT_USAGE
     parser = build_parser()
@@ -514,7 +518,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     try:
         return handlers[args.command]()
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:  # bad input, missing files, an unknown hub id
         print(f"kvevict {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
 
