@@ -332,6 +332,7 @@ class Stages:
 
 
 def regime_param(regimes: tuple[Regime, ...]) -> Param:
+    """A method's ``regime`` parameter: one of its regimes, the first by default."""
     return choice(regimes[0], *regimes)
 
 
@@ -355,6 +356,8 @@ class Method(Scorer):
     regime: Regime
 
     def stages(self) -> Stages:
+        """This method as the scorer, its ``sinks`` and ``window`` parameters (0 where it has
+        none) as the protector; a method with stages of its own overrides this."""
         return Stages(scorer=self, protector=SinksAndWindow(getattr(self, "sinks", 0), getattr(self, "window", 0)))
 
     def evicts_in(self, phase: Phase) -> bool:
