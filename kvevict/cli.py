@@ -20,7 +20,11 @@ def _budget_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2", help="'smollm2' (embedded, offline), a hub id or a local path")
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        help="'smollm2' or 'gemma3' (embedded, offline; gemma3: `make gemma3`), a hub id or a local path",
+    )
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16 or auto")
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where the model loads)")
     parser.add_argument("--attn", default=None, help="base attention kernel: sdpa (default), eager, flash_attention_2")

@@ -45,7 +45,7 @@ CACHE_LAYER_TYPES = ("full_attention", "sliding_attention")
 """Cache layer types kvevict evicts: per-token keys and values, full or sliding-window."""
 
 _REFUSED_LAYER_TYPES = {
-    "linear_attention": "linear-attention layers keep a recurrent state, not per-token keys and values",
+    "linear_attention": "linear-attention and state-space layers keep a recurrent state, not per-token keys and values",
     "conv": "convolution/state-space layers keep a recurrent state, not per-token keys and values",
     "hybrid": "hybrid linear-attention layers keep a recurrent state beside their keys and values",
     "hybrid_sliding": "hybrid linear-attention layers keep a recurrent state beside their keys and values",
@@ -192,11 +192,6 @@ def check_supported(model: PreTrainedModel) -> None:
     config = model.config.get_text_config(decoder=True)
     name = f"{config.model_type!r} ({type(model).__name__})"
     tested = f"tested families: {', '.join(TESTED_MODEL_TYPES)}"
-    if not type(model).is_backend_compatible():
-        raise ValueError(
-            f"unsupported model architecture {name}: its attention does not go through transformers' "
-            f"AttentionInterface, so kvevict cannot see or evict its keys and values; {tested}"
-        )
     if getattr(model.config, "is_encoder_decoder", False) or getattr(config, "use_bidirectional_attention", False):
         raise ValueError(
             f"unsupported model architecture {name}: kvevict evicts the causal self-attention cache of decoder-only "
@@ -218,6 +213,11 @@ def check_supported(model: PreTrainedModel) -> None:
         raise ValueError(
             f"unsupported model architecture {name}: kvevict evicts full-attention and sliding-window cache layers "
             f"only, and this model has {reasons}; {tested}"
+        )
+    if not type(model).is_backend_compatible():
+        raise ValueError(
+            f"unsupported model architecture {name}: its attention does not go through transformers' "
+            f"AttentionInterface, so kvevict cannot see or evict its keys and values; {tested}"
         )
 
 

