@@ -115,24 +115,25 @@ def _layer_mask(
     the layer drops every entry that left the window after each pass."""
     q, n = query.shape[-2], key.shape[-2]
     model_mask_fits = (mask is not None and mask.shape[-1] == n) or (mask is None and n == q)
-    if (
-        window is not None
-        and q > 1
-        and not base.startswith("flash")
-        and not (valid is None and window.contiguous and model_mask_fits)
-    ):
+    flash = base.startswith("flash")  # applies causality and the window itself, by index, bottom-right
+    if window is not None and q > 1 and not (valid is None and window.contiguous and (model_mask_fits or flash)):
+        if flash:
+            raise ValueError(
+                "a pass of several queries over a sliding-window layer that evicted needs a mask built from positions, "
+                "which flash attention kernels do not take; load the model with attn_implementation='sdpa' or 'eager'"
+            )
         group = query.shape[1] // key.shape[1]
         allowed = causal_mask(q, n, query.device) & window.visible(0, q).repeat_interleave(group, dim=1)
         if valid is not None:
             allowed = allowed & heads_mask(valid, query.shape[1])[:, :, None, :]
     elif valid is not None:
-        if base.startswith("flash"):
+        if flash:
             raise ValueError(
                 "head-wise budgets (adakv, headkv, ...) need a per-head mask, which flash attention kernels do not "
                 "take; load the model with attn_implementation='sdpa' or 'eager'"
             )
         allowed = causal_mask(q, n, query.device) & heads_mask(valid, query.shape[1])[:, :, None, :]
-    elif q == 1 or base.startswith("flash"):  # flash aligns causality bottom-right by itself
+    elif q == 1 or flash:
         return None if mask is None or mask.shape[-1] != n else mask
     elif model_mask_fits:
         return mask

@@ -141,3 +141,19 @@ def manual_forward(model, ids, positions, past: DynamicCache) -> torch.Tensor:
         hidden = residual + attn.o_proj(out)
         hidden = hidden + block.mlp(block.post_attention_layernorm(hidden))
     return model.lm_head(inner.norm(hidden))
+
+
+def test_sliding_window_mask_is_built_from_positions() -> None:
+    """Retained positions 0, 5, 6, 9 then queries at 10, 11 with a window of 4: a query at p
+    sees keys at p - 3 .. p (transformers' rule), whatever their index."""
+    from kvevict.attention import _layer_mask
+
+    positions = torch.tensor([[[0, 5, 6, 9, 10, 11]]])
+    window = signals.SlidingWindow(4, positions, torch.tensor([10, 11]))
+    query, key = torch.zeros(1, 2, 2, 8), torch.zeros(1, 1, 6, 8)
+    assert not window.contiguous
+    mask = _layer_mask("sdpa", None, query, key, None, window)
+    assert mask.shape == (1, 2, 2, 6)
+    assert mask[0, 0].tolist() == [[False, False, False, True, True, False], [False, False, False, True, True, True]]
+    with pytest.raises(ValueError, match="sliding-window layer that evicted needs a mask built from positions"):
+        _layer_mask("flash_attention_2", None, query, key, None, window)
