@@ -22,7 +22,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvevict.signals import causal_mask, heads_mask
+from kvevict.signals import LogitSpec, SlidingWindow, causal_mask, heads_mask
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
@@ -69,17 +69,30 @@ def base_kernel(base: str, module: torch.nn.Module) -> Callable:
     return ALL_ATTENTION_FUNCTIONS[base]
 
 
+def kernel_spec(query: torch.Tensor, kwargs: dict) -> LogitSpec:
+    """The logit recipe the model handed its kernel: ``scaling`` (default ``1/√d``), Gemma 2's
+    ``softcap`` and gpt-oss's learned sinks ``s_aux``, so the signals are the probabilities the
+    kernel used."""
+    scaling = kwargs.get("scaling")
+    return LogitSpec(
+        scaling=query.shape[-1] ** -0.5 if scaling is None else float(scaling),
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
+    )
+
+
 def _make_attention(base: str) -> Callable:
     def kvevict_attention(module, query, key, value, attention_mask, **kwargs):
         kernel = base_kernel(base, module)
         layer = _take_pending(module, key)
         if layer is None:  # not an eviction cache: pure pass-through
             return kernel(module, query, key, value, attention_mask, **kwargs)
-        attention_mask = _layer_mask(base, attention_mask, query, key, layer.valid)
+        window = SlidingWindow.of(layer, query.shape[-2])
+        attention_mask = _layer_mask(base, attention_mask, query, key, layer.valid, window)
         output, weights = kernel(module, query, key, value, attention_mask, **kwargs)
-        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
-        output = layer.policy.correct_output(layer, query, output, scaling)  # before this pass evicts
-        layer.after_attention(query, scaling, module)
+        spec = kernel_spec(query, kwargs)
+        output = layer.policy.correct_output(layer, query, output, spec.scaling)  # before this pass evicts
+        layer.after_attention(query, spec, module)
         return output, weights
 
     kvevict_attention.__name__ = f"{PREFIX}{base}"
@@ -87,25 +100,43 @@ def _make_attention(base: str) -> Callable:
 
 
 def _layer_mask(
-    base: str, mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor | None
+    base: str,
+    mask: torch.Tensor | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    valid: torch.Tensor | None,
+    window: SlidingWindow | None = None,
 ) -> torch.Tensor | None:
     """The mask for an eviction layer: every retained entry is visible, the pass's own
     entries are causal, and padding (``valid`` false, head-wise budgets) is hidden per
-    head. Reuses the model's mask when it already fits this layer."""
+    head. Reuses the model's mask when it already fits this layer. On a sliding-window
+    layer that evicted, the retained positions are not contiguous, so the window is applied
+    from positions (:class:`~kvevict.signals.SlidingWindow`); a single query needs none, as
+    the layer drops every entry that left the window after each pass."""
     q, n = query.shape[-2], key.shape[-2]
-    if valid is not None:
-        if base.startswith("flash"):
+    model_mask_fits = (mask is not None and mask.shape[-1] == n) or (mask is None and n == q)
+    flash = base.startswith("flash")  # applies causality and the window itself, by index, bottom-right
+    if window is not None and q > 1 and not (valid is None and window.contiguous and (model_mask_fits or flash)):
+        if flash:
+            raise ValueError(
+                "a pass of several queries over a sliding-window layer that evicted needs a mask built from positions, "
+                "which flash attention kernels do not take; load the model with attn_implementation='sdpa' or 'eager'"
+            )
+        group = query.shape[1] // key.shape[1]
+        allowed = causal_mask(q, n, query.device) & window.visible(0, q).repeat_interleave(group, dim=1)
+        if valid is not None:
+            allowed = allowed & heads_mask(valid, query.shape[1])[:, :, None, :]
+    elif valid is not None:
+        if flash:
             raise ValueError(
                 "head-wise budgets (adakv, headkv, ...) need a per-head mask, which flash attention kernels do not "
                 "take; load the model with attn_implementation='sdpa' or 'eager'"
             )
         allowed = causal_mask(q, n, query.device) & heads_mask(valid, query.shape[1])[:, :, None, :]
-    elif q == 1 or base.startswith("flash"):  # flash aligns causality bottom-right by itself
+    elif q == 1 or flash:
         return None if mask is None or mask.shape[-1] != n else mask
-    elif mask is not None and mask.shape[-1] == n:
+    elif model_mask_fits:
         return mask
-    elif mask is None and n == q:
-        return None
     else:
         allowed = causal_mask(q, n, query.device)[None, None]
     if base == "sdpa":

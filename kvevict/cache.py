@@ -10,6 +10,14 @@ eviction so they never drift apart. Each KV head keeps its own set of tokens.
 positions) and ``get_mask_sizes()`` describes the *retained* entries as the most recent
 ``n`` positions before the query: every retained entry is in the past, so the standard
 causal mask is exact and ``model.generate(..., past_key_values=cache)`` just works.
+
+A sliding-window layer (Mistral, Gemma 2/3, gpt-oss, Qwen2 with ``use_sliding_window``) is
+an :class:`EvictionLayer` with a ``window``: after every pass it first drops the entries no
+later query can see (positions ``≤ seen − window``, as transformers'
+``DynamicSlidingWindowLayer`` does, without telling the policy: they are not evicted, the
+model would not see them either), then the policy evicts the rest to the budget as on a
+full layer. It so never holds more than ``min(window, budget)`` + interval entries between
+passes, and its mask is built from positions (:mod:`kvevict.attention`).
 """
 
 from __future__ import annotations
@@ -18,25 +26,28 @@ from typing import Self
 
 import torch
 from transformers import PreTrainedModel
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 
 from kvevict import attention
 from kvevict.budgets import Budget
 from kvevict.hidden import HiddenStateRecorder
-from kvevict.models import check_supported
+from kvevict.models import check_policy_fits, check_supported
 from kvevict.policies import Method, Policy, make_policy
-from kvevict.signals import Phase, compute_signals
+from kvevict.signals import LogitSpec, Phase, compute_signals
 
 
 class EvictionLayer(DynamicLayer):
-    """One full-attention layer of an :class:`EvictionCache`."""
+    """One attention layer of an :class:`EvictionCache`: full attention, or a sliding
+    window of ``window`` positions (a query at ``p`` sees keys at ``> p − window``)."""
 
     is_croppable = False
 
-    def __init__(self, owner: EvictionCache, layer_idx: int):
+    def __init__(self, owner: EvictionCache, layer_idx: int, window: int | None = None):
         super().__init__()
         self.owner = owner
         self.layer_idx = layer_idx
+        self.window = window
+        self.is_sliding = window is not None  # transformers builds sliding masks from such layers
         self._clear()
 
     def _clear(self) -> None:
@@ -142,8 +153,9 @@ class EvictionLayer(DynamicLayer):
         return "prefill" if self.passes == 1 else "decode"
 
     def eviction_due(self, phase: Phase, num_new: int) -> bool:
-        """Over budget, and (decode) the step counter crossed a multiple of ``interval``."""
-        if self.budget is None or self.length <= self.budget or not self.policy.evicts_in(phase):
+        """Over budget (counting, on a sliding layer, only the entries still in the window
+        after this pass), and (decode) the step counter crossed a multiple of ``interval``."""
+        if self.budget is None or self.held_after_pass() <= self.budget or not self.policy.evicts_in(phase):
             return False
         if phase == "prefill":
             return True
@@ -155,23 +167,53 @@ class EvictionLayer(DynamicLayer):
         """Tokens processed after the prompt (``t`` of the decode-time methods)."""
         return self.seen - self.prompt_length
 
-    def after_attention(self, query: torch.Tensor, scaling: float, module: torch.nn.Module | None = None) -> None:
+    def outside_window(self) -> torch.Tensor | None:
+        """``[B, Hkv, n]``: entries no later query can see (positions ``≤ seen − window``);
+        None on a full layer or when there are none."""
+        if self.window is None or not self.is_initialized:
+            return None
+        outside = self.positions <= self.seen - self.window
+        return outside if bool(outside.any()) else None
+
+    def held_after_pass(self) -> int:
+        """Entries the longest head holds once the entries that left the window are dropped."""
+        outside = self.outside_window()
+        if outside is None:
+            return self.length
+        held = ~outside if self.valid is None else self.valid & ~outside
+        return int(held.sum(dim=-1).max())
+
+    def after_attention(
+        self, query: torch.Tensor, scaling: float | LogitSpec, module: torch.nn.Module | None = None
+    ) -> None:
         """Called by the attention path once this pass attended: compute the signals the
-        policy asked for, let it observe them, and evict down to the budget when due."""
+        policy asked for (with the kernel's logit recipe ``scaling``, see
+        :class:`~kvevict.signals.LogitSpec`), let it observe them, drop what left a sliding
+        window, and evict down to the budget when due."""
         phase, num_new = self.phase(), query.shape[-2]
         evicting = self.eviction_due(phase, num_new)
         requirements = self.policy.requirements(phase, evicting)
         signals = compute_signals(requirements, self, phase, query, scaling, module)
         self.policy.observe(self, signals)
+        outside = self.outside_window()
+        if outside is not None:  # no longer attended by the model itself: gone before the policy chooses
+            self.valid = ~outside if self.valid is None else self.valid & ~outside
         if evicting:
             self.keep(self.policy.select(self, signals, self.budget))
+        elif outside is not None:
+            self._retain(self.valid)
 
     def keep(self, mask: torch.Tensor) -> None:
-        """Retain the entries where ``mask`` ``[B, Hkv, n]`` is true, in order. Heads that
-        keep different numbers are padded to the longest and ``valid`` marks the real ones."""
+        """Retain the entries where ``mask`` ``[B, Hkv, n]`` is true, in order, and tell the
+        policy which ones it evicted."""
         if self.valid is not None:
             mask = mask & self.valid
         self.policy.on_evict(self, ~mask if self.valid is None else self.valid & ~mask)
+        self._retain(mask)
+
+    def _retain(self, mask: torch.Tensor) -> None:
+        """Retain the entries where ``mask`` is true. Heads that keep different numbers are
+        padded to the longest and ``valid`` marks the real ones."""
         counts = mask.sum(dim=-1)
         width = int(counts.max())
         # stable sort puts each head's kept entries first, in their original order
@@ -221,7 +263,10 @@ class EvictionCache(Cache):
             (1 = every step; larger lets the cache grow to ``budget + interval``). Default:
             the policy's own schedule (LazyEviction's and R-KV's window), else 1.
 
-    Sliding-window layers of hybrid models keep their own window and are not evicted.
+    Sliding-window layers (all-sliding or hybrid models) drop what left their window, then
+    are evicted to the budget like full layers: one never holds more than
+    ``min(window, budget)`` + interval entries between passes. Models kvevict cannot evict
+    exactly are refused (:func:`kvevict.models.check_supported`).
     """
 
     def __init__(
@@ -244,6 +289,7 @@ class EvictionCache(Cache):
             raise ValueError(f"policy {policy.name!r} needs a budget: give budget= (tokens) or keep= (fraction)")
         if budget is not None:
             policy.check_budget(budget)
+        check_policy_fits(model, policy.corrects_output, budget)
         if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 1):
             raise ValueError(f"interval must be an integer >= 1 (1 = evict every step), got {interval!r}")
         self.interval = interval
@@ -262,11 +308,8 @@ class EvictionCache(Cache):
             else None
         )
         """Hooks on the decoder layers the policy reads (:mod:`kvevict.hidden`); None if it reads none."""
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
-        layers = [
-            EvictionLayer(self, i) if kind == "full_attention" else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
-            for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs))
-        ]
+        _, layer_kwargs = get_layer_types_and_kwargs(config)  # check_supported: full or sliding layers only
+        layers = [EvictionLayer(self, i, kwargs.get("sliding_window")) for i, kwargs in enumerate(layer_kwargs)]
         super().__init__(layers=layers)
 
     def __repr__(self) -> str:

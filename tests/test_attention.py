@@ -58,9 +58,9 @@ def test_attention_work_is_limited_to_what_the_policy_asks(monkeypatch, policy: 
     seen = []
     original = signals.attention_rows
 
-    def counting(query, keys, scaling, valid=None):
+    def counting(query, keys, *args):
         seen.append((query.shape[-2], keys.shape[-2]))
-        return original(query, keys, scaling, valid)
+        return original(query, keys, *args)
 
     monkeypatch.setattr(signals, "attention_rows", counting)
     model = tiny_model()
@@ -75,9 +75,7 @@ def test_attention_work_is_limited_to_what_the_policy_asks(monkeypatch, policy: 
 def test_column_sums_never_build_an_n_by_n_matrix(monkeypatch) -> None:
     rows = []
     original = signals.attention_rows
-    monkeypatch.setattr(
-        signals, "attention_rows", lambda q, k, s, v=None: rows.append(q.shape[-2]) or original(q, k, s, v)
-    )
+    monkeypatch.setattr(signals, "attention_rows", lambda q, *args: rows.append(q.shape[-2]) or original(q, *args))
     model = tiny_model()
     with torch.no_grad():
         model(input_ids=prompt(700), past_key_values=kvevict.EvictionCache(model, "h2o", budget=64))
@@ -179,3 +177,19 @@ def test_signals_is_a_leaf_module() -> None:
     )
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert loaded.strip() == "['kvevict_signals_alone']"
+
+
+def test_sliding_window_mask_is_built_from_positions() -> None:
+    """Retained positions 0, 5, 6, 9 then queries at 10, 11 with a window of 4: a query at p
+    sees keys at p - 3 .. p (transformers' rule), whatever their index."""
+    from kvevict.attention import _layer_mask
+
+    positions = torch.tensor([[[0, 5, 6, 9, 10, 11]]])
+    window = signals.SlidingWindow(4, positions, torch.tensor([10, 11]))
+    query, key = torch.zeros(1, 2, 2, 8), torch.zeros(1, 1, 6, 8)
+    assert not window.contiguous
+    mask = _layer_mask("sdpa", None, query, key, None, window)
+    assert mask.shape == (1, 2, 2, 6)
+    assert mask[0, 0].tolist() == [[False, False, False, True, True, False], [False, False, False, True, True, True]]
+    with pytest.raises(ValueError, match="sliding-window layer that evicted needs a mask built from positions"):
+        _layer_mask("flash_attention_2", None, query, key, None, window)
