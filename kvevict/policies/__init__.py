@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import ast
 
-from kvevict.policies.allocation import AdaKV, HeadKV, PyramidKV
+from kvevict.policies.allocation import AdaKV, GlobalBudget, HeadKV, PyramidKV
 from kvevict.policies.base import Policy, Wrapper
 from kvevict.policies.critical import Critical
 from kvevict.policies.epikv import AttnXHS, BandAdaptive, EpiKV, HSVariance
+from kvevict.policies.expected_attention import ExpectedAttention
 from kvevict.policies.h2o import H2O
 from kvevict.policies.kvvar import KVKeyVariance, KVValueVariance, LagKV, LagKVDecode
+from kvevict.policies.kvzip import KVzip
 from kvevict.policies.lazyeviction import LazyEviction
 from kvevict.policies.momentkv import MomentKV, MomentNC
 from kvevict.policies.raas import RaaS
@@ -48,9 +50,11 @@ _CLASSES: tuple[type[Policy], ...] = (
     ThinKV,
     AttnXHS,
     SegmentHS,
+    KVzip,
+    ExpectedAttention,
 )
 POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in _CLASSES}
-_WRAPPERS: tuple[type[Wrapper], ...] = (Critical, AdaKV, PyramidKV, HeadKV, MomentNC)
+_WRAPPERS: tuple[type[Wrapper], ...] = (Critical, AdaKV, PyramidKV, HeadKV, MomentNC, GlobalBudget)
 WRAPPERS: dict[str, type[Wrapper]] = {cls.prefix: cls for cls in _WRAPPERS}
 ALIASES = {"pyramidkv": "pyramidkv+snapkv", "headkv": "headkv+snapkv"}
 """Methods known by one name that are a wrapper over their paper's scorer."""
@@ -63,6 +67,8 @@ COMPOSED = (
     "critical+h2o",
     "moment-nc+h2o",
     "moment-nc+streamingllm",
+    "global+snapkv",
+    "global+expected-attention",
 )
 """The compositions the papers evaluate (listed and tested like every policy; any other
 ``wrapper+...+policy`` works too)."""

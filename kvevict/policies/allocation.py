@@ -19,13 +19,27 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.budgets import adakv_counts, headkv_capacities, load_head_profile, pyramid_budgets
+from kvevict.budgets import adakv_counts, global_counts, headkv_capacities, load_head_profile, pyramid_budgets
 from kvevict.policies.base import Policy, Wrapper
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from kvevict.cache import EvictionLayer
+
+
+ALLOCATORS = ("adakv", "pyramidkv", "headkv", "global")
+
+
+def check_one_allocator(prefix: str, inner: Policy) -> None:
+    """Refuse a second budget allocator in one composition: only one of them could decide."""
+    while isinstance(inner, Wrapper):
+        if inner.prefix in ALLOCATORS:
+            raise ValueError(
+                f"{prefix}+{inner.name}: two budget allocators ({prefix} and {inner.prefix}) in one policy; "
+                f"keep one of {', '.join(ALLOCATORS)}"
+            )
+        inner = inner.inner
 
 
 def _protected_count(scores: torch.Tensor) -> int:
@@ -43,6 +57,7 @@ class AdaKV(Wrapper):
     summary = "head-adaptive budgets within each layer (AdaKV, safeguard 0.2) over any scorer"
 
     def __init__(self, inner: Policy, *, safeguard: float = 0.2):
+        check_one_allocator("adakv", inner)
         if not 0 <= safeguard <= 1:
             raise ValueError(
                 f"adakv: safeguard must be in [0, 1] (share of a head's budget it always keeps), got {safeguard}"
@@ -64,6 +79,7 @@ class PyramidKV(Wrapper):
     summary = "per-layer budgets shrinking with depth (PyramidKV, β = 20); alone: over snapkv"
 
     def __init__(self, inner: Policy, *, beta: int = 20):
+        check_one_allocator("pyramidkv", inner)
         if beta < 1:
             raise ValueError(f"pyramidkv: beta must be >= 1, got {beta}")
         super().__init__(inner)
@@ -128,6 +144,7 @@ class HeadKV(Wrapper):
     def __init__(
         self, inner: Policy, *, profile: str | Path | Mapping[str, Sequence[float]] | None = None, beta: float = 1.01
     ):
+        check_one_allocator("headkv", inner)
         if beta <= 1:
             raise ValueError(
                 f"headkv: beta must be > 1 (share of the budget pooled across heads is 1/beta), got {beta}"
@@ -163,3 +180,77 @@ class HeadKV(Wrapper):
         capacity = headkv_capacities(self._importance, budget, self.beta)[layer.layer_idx].to(scores.device)
         protected = torch.isposinf(scores).sum(dim=-1)
         return torch.minimum(torch.maximum(capacity, protected), layer.head_lengths())
+
+
+GLOBAL_COUNTS = "global_counts"
+"""``layer.memo`` key: the entries each head of the layer keeps under a shared budget."""
+
+
+def standardize(scores: torch.Tensor) -> torch.Tensor:
+    """A layer's selection scores on a common scale: the free (finite) scores minus their
+    mean over the layer, over their standard deviation; protected and padding untouched."""
+    free = torch.isfinite(scores)
+    values = scores.masked_fill(~free, 0.0).double()
+    count = free.sum(dim=(1, 2), keepdim=True).clamp(min=1)
+    mean = values.sum(dim=(1, 2), keepdim=True) / count
+    spread = (((values - mean) * free).pow(2).sum(dim=(1, 2), keepdim=True) / count).sqrt().clamp(min=1e-12)
+    return torch.where(free, (values - mean) / spread, scores.double()).to(scores.dtype)
+
+
+def allocates_across_layers(
+    layers: list[EvictionLayer], scores: list[torch.Tensor], safeguard: float, comparable: bool
+) -> None:
+    """Store in each layer's memo what its heads keep under one pool ``L·H·B`` (:func:`global_counts`)."""
+    ranked = scores if comparable else [standardize(layer_scores) for layer_scores in scores]
+    budget = layers[0].budget
+    for layer, counts in zip(layers, global_counts(ranked, budget, safeguard)):
+        layer.memo[GLOBAL_COUNTS] = counts
+
+
+class GlobalBudget(Wrapper):
+    """One budget shared by every layer and KV head (``global+X``, DESIGN §3): the pool
+    ``L·H·B`` goes to the top entries of all layers and heads ranked together by ``X``'s
+    scores, each head keeping at least ``⌊safeguard·B'⌋`` (AdaKV's safeguard, ``0.2``;
+    ``B'`` = budget − its protected entries). Prefill only: the layers defer their eviction
+    until the prefill forward has scored every layer, then all evict at once.
+
+    Comparability: scorers whose scores are attention probabilities (``snapkv``, ``tova``,
+    ``h2o``, ``kvzip``, ``expected-attention``: ``comparable_scores``) are ranked as they
+    are. Any other scorer (``knorm``'s ``−‖k‖``, positions, variances) is first standardised
+    per layer (its free scores' mean 0 and standard deviation 1 over the layer's heads), so a
+    layer gains budget where its score distribution has a heavier upper tail, not because its
+    scores have another unit. A scorer whose selection is not a top-k by score (LagKV's per-
+    chunk quotas, ThinKV, MomentKV) is refused.
+    """
+
+    prefix = "global"
+    summary = "one budget pool over all layers and heads ranked by the scorer (floor 0.2·B per head; prefill)"
+    deferred_prefill = True
+
+    def __init__(self, inner: Policy, *, safeguard: float = 0.2):
+        check_one_allocator("global", inner)
+        if not 0 <= safeguard <= 1:
+            raise ValueError(
+                f"global: safeguard must be in [0, 1] (share of a head's budget it always keeps), got {safeguard}"
+            )
+        if inner.regime != "prefill":
+            raise ValueError(
+                f"global+{inner.name}: a budget shared across layers is allocated once, at prefill; "
+                f"{inner.name} is set to regime {inner.regime!r} (use regime=prefill)"
+            )
+        base = inner
+        while isinstance(base, Wrapper):
+            base = base.inner
+        if type(base).select is not Policy.select:
+            raise ValueError(
+                f"global+{inner.name}: {base.name} selects by its own rule, not by top scores, so its scores cannot "
+                "be ranked across layers; use a scorer (snapkv, knorm, kvzip, expected-attention, ...)"
+            )
+        super().__init__(inner)
+        self.safeguard = safeguard
+
+    def allocate_layers(self, layers: list[EvictionLayer], scores: list[torch.Tensor]) -> None:
+        allocates_across_layers(layers, scores, self.safeguard, self.comparable_scores)
+
+    def allocate(self, layer: EvictionLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        return layer.memo.pop(GLOBAL_COUNTS)

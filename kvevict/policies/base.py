@@ -27,7 +27,7 @@ from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kvevict.cache import EvictionLayer
+    from kvevict.cache import EvictionCache, EvictionLayer
 
 
 class Policy:
@@ -50,6 +50,15 @@ class Policy:
     corrects_output: bool = False
     """True when :meth:`correct_output` changes the attention output (MomentKV's NC): the
     reference is then attention over the retained entries *plus* that correction."""
+    comparable_scores: ClassVar[bool] = False
+    """True when the scores mean the same thing in every layer (attention probabilities),
+    so one budget can be ranked across layers (``global+``); see
+    :class:`~kvevict.policies.allocation.GlobalBudget` for what is done otherwise."""
+    deferred_prefill: ClassVar[bool] = False
+    """True when prefill eviction waits until the whole prefill forward has run (every
+    layer scored): the layers :meth:`defer` instead of evicting, then the cache calls
+    :meth:`rescore_deferred`, :meth:`allocate_layers` and :meth:`select_from_scores` once,
+    after the model's decoder returns (a forward hook, see ``EvictionCache``)."""
 
     def __init__(self, *, sinks: int = 0, window: int = 0, regime: Regime | None = None):
         if sinks < 0 or window < 0:
@@ -162,8 +171,32 @@ class Policy:
     def select(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
         """The entries to keep, ``[B, Hkv, n]`` bool: per head, the top-scoring ones up to
         the head's allocation (protected entries first)."""
-        scores = self.selection_scores(layer, signals, budget)
+        return self.select_from_scores(layer, self.selection_scores(layer, signals, budget), budget)
+
+    def select_from_scores(self, layer: EvictionLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        """:meth:`select` once the selection scores are known (also the last step of a
+        deferred prefill eviction)."""
         return keep_top(scores, self.allocate(layer, scores, budget))
+
+    # -- deferred prefill eviction (KVzip's repeat pass, budgets shared across layers) ----
+    def defer(self, layer: EvictionLayer, signals: Signals, budget: int) -> None:
+        """At prefill, with :attr:`deferred_prefill`: keep what eviction will need once every
+        layer has run (by default the selection scores, in ``layer.memo[DEFERRED]``)."""
+        layer.memo[DEFERRED] = self.selection_scores(layer, signals, budget)
+
+    def rescore_deferred(self, cache: EvictionCache, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
+        """After the prefill forward, before eviction: a policy that scores with extra model
+        passes (KVzip) runs them here and leaves each layer's selection scores in
+        ``layer.memo[DEFERRED]``. Nothing by default."""
+
+    def allocate_layers(self, layers: list[EvictionLayer], scores: list[torch.Tensor]) -> None:
+        """Deferred prefill: decide the entries of every layer together (a budget shared
+        across layers) and leave what :meth:`allocate` then returns per layer in its memo.
+        Nothing by default (each layer allocates on its own)."""
+
+
+DEFERRED = "deferred_scores"
+"""``layer.memo`` key of the selection scores a deferred prefill eviction will use."""
 
 
 def keep_top(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -207,6 +240,14 @@ class Wrapper(Policy):
     @property
     def hidden_context(self) -> int:  # type: ignore[override]
         return self.inner.hidden_context
+
+    @property
+    def comparable_scores(self) -> bool:  # type: ignore[override]
+        return self.inner.comparable_scores
+
+    @property
+    def deferred_prefill(self) -> bool:  # type: ignore[override]
+        return self.inner.deferred_prefill
 
     def hidden_layers(self, num_layers: int) -> tuple[int, ...]:
         return self.inner.hidden_layers(num_layers)
@@ -256,6 +297,15 @@ class Wrapper(Policy):
 
     def on_evict(self, layer: EvictionLayer, evicted: torch.Tensor) -> None:
         self.inner.on_evict(layer, evicted)
+
+    def defer(self, layer: EvictionLayer, signals: Signals, budget: int) -> None:
+        self.inner.defer(layer, signals, budget)
+
+    def rescore_deferred(self, cache: EvictionCache, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
+        self.inner.rescore_deferred(cache, decoder, input_ids)
+
+    def allocate_layers(self, layers: list[EvictionLayer], scores: list[torch.Tensor]) -> None:
+        self.inner.allocate_layers(layers, scores)
 
     def correct_output(
         self, layer: EvictionLayer, query: torch.Tensor, output: torch.Tensor, scaling: float

@@ -77,7 +77,6 @@ class Critical(Wrapper):
         if signals.value_norms is not None:
             layer.state[VALUE_NORM][..., -signals.num_new :] = signals.value_norms
 
-    def select(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
-        scores = self.selection_scores(layer, signals, budget)
+    def select_from_scores(self, layer: EvictionLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
         counts = self.allocate(layer, scores, budget)
         return critical_keep(scores, layer.state[VALUE_NORM], counts, self.alpha, self.eps)

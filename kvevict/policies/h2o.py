@@ -35,6 +35,7 @@ class H2O(Policy):
     """
 
     name = "h2o"
+    comparable_scores = True  # attention probabilities
     summary = "keep heavy hitters by cumulative attention + sinks + a recent window"
 
     def __init__(

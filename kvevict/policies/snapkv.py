@@ -53,6 +53,7 @@ class SnapKV(Policy):
     """
 
     name = "snapkv"
+    comparable_scores = True  # attention probabilities
     summary = "compress the prompt by the attention of its last 32 queries, max-pooled (prefill)"
     regimes = ("prefill",)
 

@@ -28,6 +28,7 @@ class TOVA(Policy):
     """
 
     name = "tova"
+    comparable_scores = True  # attention probabilities
     summary = "evict the entry the current query attends least (mean over heads)"
 
     def __init__(self, *, sinks: int = 0, window: int = 0, regime: Regime | None = None):
