@@ -26,6 +26,7 @@ from kvevict.cache import EvictionCache
 from kvevict.figures import pyplot, save_figure
 from kvevict.generation import answer, split_prompt
 from kvevict.policies import Policy, Wrapper, make_policy
+from kvevict.policies.base import innermost, selects_by_top_scores
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
@@ -42,11 +43,10 @@ class NeedleProbe(Wrapper):
     summary = "records selection scores; optionally forces the needle into chosen layers (analysis only)"
 
     def __init__(self, inner: Policy, needle: torch.Tensor, *, force: bool = False, skip_layer: int | None = None):
-        base = inner
-        while isinstance(base, Wrapper):
-            base = base.inner
-        if type(base).select is not Policy.select:
-            raise ValueError(f"analyze retention needs a scorer that selects by top scores; {base.name} does not")
+        if not selects_by_top_scores(inner):
+            raise ValueError(
+                f"analyze retention needs a scorer that selects by top scores; {innermost(inner).name} does not"
+            )
         super().__init__(inner)
         self.needle = needle
         self.force = force

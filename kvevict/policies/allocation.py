@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvevict.budgets import adakv_counts, global_counts, headkv_capacities, load_head_profile, pyramid_budgets
-from kvevict.policies.base import Policy, Wrapper
+from kvevict.policies.base import Policy, Wrapper, innermost, selects_by_top_scores
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -238,12 +238,9 @@ class GlobalBudget(Wrapper):
                 f"global+{inner.name}: a budget shared across layers is allocated once, at prefill; "
                 f"{inner.name} is set to regime {inner.regime!r} (use regime=prefill)"
             )
-        base = inner
-        while isinstance(base, Wrapper):
-            base = base.inner
-        if type(base).select is not Policy.select:
+        if not selects_by_top_scores(inner):
             raise ValueError(
-                f"global+{inner.name}: {base.name} selects by its own rule, not by top scores, so its scores cannot "
+                f"global+{inner.name}: {innermost(inner).name} selects by its own rule, not by top scores, so its scores cannot "
                 "be ranked across layers; use a scorer (snapkv, knorm, kvzip, expected-attention, ...)"
             )
         super().__init__(inner)

@@ -195,6 +195,18 @@ class Policy:
         Nothing by default (each layer allocates on its own)."""
 
 
+def innermost(policy: Policy) -> Policy:
+    """The scoring policy at the core of a composition (``critical+adakv+snapkv`` → snapkv)."""
+    while isinstance(policy, Wrapper):
+        policy = policy.inner
+    return policy
+
+
+def selects_by_top_scores(policy: Policy) -> bool:
+    """Whether a composition keeps each head's top scores (no rule-based ``select`` of its own)."""
+    return type(innermost(policy)).select is Policy.select
+
+
 DEFERRED = "deferred_scores"
 """``layer.memo`` key of the selection scores a deferred prefill eviction will use."""
 
