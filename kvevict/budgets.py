@@ -1,6 +1,6 @@
 """How many entries each KV head of each layer may keep (DESIGN §2, §3): the budget a
 user gives, and the allocators that split it over heads (AdaKV, HeadKV) and layers
-(PyramidKV). The policy wrappers that apply them live in :mod:`kvevict.policies.allocation`."""
+(PyramidKV). The allocator stages that apply them live in :mod:`kvevict.policies.allocation`."""
 
 from __future__ import annotations
 

@@ -27,9 +27,8 @@ from kvevict import attention
 from kvevict.budgets import Budget
 from kvevict.hidden import HiddenStateRecorder
 from kvevict.models import RotaryTable, check_supported
-from kvevict.policies import Policy, make_policy
-from kvevict.policies.base import DEFERRED
-from kvevict.signals import Phase, compute_signals
+from kvevict.policies import Method, Policy, make_policy
+from kvevict.signals import Phase, Signals, compute_signals
 
 SidePassObserver = Callable[["EvictionLayer", torch.Tensor, float, torch.nn.Module | None], None]
 """Receives ``(layer, query, scaling, attention module)`` of each layer during a scoring pass."""
@@ -205,8 +204,7 @@ class EvictionLayer(DynamicLayer):
         signals = compute_signals(requirements, self, phase, query, scaling, module)
         self.policy.observe(self, signals)
         if evicting and phase == "prefill" and self.policy.deferred_prefill:
-            self.policy.defer(self, signals, self.budget)
-            self.owner.deferred.append(self)
+            self.owner.deferred.append((self, signals))
         elif evicting:
             self.keep(self.policy.select(self, signals, self.budget))
 
@@ -269,7 +267,9 @@ class EvictionCache(Cache):
     Args:
         model: the causal LM; its attention implementation is switched to kvevict's wrapper
             of the same kernel (a pure pass-through for any other cache).
-        policy: a registered policy name (see :func:`kvevict.list_policies`) or object.
+        policy: a registered policy name (see :func:`kvevict.list_policies`), a policy made by
+            :func:`kvevict.make_policy`, or a method object (``LazyEviction(alpha=1e-3)``). The
+            cache binds its own copy to the model; the object passed is left as it is.
         budget: retained tokens per KV head per layer.
         keep: fraction of the prompt to retain (resolved at prefill). Not with ``budget``.
         interval: decode-time eviction runs every ``interval`` steps once over budget
@@ -289,20 +289,23 @@ class EvictionCache(Cache):
         interval: int | None = None,
     ):
         check_supported(model)
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        if not isinstance(self.policy, Policy):
+        policy = make_policy(policy) if isinstance(policy, str) else policy
+        if isinstance(policy, Method):
+            policy = Policy(policy)
+        if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a policy name or a kvevict Policy, got {type(policy).__name__}")
         self.budget = Budget(budget, keep)
-        if not self.budget.given and self.policy.name != "full":
-            raise ValueError(f"policy {self.policy.name!r} needs a budget: give budget= (tokens) or keep= (fraction)")
+        if not self.budget.given and policy.name != "full":
+            raise ValueError(f"policy {policy.name!r} needs a budget: give budget= (tokens) or keep= (fraction)")
         if budget is not None:
-            self.policy.check_budget(budget)
+            policy.check_budget(budget)
         if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 1):
             raise ValueError(f"interval must be an integer >= 1 (1 = evict every step), got {interval!r}")
         self.interval = interval
         attention.install(model)
         config = model.config.get_text_config(decoder=True)
-        self.policy.bind(config)
+        self.policy = policy.bound(config)
+        """This cache's copy of the policy, bound to the model (the object passed is left as it is)."""
         self.shared: dict[str, object] = {}
         """Per-cache policy data shared across layers (e.g. ThinKV's per-token entropy)."""
         hidden_layers = self.policy.hidden_layers(config.num_hidden_layers)
@@ -318,8 +321,8 @@ class EvictionCache(Cache):
         """cos/sin of the model's RoPE at any position (ExpectedAttention's future rotations)."""
         self.side_pass: SidePassObserver | None = None
         """Set while a policy runs a scoring pass of its own through this cache (KVzip)."""
-        self.deferred: list[EvictionLayer] = []
-        """Layers whose prefill eviction waits for the end of the prefill forward."""
+        self.deferred: list[tuple[EvictionLayer, Signals]] = []
+        """Layers whose prefill eviction waits for the end of the prefill forward, with their signals."""
         self._prefill_hook = PrefillHook(model, self) if self.policy.deferred_prefill else None
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
         layers = [
@@ -346,12 +349,10 @@ class EvictionCache(Cache):
         hook after the prefill forward returned; a no-op inside a side pass (re-entry)."""
         if self.side_pass is not None or not self.deferred:
             return
-        layers, self.deferred = self.deferred, []
-        self.policy.rescore_deferred(self, decoder, input_ids)
-        scores = [layer.memo.pop(DEFERRED) for layer in layers]
-        self.policy.allocate_layers(layers, scores)
-        for layer, layer_scores in zip(layers, scores):
-            layer.keep(self.policy.select_from_scores(layer, layer_scores, layer.budget))
+        deferred, self.deferred = self.deferred, []
+        self.policy.method.rescore(self, decoder, input_ids)
+        for layer, keep in zip([layer for layer, _ in deferred], self.policy.select_layers(deferred)):
+            layer.keep(keep)
 
     @contextmanager
     def scoring_pass(self, observer: SidePassObserver) -> Iterator[None]:
@@ -385,12 +386,13 @@ class EvictionCache(Cache):
         return [layer for layer in self.layers if isinstance(layer, EvictionLayer)]
 
     def kv_bytes(self) -> int:
-        """Bytes allocated for the retained keys and values of every layer."""
-        return sum(layer.kv_bytes() for layer in self.layers if layer.is_initialized and layer.keys is not None)
+        """Bytes allocated for the retained keys and values of every layer (any layer type)."""
+        return sum(allocated for allocated, _ in self.layer_bytes())
 
     def layer_bytes(self) -> list[tuple[int, int]]:
         """Per layer: (bytes allocated, bytes of real entries). They differ only where
-        head-wise budgets pad heads to the longest one of their layer."""
+        head-wise budgets pad heads to the longest one of their layer; other layer types
+        (e.g. sliding-window layers) hold only real entries."""
         rows = []
         for layer in self.layers:
             if isinstance(layer, EvictionLayer):

@@ -20,7 +20,11 @@ def _budget_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2", help="'smollm2' (embedded, offline), a hub id or a local path")
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        help="'smollm2' (embedded, offline; default), a local directory with a config.json, or a hub id",
+    )
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16 or auto")
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where the model loads)")
     parser.add_argument("--attn", default=None, help="base attention kernel: sdpa (default), eager, flash_attention_2")
@@ -83,6 +87,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--max-new-tokens", type=int, default=None, help="override every task's generation length")
     _model_args(bench)
+    cluster = bench.add_argument_group(
+        "Ray cluster",
+        "Spread the sweep over Ray actors, each loading the model once; the same results, resumable as "
+        "ever. Needs pip install 'kvevict[ray]'. Exit status 1 if a unit of work failed.",
+    )
+    cluster.add_argument(
+        "--workers", type=int, default=None, metavar="N", help="run on N Ray workers (default: in this process)"
+    )
+    cluster.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDRESS",
+        help="join this running cluster (ray start --head prints it; 'auto': this node's); default: start a local "
+        "cluster for the sweep and stop it afterwards",
+    )
+    cluster.add_argument(
+        "--gpus-per-worker",
+        type=float,
+        default=0.0,
+        metavar="G",
+        help="GPUs per worker, fractions share one (default: 0); with GPUs the model loads on cuda",
+    )
+    cluster.add_argument(
+        "--cpus-per-worker", type=float, default=1.0, metavar="C", help="CPUs and torch threads per worker (default: 1)"
+    )
 
     report = commands.add_parser(
         "report", help="summarise a results directory", description="Mean score per task × policy × budget, % of full."
@@ -335,10 +364,23 @@ def _bench(args: argparse.Namespace) -> int:
         device=args.device,
         attn=args.attn,
     )
-    store = BenchRunner(config, args.out).run()
+    if args.workers is None:
+        if args.ray_address is not None:
+            raise ValueError("--ray-address needs --workers")
+        store, failed = BenchRunner(config, args.out).run(), []
+    else:
+        from kvevict.bench.cluster import ClusterConfig, run_sweep
+
+        cluster = ClusterConfig(args.workers, args.ray_address, args.gpus_per_worker, args.cpus_per_worker)
+        sweep = run_sweep(config, args.out, cluster)
+        store, failed = sweep.store, sweep.failed
     print(format_report(summarize(store)))
     print(f"results: {store.path}", file=sys.stderr)
-    return 0
+    for failure in failed:
+        print(f"kvevict bench: failed: {failure.describe()}", file=sys.stderr)
+    if failed:
+        print(f"kvevict bench: {len(failed)} units failed; run the same command to retry them", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -518,7 +560,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             return memory.main(argv[2:])
-        except (ValueError, FileNotFoundError) as err:
+        except (ValueError, OSError) as err:  # bad input, missing files, an unknown hub id
             print(f"kvevict bench memory: error: {err}", file=sys.stderr)
             return EXIT_USAGE
     parser = build_parser()
@@ -534,7 +576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     try:
         return handlers[args.command]()
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:  # bad input, missing files, an unknown hub id
         print(f"kvevict {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
 

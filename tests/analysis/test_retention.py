@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from kvevict.analysis.retention import NeedleProbe, analyze_sample, needle_positions, write_outputs
+from kvevict.analysis.retention import analyze_sample, needle_positions, probe_policy, recorded_scores, write_outputs
 from kvevict.bench.tasks import get_task
 from kvevict.cache import EvictionCache
 from kvevict.generation import prefill, split_prompt
@@ -35,14 +35,12 @@ def test_forcing_keeps_the_needle_in_every_head_at_the_same_memory(tokenizer, sa
     head, _ = split_prompt(tokenizer, sample.context, sample.question, sample.answer_prefix)
     held = []
     for force in (False, True):
-        probe = NeedleProbe(
-            make_policy(policy, tokenizer=tokenizer) if policy == "kvzip" else make_policy(policy), needle, force=force
-        )
-        cache = EvictionCache(model, probe, keep=0.25)
+        base = make_policy(policy, tokenizer=tokenizer) if policy == "kvzip" else make_policy(policy)
+        cache = EvictionCache(model, probe_policy(base, needle, force=force), keep=0.25)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             prefill(model, head, cache)
-        assert sorted(probe.scores) == [0, 1]  # every layer's scores recorded
+        assert sorted(recorded_scores(cache)) == [0, 1]  # every layer's scores recorded
         held.append(cache.kv_bytes())
     wanted = needle.nonzero().flatten()
     for layer in cache.eviction_layers:

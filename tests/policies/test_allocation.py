@@ -73,18 +73,18 @@ def test_flash_kernels_refuse_head_wise_budgets() -> None:
 
 
 def test_composition_errors_name_what_is_allowed() -> None:
-    with pytest.raises(ValueError, match="wrappers .*critical"):
+    with pytest.raises(ValueError, match="prefixes .*critical"):
         kvevict.make_policy("nonsense+snapkv")
-    with pytest.raises(ValueError, match="safeguard"):
+    with pytest.raises(ValueError, match=r"adakv: parameter 'safeguard' expects a number in \[0, 1\], got 2"):
         kvevict.make_policy("adakv+snapkv", adakv={"safeguard": 2})
     policy = kvevict.make_policy("critical+adakv+snapkv", critical={"alpha": 0.0}, window=16)
-    assert policy.name == "critical+adakv+snapkv" and policy.alpha == 0.0 and policy.window == 16
+    assert policy.name == "critical+adakv+snapkv" and policy.selector.alpha == 0.0 and policy.method.window == 16
     assert kvevict.make_policy("pyramidkv").name == "pyramidkv+snapkv"
 
 
-def test_wrappers_keep_the_hidden_state_hooks_of_what_they_wrap() -> None:
+def test_allocators_keep_the_hidden_state_hooks_of_the_method() -> None:
     model = tiny_model()
-    cache = kvevict.EvictionCache(model, "critical+epikv", budget=40)
+    cache = kvevict.EvictionCache(model, "adakv+epikv", budget=40)
     assert cache.hidden is not None and cache.policy.hidden_context == kvevict.make_policy("epikv").hidden_context
     sequences, _ = greedy(model, prompt(20), cache, new_tokens=30)
     assert cache.hidden.scored == sequences.shape[1] - 1
@@ -145,9 +145,11 @@ def test_global_budget_refuses_what_it_cannot_rank() -> None:
         kvevict.make_policy("global+h2o")
     with pytest.raises(ValueError, match="own rule"):
         kvevict.make_policy("global+lagkv")
-    with pytest.raises(ValueError, match="two budget allocators"):
+    with pytest.raises(ValueError, match="both allocators"):
         kvevict.make_policy("global+adakv+snapkv")
-    with pytest.raises(ValueError, match="two budget allocators"):
+    with pytest.raises(ValueError, match="both allocators"):
         kvevict.make_policy("adakv+global+snapkv")
+    with pytest.raises(ValueError, match=r"kvzip\[per_layer=true\]"):  # kvzip brings its own global allocator
+        kvevict.make_policy("adakv+kvzip")
     with pytest.raises(ValueError, match="safeguard"):
         kvevict.make_policy("global+snapkv", **{"global": {"safeguard": -1}})

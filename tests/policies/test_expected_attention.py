@@ -9,6 +9,7 @@ import torch
 
 import kvevict
 from kvevict.policies.expected_attention import (
+    RECENT_QUERIES,
     average_rotation,
     expected_attention_scores,
     expected_logits,
@@ -97,7 +98,7 @@ def test_decode_regime_uses_recent_query_statistics_and_stays_exact() -> None:
     policy = kvevict.make_policy("expected-attention", regime="both", stats_window=16)
     cache = kvevict.EvictionCache(model, policy, budget=40)
     sequences, _ = greedy(model, prompt(96), cache, new_tokens=6)
-    assert all(layer.memo["expected_attention_queries"].shape[2] == 16 for layer in cache.eviction_layers)
+    assert all(cache.policy.method.memo(layer)[RECENT_QUERIES].shape[2] == 16 for layer in cache.eviction_layers)
     assert cache.layer_lengths() == [40, 40]  # evicted at every decode step too
     token = sequences[:, -1:]
     expected = reference_logits(model, cache, token)
