@@ -22,7 +22,10 @@ passes, and its mask is built from positions (:mod:`kvevict.attention`).
 
 from __future__ import annotations
 
-from typing import Self
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Self
 
 import torch
 from transformers import PreTrainedModel
@@ -31,9 +34,43 @@ from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kw
 from kvevict import attention
 from kvevict.budgets import Budget
 from kvevict.hidden import HiddenStateRecorder
-from kvevict.models import check_policy_fits, check_supported
+from kvevict.models import RotaryTable, check_policy_fits, check_supported
 from kvevict.policies import Method, Policy, make_policy
-from kvevict.signals import LogitSpec, Phase, compute_signals
+from kvevict.signals import LogitSpec, Phase, Signals, compute_signals
+
+SidePassObserver = Callable[["EvictionLayer", torch.Tensor, float, torch.nn.Module | None], None]
+"""Receives ``(layer, query, scaling, attention module)`` of each layer during a scoring pass."""
+
+
+class PrefillHook:
+    """A forward hook on the model's decoder that ends a deferred prefill eviction once the
+    prefill forward has run through every layer (:meth:`EvictionCache.finish_prefill`).
+
+    Why a hook on the decoder: it is transformers' public extension point that fires after
+    the last layer, whichever entry point ran the pass (``model.generate``, ``model(...)``,
+    ``model.model(...)``), and it sees the pass's ``input_ids`` and ``past_key_values``, so
+    only passes through its own cache act. The hook holds a weak reference to the cache."""
+
+    def __init__(self, model: PreTrainedModel, cache: EvictionCache):
+        decoder = model.get_decoder()
+        ref = weakref.ref(cache)
+
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+            owner = ref()
+            if owner is not None and kwargs.get("past_key_values") is owner:
+                input_ids = kwargs.get("input_ids", args[0] if args else None)
+                with torch.no_grad():
+                    owner.finish_prefill(module, input_ids)
+
+        handle = decoder.register_forward_hook(hook, with_kwargs=True)
+        self._finalizer = weakref.finalize(cache, handle.remove)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        """A copy of the cache (made after its prefill) has no deferred eviction to finish."""
+        return
 
 
 class EvictionLayer(DynamicLayer):
@@ -190,6 +227,9 @@ class EvictionLayer(DynamicLayer):
         policy asked for (with the kernel's logit recipe ``scaling``, see
         :class:`~kvevict.signals.LogitSpec`), let it observe them, drop what left a sliding
         window, and evict down to the budget when due."""
+        if self.owner.side_pass is not None:  # a scoring pass of the policy's own (KVzip's repeat)
+            self.owner.side_pass(self, query, scaling, module)
+            return
         phase, num_new = self.phase(), query.shape[-2]
         evicting = self.eviction_due(phase, num_new)
         requirements = self.policy.requirements(phase, evicting)
@@ -198,7 +238,9 @@ class EvictionLayer(DynamicLayer):
         outside = self.outside_window()
         if outside is not None:  # no longer attended by the model itself: gone before the policy chooses
             self.valid = ~outside if self.valid is None else self.valid & ~outside
-        if evicting:
+        if evicting and phase == "prefill" and self.policy.deferred_prefill:
+            self.owner.deferred.append((self, signals))
+        elif evicting:
             self.keep(self.policy.select(self, signals, self.budget))
         elif outside is not None:
             self._retain(self.valid)
@@ -224,6 +266,19 @@ class EvictionLayer(DynamicLayer):
         self.values = _gather(self.values, indices)
         self.positions = _gather(self.positions, indices)
         self.state = {name: _gather(value, indices) for name, value in self.state.items()}
+
+    def snapshot(self) -> tuple[int, int, int, int]:
+        """What :meth:`restore` needs to drop entries appended after this point."""
+        return self.length, self.seen, self.passes, self.decode_peak
+
+    def restore(self, snapshot: tuple[int, int, int, int]) -> None:
+        """Drop every entry appended since :meth:`snapshot` (nothing was evicted in between),
+        as if the passes since then never ran: a side pass leaves no trace."""
+        length, self.seen, self.passes, self.decode_peak = snapshot
+        self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+        self.positions = self.positions[..., :length]
+        self.valid = None if self.valid is None else self.valid[..., :length]
+        self.state = {name: value[:, :, :length] for name, value in self.state.items()}
 
     def kv_bytes(self) -> int:
         """Bytes allocated for keys and values (padding of head-wise budgets included)."""
@@ -308,6 +363,13 @@ class EvictionCache(Cache):
             else None
         )
         """Hooks on the decoder layers the policy reads (:mod:`kvevict.hidden`); None if it reads none."""
+        self.rotary = RotaryTable(model)
+        """cos/sin of the model's RoPE at any position (ExpectedAttention's future rotations)."""
+        self.side_pass: SidePassObserver | None = None
+        """Set while a policy runs a scoring pass of its own through this cache (KVzip)."""
+        self.deferred: list[tuple[EvictionLayer, Signals]] = []
+        """Layers whose prefill eviction waits for the end of the prefill forward, with their signals."""
+        self._prefill_hook = PrefillHook(model, self) if self.policy.deferred_prefill else None
         _, layer_kwargs = get_layer_types_and_kwargs(config)  # check_supported: full or sliding layers only
         layers = [EvictionLayer(self, i, kwargs.get("sliding_window")) for i, kwargs in enumerate(layer_kwargs)]
         super().__init__(layers=layers)
@@ -316,9 +378,45 @@ class EvictionCache(Cache):
         return f"EvictionCache(policy={self.policy!r}, {self.budget}, interval={self.interval})"
 
     def close(self) -> None:
-        """Remove the hidden-state hooks from the model (also done on garbage collection)."""
+        """Remove the hooks from the model (also done on garbage collection)."""
         if self.hidden is not None:
             self.hidden.close()
+        if self._prefill_hook is not None:
+            self._prefill_hook.close()
+
+    # -- deferred prefill eviction --------------------------------------------------------
+    def finish_prefill(self, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
+        """Evict the layers that deferred their prefill eviction, all at once: the policy
+        may first run passes of its own (KVzip's repeat pass), then allocate across layers
+        (``global+``), then each layer keeps its selection. Called by the decoder's forward
+        hook after the prefill forward returned; a no-op inside a side pass (re-entry)."""
+        if self.side_pass is not None or not self.deferred:
+            return
+        deferred, self.deferred = self.deferred, []
+        self.policy.method.rescore(self, decoder, input_ids)
+        for layer, keep in zip([layer for layer, _ in deferred], self.policy.select_layers(deferred)):
+            layer.keep(keep)
+
+    @contextmanager
+    def scoring_pass(self, observer: SidePassObserver) -> Iterator[None]:
+        """Run a forward pass through this cache that only scores: each eviction layer hands
+        the pass's queries to ``observer(layer, query, scaling, module)`` instead of its
+        policy, and every entry the pass appended is dropped afterwards (``seen``, counters
+        and positions as before it), so later tokens never see it."""
+        others = [layer for layer in self.layers if not isinstance(layer, EvictionLayer)]
+        if others:
+            raise ValueError(
+                f"policy {self.policy.name!r} runs a scoring pass over the cache, which needs every layer to be a "
+                f"full-attention eviction layer; this model has {len(others)} other (sliding-window) layers"
+            )
+        snapshots = [(layer, layer.snapshot()) for layer in self.eviction_layers]
+        self.side_pass = observer
+        try:
+            yield
+        finally:
+            self.side_pass = None
+            for layer, snapshot in snapshots:
+                layer.restore(snapshot)
 
     def __enter__(self) -> Self:
         return self

@@ -247,7 +247,37 @@ def _importance_parser(analyses: argparse._SubParsersAction) -> None:
     importance.set_defaults(run=_analyze_importance)
 
 
-ANALYSES = (_recurrence_parser, _heads_parser, _perturbation_parser, _directional_parser, _importance_parser)
+def _retention_parser(analyses: argparse._SubParsersAction) -> None:
+    retention = analyses.add_parser(
+        "retention",
+        help="where a policy ranks a needle in every layer and KV head, and which layers must keep it",
+        description="For a RULER needle task (niah_*), context-only: the rank of the needle's tokens under the "
+        "policy's scores in every layer and KV head, the share of them each head keeps, the answer's score as "
+        "compressed and with the needle forced into every head; with --necessity, leave-one-layer-out of the "
+        "forcing names the layers that must keep it. Writes OUT/retention.json and retention.png.",
+    )
+    retention.add_argument("task", help="a needle task, e.g. niah_single_2")
+    retention.add_argument("--policy", default="kvzip", help="policy spec (default: kvzip)")
+    retention.add_argument("--keep", type=float, default=0.25, help="fraction of the context kept (default: 0.25)")
+    retention.add_argument("--samples", type=int, default=1, help="samples (default: 1)")
+    retention.add_argument("--length", type=int, default=2048, help="prompt length in tokens (default: 2048)")
+    retention.add_argument("--seed", type=int, default=0, help="seed of the generated samples (default: 0)")
+    retention.add_argument("--necessity", action="store_true", help="leave-one-layer-out forcing (one run per layer)")
+    retention.add_argument(
+        "--out", type=Path, default=Path("results/retention"), help="output directory (default: results/retention)"
+    )
+    _model_args(retention)
+    retention.set_defaults(run=_analyze_retention)
+
+
+ANALYSES = (
+    _recurrence_parser,
+    _heads_parser,
+    _perturbation_parser,
+    _directional_parser,
+    _importance_parser,
+    _retention_parser,
+)
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -491,6 +521,34 @@ def _analyze_importance(args: argparse.Namespace) -> int:
     result = analysis.summary(samples, args.model)
     print(analysis.format_summary(result))
     for path in analysis.write_outputs(samples, result, args.out):
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _analyze_retention(args: argparse.Namespace) -> int:
+    from kvevict import load_model
+    from kvevict.analysis import retention as analysis
+    from kvevict.budgets import Budget
+    from kvevict.policies import make_policy
+
+    Budget(keep=args.keep)
+    make_policy(args.policy)
+    if args.samples < 1 or not args.task.startswith("niah"):
+        raise ValueError(f"give a needle task (niah_*) and --samples >= 1, got {args.task!r}, {args.samples}")
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    results = analysis.run_retention(
+        model,
+        tokenizer,
+        args.task,
+        args.policy,
+        args.keep,
+        samples=args.samples,
+        length=args.length,
+        seed=args.seed,
+        necessity=args.necessity,
+    )
+    print(analysis.format_summary(results))
+    for path in analysis.write_outputs(results, args.out):
         print(f"wrote {path}", file=sys.stderr)
     return 0
 

@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -203,7 +204,18 @@ def load_model(
         model = model.to(device)
     model.eval()
     check_supported(model)
+    _TOKENIZERS[model.get_decoder()] = tokenizer
     return model, tokenizer
+
+
+_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Decoder module → the tokenizer :func:`load_model` loaded with it."""
+
+
+def tokenizer_of(decoder: torch.nn.Module) -> PreTrainedTokenizerBase | None:
+    """The tokenizer loaded with a model's decoder by :func:`load_model` (None if unknown):
+    policies that write text to the model themselves (KVzip's repeat instruction) use it."""
+    return _TOKENIZERS.get(decoder)
 
 
 def check_supported(model: PreTrainedModel) -> None:
@@ -277,3 +289,24 @@ def check_policy_fits(model: PreTrainedModel, corrects_output: bool, budget: int
             f"{config.model_type!r} has {' and '.join(reasons)}: use a policy without the correction "
             "(momentkv[nc=false], or the base policy without moment-nc+)"
         )
+
+
+class RotaryTable:
+    """The model's rotary position embedding at any positions: ``table(positions)`` →
+    ``(cos, sin)``, each ``[n, d]`` fp32, exactly as the model rotates queries and keys
+    (``q·cos + rotate_half(q)·sin``; scaled RoPE variants included). Reads the decoder's
+    ``rotary_emb`` module (Llama-style decoders)."""
+
+    def __init__(self, model: PreTrainedModel):
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        self._rotary = getattr(decoder, "rotary_emb", None)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rotary is None:
+            raise ValueError(
+                "this model has no rotary embedding at model.get_decoder().rotary_emb; policies that rotate queries "
+                "(expected-attention) need a RoPE model (llama, mistral, qwen2, qwen3)"
+            )
+        probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
+        cos, sin = self._rotary(probe, positions.reshape(1, -1))
+        return cos[0].float(), sin[0].float()

@@ -284,24 +284,27 @@ def column_sums(
     return total
 
 
-def projected_value_norms(values: torch.Tensor, o_proj: torch.Tensor, num_query_heads: int) -> torch.Tensor:
-    """CriticalKV's ``‖v W_O‖₁`` per KV head, ``[B, Hkv, m]`` fp32.
+def projected_value_norms(
+    values: torch.Tensor, o_proj: torch.Tensor, num_query_heads: int, *, ord: int = 1, per_query_head: bool = False
+) -> torch.Tensor:
+    """``‖v W_O^h‖`` of each value, ``[B, Hkv, m]`` (or ``[B, Hq, m]``) fp32.
 
     ``values`` is ``[B, Hkv, m, d]``; ``o_proj`` is the output projection's weight
     ``[hidden, Hq·d]``. Query head ``h`` projects its KV head's values by its own slice
-    ``W_O[:, h·d:(h+1)·d]``; the L1 norm is over the hidden dimension and the result is
-    averaged over the query heads of each KV head. One query head and ``VALUE_NORM_CHUNK``
-    values at a time, never ``m × hidden`` for all heads at once.
+    ``W_O[:, h·d:(h+1)·d]``; the norm (``ord``: 1 for CriticalKV, 2 for KVzip+) is over the
+    hidden dimension. By default the result is averaged over the query heads of each KV
+    head; ``per_query_head`` keeps one row per query head. One query head and
+    ``VALUE_NORM_CHUNK`` values at a time, never ``m × hidden`` for all heads at once.
     """
     b, hkv, m, d = values.shape
     group = num_query_heads // hkv
-    norms = values.new_zeros(b, hkv, m, dtype=torch.float32)
+    norms = values.new_zeros(b, num_query_heads, m, dtype=torch.float32)
     for head in range(num_query_heads):
         slice_t = o_proj[:, head * d : (head + 1) * d].float().T  # [d, hidden]
         for start in range(0, m, VALUE_NORM_CHUNK):
             chunk = values[:, head // group, start : start + VALUE_NORM_CHUNK].float()
-            norms[:, head // group, start : start + VALUE_NORM_CHUNK] += (chunk @ slice_t).abs().sum(dim=-1)
-    return norms / group
+            norms[:, head, start : start + VALUE_NORM_CHUNK] = (chunk @ slice_t).norm(p=ord, dim=-1)
+    return norms if per_query_head else group_reduce(norms, hkv)
 
 
 def compute_signals(

@@ -13,7 +13,18 @@ def test_policies_lists_name_and_summary(capsys) -> None:
 
 
 @pytest.mark.parametrize(
-    "command", ["generate", "policies", "demo", "tasks", "bench", "report", "analyze heads", "analyze perturbation"]
+    "command",
+    [
+        "generate",
+        "policies",
+        "demo",
+        "tasks",
+        "bench",
+        "report",
+        "analyze heads",
+        "analyze perturbation",
+        "analyze retention",
+    ],
 )
 def test_help_for_every_command(command: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
@@ -38,6 +49,8 @@ def test_help_everywhere(argv, capsys) -> None:
         (["analyze", "perturbation", "--policies", "snapkv", "--budget", "64"], "takes two or more policies"),
         (["analyze", "perturbation", "--policies", "snapkv,critical+snapkvv", "--budget", "64"], "unknown policy"),
         (["analyze", "perturbation", "--policies", "snapkv,critical+snapkv", "--budget", "16"], "smaller than"),
+        (["analyze", "retention", "vt"], "give a needle task (niah_*)"),
+        (["analyze", "retention", "niah_single_1", "--policy", "global+h2o"], "use regime=prefill"),
         (
             ["generate", "--policy", "snapkv[window=abc]", "--budget", "64", "hi"],
             "kvevict generate: error: snapkv: parameter 'window' expects an integer >= 1, got 'abc'",

@@ -4,7 +4,7 @@ named over any of them.
 A policy is assembled from stages (:mod:`kvevict.policies.base`): a registered method
 (``_METHODS``) brings its scorer, its protector and whatever else it has of its own; a
 prefix (``_PREFIXES``) fills one more slot: ``critical`` the selector, ``adakv``,
-``pyramidkv``, ``headkv`` the allocator, ``moment-nc`` the corrector. So
+``pyramidkv``, ``headkv``, ``global`` the allocator, ``moment-nc`` the corrector. So
 ``critical+adakv+snapkv`` and ``adakv+critical+snapkv`` are the same policy, and a spelling
 whose stages clash is refused by :func:`make_policy` (:class:`~kvevict.policies.pipeline.Policy`).
 
@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import ast
 
-from kvevict.policies.allocation import AdaKV, HeadKV, PyramidKV
+from kvevict.policies.allocation import AdaKV, GlobalBudget, HeadKV, PyramidKV
 from kvevict.policies.base import Method, Stage
 from kvevict.policies.critical import Critical
 from kvevict.policies.epikv import AttnXHS, BandAdaptive, EpiKV, HSVariance
+from kvevict.policies.expected_attention import ExpectedAttention
 from kvevict.policies.h2o import H2O
 from kvevict.policies.kvvar import KVKeyVariance, KVValueVariance, LagKV, LagKVDecode
+from kvevict.policies.kvzip import KVzip
 from kvevict.policies.lazyeviction import LazyEviction
 from kvevict.policies.momentkv import MomentKV, MomentNC
 from kvevict.policies.pipeline import Policy
@@ -55,9 +57,11 @@ _METHODS: tuple[type[Method], ...] = (
     ThinKV,
     AttnXHS,
     SegmentHS,
+    KVzip,
+    ExpectedAttention,
 )
 POLICIES: dict[str, type[Method]] = {cls.name: cls for cls in _METHODS}
-_PREFIXES: tuple[type[Stage], ...] = (Critical, AdaKV, PyramidKV, HeadKV, MomentNC)
+_PREFIXES: tuple[type[Stage], ...] = (Critical, AdaKV, PyramidKV, HeadKV, MomentNC, GlobalBudget)
 PREFIXES: dict[str, type[Stage]] = {cls.name: cls for cls in _PREFIXES}
 """Stages named over a policy (``prefix+policy``), by name."""
 ALIASES = {"pyramidkv": "pyramidkv+snapkv", "headkv": "headkv+snapkv"}
@@ -71,6 +75,8 @@ COMPOSED = (
     "critical+h2o",
     "moment-nc+h2o",
     "moment-nc+streamingllm",
+    "global+snapkv",
+    "global+expected-attention",
 )
 """The compositions the papers evaluate (listed and tested like every policy; any other
 ``prefix+...+policy`` whose stages do not clash works too)."""

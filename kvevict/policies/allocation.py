@@ -1,4 +1,4 @@
-"""Budget allocators: ``adakv+X``, ``pyramidkv+X``, ``headkv+X``.
+"""Budget allocators: ``adakv+X``, ``pyramidkv+X``, ``headkv+X``, ``global+X``.
 
 Each is the allocator stage of a policy: it changes only how many entries each KV head
 keeps (:meth:`~kvevict.policies.base.Allocator.counts`); the scores, the protected entries,
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.budgets import adakv_counts, headkv_capacities, load_head_profile, pyramid_budgets
+from kvevict.budgets import adakv_counts, global_counts, headkv_capacities, load_head_profile, pyramid_budgets
 from kvevict.policies.base import Allocator
 from kvevict.policies.params import Param, declare, integer, number
 
@@ -164,3 +164,61 @@ class HeadKV(Allocator):
             raise RuntimeError("headkv is not bound to a model: use it through an EvictionCache")
         capacity = headkv_capacities(self._importance, budget, self.beta)[layer.layer_idx].to(protected.device)
         return torch.minimum(torch.maximum(capacity, protected.sum(dim=-1)), layer.head_lengths())
+
+
+def standardize(scores: torch.Tensor) -> torch.Tensor:
+    """A layer's selection scores on a common scale: the free (finite) scores minus their
+    mean over the layer, over their standard deviation; protected and padding untouched."""
+    free = torch.isfinite(scores)
+    values = scores.masked_fill(~free, 0.0).double()
+    count = free.sum(dim=(1, 2), keepdim=True).clamp(min=1)
+    mean = values.sum(dim=(1, 2), keepdim=True) / count
+    spread = (((values - mean) * free).pow(2).sum(dim=(1, 2), keepdim=True) / count).sqrt().clamp(min=1e-12)
+    return torch.where(free, (values - mean) / spread, scores.double()).to(scores.dtype)
+
+
+class GlobalBudget(Allocator):
+    """One budget shared by every layer and KV head (``global+X``, DESIGN §3): the pool
+    ``L·H·B`` goes to the top entries of all layers and heads ranked together by ``X``'s
+    scores, each head keeping at least ``⌊safeguard·B'⌋`` (AdaKV's safeguard, ``0.2``;
+    ``B'`` = budget − its protected entries). Prefill only: the layers defer their eviction
+    until the prefill forward has scored every layer, then all evict at once. KVzip brings
+    this allocator itself with ``safeguard = 0`` (the paper's global bottom-k).
+
+    Comparability: scorers whose scores are attention probabilities (``snapkv``, ``tova``,
+    ``h2o``, ``kvzip``, ``expected-attention``: ``comparable_scores``) are ranked as they
+    are. Any other scorer (``knorm``'s ``−‖k‖``, positions, variances) is first standardised
+    per layer (its free scores' mean 0 and standard deviation 1 over the layer's heads), so a
+    layer gains budget where its score distribution has a heavier upper tail, not because its
+    scores have another unit. A method that selects by its own rule rather than top scores
+    (LagKV's per-chunk quotas, ThinKV, MomentKV's MI loop) is refused.
+    """
+
+    name = "global"
+    summary = "one budget pool over all layers and heads ranked by the scorer (floor 0.2·B per head; prefill)"
+    PARAMS = declare(safeguard=number(0.2, 0, 1))
+    across_layers = True
+
+    def check(self, policy: Policy) -> None:
+        method = policy.method.name
+        if not policy.selects_by_top_scores:
+            raise ValueError(
+                f"global ranks scores across layers, and {method} selects by its own rule, not by top scores; "
+                "use a scorer (snapkv, knorm, kvzip, expected-attention, ...)"
+            )
+        if policy.regime != "prefill":
+            raise ValueError(
+                f"a budget shared across layers is allocated once, at prefill; {method} is set to regime "
+                f"{policy.regime!r} (use regime=prefill)"
+            )
+
+    def allocate_layers(self, layers: list[EvictionLayer], scores: list[torch.Tensor], comparable: bool) -> None:
+        """Store in each layer's memo what its heads keep under one pool ``L·H·B`` (:func:`global_counts`)."""
+        ranked = scores if comparable else [standardize(layer_scores) for layer_scores in scores]
+        for layer, counts in zip(layers, global_counts(ranked, layers[0].budget, self.safeguard)):
+            self.memo(layer)["counts"] = counts
+
+    def counts(
+        self, layer: EvictionLayer, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
+    ) -> torch.Tensor:
+        return self.memo(layer).pop("counts")

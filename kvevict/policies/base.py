@@ -183,6 +183,10 @@ class Scorer(Stage):
     attention_scores: ClassVar[bool] = False
     """The scores are attention received (probability mass, ``>= 0``): what CriticalKV
     weights by ``‖v W_O‖₁``."""
+    comparable_scores: ClassVar[bool] = False
+    """The scores mean the same thing in every layer (attention probabilities, possibly
+    weighted), so one budget can be ranked across layers as they are (``global+``; other
+    scorers are standardised per layer first, see :class:`~kvevict.policies.allocation.GlobalBudget`)."""
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
         """``[B, Hkv, n]``, fp32 (fp64 where the policy needs its exactness)."""
@@ -221,6 +225,16 @@ class Allocator(Stage):
         has no scorer); ``protected`` marks the real protected entries."""
         raise NotImplementedError
 
+    across_layers: ClassVar[bool] = False
+    """True when the counts of one layer depend on every layer's scores (``global``): the
+    prefill eviction then waits until the prefill forward has scored every layer
+    (:meth:`allocate_layers`, then :meth:`counts` per layer)."""
+
+    def allocate_layers(self, layers: list[EvictionLayer], scores: list[torch.Tensor], comparable: bool) -> None:
+        """With :attr:`across_layers`: decide every layer's counts together from their selection
+        scores (``comparable``: the scorer's :attr:`~Scorer.comparable_scores`), leaving what
+        :meth:`counts` returns in each layer's memo."""
+
 
 @dataclass(frozen=True)
 class Ranking:
@@ -239,6 +253,10 @@ class Selector(Stage):
     """Which entries fill each head's count."""
 
     slot = "selector"
+    by_top_scores: ClassVar[bool] = False
+    """The selection keeps each head's top scores (stage 1 of CriticalKV included), so forcing
+    an entry's score to ``+inf`` keeps it, and scores ranked across layers mean what they say
+    (``global``, ``kvevict analyze retention``); not so for rule-based selectors (quotas, MI)."""
 
     def keep(self, layer: EvictionLayer, signals: Signals, ranking: Ranking) -> torch.Tensor:
         """The keep mask ``[B, Hkv, n]``: ``ranking.counts[b, h]`` real entries of each head."""
@@ -306,6 +324,7 @@ class TopK(Selector):
     """Per head, the top-scoring entries up to its count (protected entries first)."""
 
     name = "top-k"
+    by_top_scores = True
 
     def check(self, policy: Policy) -> None:
         if policy.scorer is None and policy.method.evicts:
@@ -347,6 +366,9 @@ class Method(Scorer):
     regimes: ClassVar[tuple[Regime, ...]] = ("both", "prefill", "decode")
     evicts: ClassVar[bool] = True
     """False for a method that never evicts (``full``)."""
+    deferred_prefill: ClassVar[bool] = False
+    """True when the method scores the prompt only after the whole prefill forward ran
+    (KVzip's repeat pass, :meth:`rescore`): its prefill eviction is deferred until then."""
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -362,6 +384,10 @@ class Method(Scorer):
 
     def evicts_in(self, phase: Phase) -> bool:
         return self.evicts and self.regime in ("both", phase)
+
+    def rescore(self, cache: EvictionCache, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
+        """With :attr:`deferred_prefill`: after the prefill forward, before the deferred
+        eviction, run the method's own scoring passes (KVzip's repeat) through ``cache``."""
 
     def default_interval(self, budget: int) -> int | None:
         """The decode-time eviction interval this method prescribes (None: every step),

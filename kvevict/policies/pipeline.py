@@ -152,6 +152,11 @@ class Policy:
         twin.bind(config)
         return twin
 
+    @property
+    def selects_by_top_scores(self) -> bool:
+        """Whether this policy keeps each head's top scores (a scorer and a top-score selector)."""
+        return self.scorer is not None and self.selector.by_top_scores
+
     # -- what the cache and the attention path call ---------------------------------------
     @property
     def corrects_output(self) -> bool:
@@ -179,6 +184,34 @@ class Policy:
     def select(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
         """The entries to keep, ``[B, Hkv, n]`` bool: scores (protected at ``+inf``, padding at
         ``-inf``), then the allocator's counts per head, then the selector's choice."""
+        scores, protected = self.selection_scores(layer, signals, budget)
+        counts = self.allocator.counts(layer, scores, protected, budget)
+        return self.selector.keep(layer, signals, Ranking(scores, protected, counts))
+
+    @property
+    def deferred_prefill(self) -> bool:
+        """Whether the prefill eviction waits for the end of the prefill forward (the method
+        rescores the prompt, or the allocator shares one budget across layers)."""
+        return self.method.deferred_prefill or self.allocator.across_layers
+
+    def select_layers(self, deferred: Sequence[tuple[EvictionLayer, Signals]]) -> list[torch.Tensor]:
+        """A deferred prefill eviction: the keep mask of every layer (given with its prefill
+        signals), the allocator first seeing the selection scores of all of them."""
+        ranked = [self.selection_scores(layer, signals, layer.budget) for layer, signals in deferred]
+        layers = [layer for layer, _ in deferred]
+        comparable = self.scorer is not None and self.scorer.comparable_scores
+        self.allocator.allocate_layers(layers, [scores for scores, _ in ranked], comparable)
+        keeps = []
+        for (layer, signals), (scores, protected) in zip(deferred, ranked):
+            counts = self.allocator.counts(layer, scores, protected, layer.budget)
+            keeps.append(self.selector.keep(layer, signals, Ranking(scores, protected, counts)))
+        return keeps
+
+    def selection_scores(
+        self, layer: EvictionLayer, signals: Signals, budget: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The scorer's scores with the protected entries at ``+inf`` and padding at ``-inf``
+        (None without a scorer), and the real protected entries."""
         protected = self.protector.protected(layer, budget)
         scores = None
         if self.scorer is not None:
@@ -190,8 +223,7 @@ class Policy:
             protected = torch.isposinf(scores)  # the scorer's own +inf (e.g. SnapKV's window) included
         elif layer.valid is not None:
             protected = protected & layer.valid
-        counts = self.allocator.counts(layer, scores, protected, budget)
-        return self.selector.keep(layer, signals, Ranking(scores, protected, counts))
+        return scores, protected
 
     def on_evict(self, layer: EvictionLayer, evicted: torch.Tensor) -> None:
         for stage in self.stages:

@@ -57,6 +57,7 @@ class SnapKV(Method):
     """
 
     name = "snapkv"
+    comparable_scores = True  # attention probabilities
     summary = "compress the prompt by the attention of its last 32 queries, max-pooled (prefill)"
     regimes = ("prefill",)
     attention_scores = True

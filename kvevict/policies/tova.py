@@ -29,6 +29,7 @@ class TOVA(Method):
     """
 
     name = "tova"
+    comparable_scores = True  # attention probabilities
     summary = "evict the entry the current query attends least (mean over heads)"
     attention_scores = True
     PARAMS = SINKS_AND_WINDOW

@@ -11,7 +11,14 @@ from transformers import DynamicCache
 import kvevict
 from tests.conftest import build_policy, greedy, prompt, reference_logits, tiny_model
 
-POLICIES = [*kvevict.list_policies(), "moment-nc+snapkv", "moment-nc+adakv+snapkv"]
+POLICIES = [
+    *kvevict.list_policies(),
+    "moment-nc+snapkv",
+    "moment-nc+adakv+snapkv",
+    "global+knorm",
+    "kvzip[plus=true]",
+    "kvzip[per_layer=true]",
+]
 EVICTING = [name for name in POLICIES if name != "full"]
 PROMPT = 96
 BUDGET = 40
