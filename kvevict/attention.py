@@ -22,7 +22,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from kvevict.signals import heads_mask
+from kvevict.signals import LogitSpec, heads_mask, window_mask
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
@@ -69,6 +69,18 @@ def base_kernel(base: str, module: torch.nn.Module) -> Callable:
     return ALL_ATTENTION_FUNCTIONS[base]
 
 
+def kernel_spec(query: torch.Tensor, kwargs: dict) -> LogitSpec:
+    """The logit recipe the model handed its kernel: ``scaling`` (default ``1/√d``), Gemma 2's
+    ``softcap`` and gpt-oss's learned sinks ``s_aux``, so the signals are the probabilities the
+    kernel used."""
+    scaling = kwargs.get("scaling")
+    return LogitSpec(
+        scaling=query.shape[-1] ** -0.5 if scaling is None else float(scaling),
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
+    )
+
+
 def _make_attention(base: str) -> Callable:
     def kvevict_attention(module, query, key, value, attention_mask, **kwargs):
         kernel = base_kernel(base, module)
@@ -78,10 +90,10 @@ def _make_attention(base: str) -> Callable:
         layer.begin_pass(attention_mask)
         attention_mask = _layer_mask(base, attention_mask, query, layer)
         output, weights = kernel(module, query, key, value, attention_mask, **kwargs)
-        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        spec = kernel_spec(query, kwargs)
         if layer.policy.corrects_output:
-            output = layer.correct_output(query, output, scaling)  # before this pass evicts
-        layer.after_attention(query, scaling, module)
+            output = layer.correct_output(query, output, spec.scaling)  # before this pass evicts
+        layer.after_attention(query, spec, module)
         return output, weights
 
     kvevict_attention.__name__ = f"{PREFIX}{base}"
@@ -101,11 +113,13 @@ def check_flash(base: str, ragged: bool) -> None:
 
 def _layer_mask(base: str, mask: torch.Tensor | None, query: torch.Tensor, layer: EvictionLayer) -> torch.Tensor | None:
     """The mask of an eviction layer's pass, from the layer itself: an entry is visible to a
-    query when it is real (``valid``) and not after the query's position; each query also
+    query when it is real (``valid``), not after the query's position and, on a sliding-window
+    layer, inside the query's window (:func:`~kvevict.signals.window_mask`); each query also
     sees itself (so a padding query attends to something). Entries are not stored in
     position order (eviction refills slots), so nothing is derived from the index order.
-    Until the first eviction the storage is the model's own layout and the model's mask is
-    reused as is (bit-identical to no eviction)."""
+    Until the first eviction the storage is the model's own layout and the model's mask
+    (sliding or not) is reused as is (bit-identical to no eviction). A single query needs no
+    window: the layer drops every entry that left it after each pass."""
     q, n = query.shape[-2], layer.length
     valid = layer.valid
     check_flash(base, valid is not None)
@@ -114,6 +128,11 @@ def _layer_mask(base: str, mask: torch.Tensor | None, query: torch.Tensor, layer
     ):
         return mask
     if base.startswith("flash"):  # uniform rows: new entries at the end, causal bottom-right
+        if layer.window is not None and q > 1:
+            raise ValueError(
+                "a pass of several queries over a sliding-window layer that evicted needs a mask built from "
+                f"positions, which {base} does not take; load the model with attn_implementation='sdpa' or 'eager'"
+            )
         return None
     if q == 1:
         if valid is None:
@@ -123,6 +142,8 @@ def _layer_mask(base: str, mask: torch.Tensor | None, query: torch.Tensor, layer
         positions = layer.positions[:, :, None, :]  # [B, Hkv, 1, n]
         queries = _row_query_positions(layer, q)
         allowed = positions <= queries
+        if layer.window is not None:
+            allowed &= window_mask(layer.positions, queries[..., 0], layer.window)
         if valid is not None:
             allowed &= valid[:, :, None, :] | (positions == queries)
         allowed = allowed.repeat_interleave(query.shape[1] // allowed.shape[1], dim=1)

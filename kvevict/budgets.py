@@ -1,6 +1,6 @@
 """How many entries each KV head of each layer may keep (DESIGN §2, §3): the budget a
 user gives, and the allocators that split it over heads (AdaKV, HeadKV) and layers
-(PyramidKV). The policy wrappers that apply them live in :mod:`kvevict.policies.allocation`."""
+(PyramidKV). The allocator stages that apply them live in :mod:`kvevict.policies.allocation`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,20 @@ def adakv_counts(scores: torch.Tensor, budget: int, safeguard: float = 0.2) -> t
     flat = contest.flatten(1)
     wins = (descending_ranks(flat) < slots[:, None]) & torch.isfinite(flat)
     return held + guaranteed.sum(dim=-1) + wins.view_as(scores).sum(dim=-1)
+
+
+def global_counts(scores: Sequence[torch.Tensor], budget: int, safeguard: float = 0.2) -> list[torch.Tensor]:
+    """One budget pool over every layer and head (``global+``): entries each head of each
+    layer keeps, ``[B, H]`` int64 per layer.
+
+    The layers' selection scores ``[B, H, n_l]`` are ranked together as if their heads were
+    the heads of one layer (:func:`adakv_counts`): the pool is ``L·H·budget``, each head
+    keeps its protected entries plus at least ``⌊safeguard·(budget − protected)⌋`` of its own.
+    """
+    width = max(layer.shape[-1] for layer in scores)
+    padded = torch.cat([F.pad(layer, (0, width - layer.shape[-1]), value=float("-inf")) for layer in scores], dim=1)
+    counts = adakv_counts(padded, budget, safeguard)
+    return list(counts.split([layer.shape[1] for layer in scores], dim=1))
 
 
 def descending_ranks(scores: torch.Tensor) -> torch.Tensor:

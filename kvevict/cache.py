@@ -10,22 +10,67 @@ eviction so they never drift apart. Each KV head keeps its own set of tokens.
 positions) and ``get_mask_sizes()`` describes the *retained* entries as the most recent
 ``n`` positions before the query: every retained entry is in the past, so the standard
 causal mask is exact and ``model.generate(..., past_key_values=cache)`` just works.
+
+A sliding-window layer (Mistral, Gemma 2/3, gpt-oss, Qwen2 with ``use_sliding_window``) is
+an :class:`EvictionLayer` with a ``window``: after every pass it first drops the entries no
+later query can see (positions ``≤ seen − window``, as transformers'
+``DynamicSlidingWindowLayer`` does, without telling the policy: they are not evicted, the
+model would not see them either), then the policy evicts the rest to the budget as on a
+full layer. It so never holds more than ``min(window, budget)`` + interval entries between
+passes, and its mask is built from positions (:mod:`kvevict.attention`).
 """
 
 from __future__ import annotations
 
-from typing import Self
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Self
 
 import torch
 from transformers import PreTrainedModel
-from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 
 from kvevict import attention
 from kvevict.budgets import Budget
 from kvevict.hidden import HiddenStateRecorder
-from kvevict.models import check_supported
-from kvevict.policies import Policy, make_policy
-from kvevict.signals import Phase, compute_signals
+from kvevict.models import RotaryTable, check_policy_fits, check_supported
+from kvevict.policies import Method, Policy, make_policy
+from kvevict.signals import LogitSpec, Phase, Signals, compute_signals
+
+SidePassObserver = Callable[["EvictionLayer", torch.Tensor, float, torch.nn.Module | None], None]
+"""Receives ``(layer, query, scaling, attention module)`` of each layer during a scoring pass."""
+
+
+class PrefillHook:
+    """A forward hook on the model's decoder that ends a deferred prefill eviction once the
+    prefill forward has run through every layer (:meth:`EvictionCache.finish_prefill`).
+
+    Why a hook on the decoder: it is transformers' public extension point that fires after
+    the last layer, whichever entry point ran the pass (``model.generate``, ``model(...)``,
+    ``model.model(...)``), and it sees the pass's ``input_ids`` and ``past_key_values``, so
+    only passes through its own cache act. The hook holds a weak reference to the cache."""
+
+    def __init__(self, model: PreTrainedModel, cache: EvictionCache):
+        decoder = model.get_decoder()
+        ref = weakref.ref(cache)
+
+        def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+            owner = ref()
+            if owner is not None and kwargs.get("past_key_values") is owner:
+                input_ids = kwargs.get("input_ids", args[0] if args else None)
+                with torch.no_grad():
+                    owner.finish_prefill(module, input_ids)
+
+        handle = decoder.register_forward_hook(hook, with_kwargs=True)
+        self._finalizer = weakref.finalize(cache, handle.remove)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        """A copy of the cache (made after its prefill) has no deferred eviction to finish."""
+        return
 
 
 class _Row:
@@ -48,7 +93,8 @@ class _Row:
 
 
 class EvictionLayer(DynamicLayer):
-    """One full-attention layer of an :class:`EvictionCache`.
+    """One attention layer of an :class:`EvictionCache`: full attention, or a sliding
+    window of ``window`` positions (a query at ``p`` sees keys at ``> p − window``).
 
     Storage is preallocated (``budget + interval`` entries once evicting) and shared by the
     rows of a batch: row ``b`` occupies columns ``[start_b, start_b + width_b)``; columns a
@@ -56,7 +102,7 @@ class EvictionLayer(DynamicLayer):
     entries) are marked false in :attr:`valid` and masked out of attention and selection.
     Entries are *not* sorted by position: an evicted entry's slot is reused by an entry from
     the end (O(1) data movement per evicted entry), and :attr:`positions` says where each
-    entry sits in its sequence.
+    entry sits in its sequence (masks, windows included, are built from them).
 
     The policy never sees the batch: every hook runs on a :class:`RowView`, which holds one
     row exactly as a batch-1 layer holding that prompt alone would (same entries in the same
@@ -65,10 +111,12 @@ class EvictionLayer(DynamicLayer):
 
     is_croppable = False
 
-    def __init__(self, owner: EvictionCache, layer_idx: int):
+    def __init__(self, owner: EvictionCache, layer_idx: int, window: int | None = None):
         super().__init__()
         self.owner = owner
         self.layer_idx = layer_idx
+        self.window = window
+        self.is_sliding = window is not None  # transformers builds sliding masks from such layers
         self._clear()
 
     def _clear(self) -> None:
@@ -232,8 +280,8 @@ class EvictionLayer(DynamicLayer):
         left padding from the model's mask; then give the policy the new entries' state.
 
         Why the mask: transformers hands a cache layer only keys and values, but passes the
-        attention function the mask it built from the 2-D ``attention_mask``; the last query of
-        a left-padded prompt is a real token, so its mask row marks exactly the real columns.
+        attention function the mask it built from the 2-D ``attention_mask``, in which a real
+        token sees its own key (even in a sliding window) and a padding one does not.
         ``generate`` gives real token ``i`` of a row the RoPE position ``i`` (the cumulative
         sum of the mask), so a row's positions start at 0 after its padding."""
         if self.passes == 1:
@@ -256,6 +304,11 @@ class EvictionLayer(DynamicLayer):
         pads = [0] * len(self.rows) if real is None else (num_new - real.sum(dim=-1)).tolist()
         if any(pad >= num_new for pad in pads):
             raise ValueError("a row of the batch has no real token: every prompt needs at least one token")
+        if len(self.rows) > 1 and self.policy.deferred_prefill:
+            raise ValueError(
+                f"policy {self.policy.name!r} evicts the prefill once it has run through every layer (a scoring pass, "
+                "or one budget across layers), which is done for one sequence at a time: pass one prompt (batch size 1)"
+            )
         if any(pads):
             columns = torch.arange(num_new, device=self.device)
             pad = torch.tensor(pads, device=self.device)[:, None]
@@ -310,54 +363,73 @@ class EvictionLayer(DynamicLayer):
             rows.append(torch.cat([output[i : i + 1, : real.start], corrected], dim=1))
         return torch.cat(rows)
 
-    def after_attention(self, query: torch.Tensor, scaling: float, module: torch.nn.Module | None = None) -> None:
+    def after_attention(
+        self, query: torch.Tensor, scaling: float | LogitSpec, module: torch.nn.Module | None = None
+    ) -> None:
         """Called by the attention path once this pass attended: for each row, compute the
-        signals the policy asked for, let it observe them, and evict down to the row's budget
-        when due."""
-        phase, keeps, evicting = self.phase(), [], False
+        signals the policy asked for (with the kernel's logit recipe ``scaling``, see
+        :class:`~kvevict.signals.LogitSpec`), let it observe them, drop what left a sliding
+        window, and evict down to the row's budget when due (or defer that eviction to the
+        end of the prefill forward, :meth:`EvictionCache.finish_prefill`)."""
+        if self.owner.side_pass is not None:  # a scoring pass of the policy's own (KVzip's repeat)
+            self.owner.side_pass(self, query, scaling, module)
+            return
+        phase, rows, changed = self.phase(), [], False
         for i in range(len(self.rows)):
             view = RowView(self, i)
             due = view.eviction_due(phase, view.num_new)
             requirements = self.policy.requirements(phase, due)
             signals = compute_signals(requirements, view, phase, query[i : i + 1, :, -view.num_new :], scaling, module)
             self.policy.observe(view, signals)
-            keep = self.policy.select(view, signals, view.budget) if due else None
+            dropped = view.drop_outside_window()
+            deferred = due and phase == "prefill" and self.policy.deferred_prefill
+            if deferred:
+                self.owner.deferred.append((view, signals))
+            keep = self.policy.select(view, signals, view.budget) if due and not deferred else None
             view.write_back()
-            keeps.append(keep)
-            evicting |= due
-        if evicting:
-            self._keep_rows(keeps)
+            rows.append((view, keep))
+            changed |= not deferred and (keep is not None or dropped)
+        if changed:
+            self._keep_rows(rows)
 
     def keep(self, mask: torch.Tensor) -> None:
         """Retain the entries where ``mask`` ``[B, Hkv, n]`` (storage columns) is true."""
-        self._keep_rows([mask[i : i + 1, :, row.start : row.start + row.width] for i, row in enumerate(self.rows)])
+        views = [RowView(self, i) for i in range(len(self.rows))]
+        self._keep_rows([(view, mask[view.row : view.row + 1, :, view.columns]) for view in views])
 
-    def _keep_rows(self, keeps: list[torch.Tensor | None]) -> None:
+    def _keep_rows(self, rows: list[tuple[RowView, torch.Tensor | None]]) -> None:
         """Retain, per row, the entries its mask ``[1, Hkv, width]`` (row columns; None: every
-        real one) keeps. Padding never survives. Per head, a kept entry stays in its slot and
-        the slots of dropped entries are refilled from the end: O(dropped) data movement, and
-        a row's layout depends only on that row (the same as alone)."""
+        held one) keeps, among the ones its view holds (``view.valid``: padding and entries
+        that left a sliding window never survive, and are not reported to the policy as
+        evicted). Per head, a kept entry stays in its slot and the slots of dropped entries are
+        refilled from the end: O(dropped) data movement, and a row's layout depends only on
+        that row (the same as alone). When only entries that left a sliding window go, the
+        rest keep their position order instead (as transformers' own sliding layer)."""
         width = max(row.width for row in self.rows)
         relative = torch.zeros(len(self.rows), self.num_kv_heads, width, dtype=torch.bool, device=self.device)
-        for i, (row, keep) in enumerate(zip(self.rows, keeps)):
-            view = RowView(self, i)
+        for i, (view, keep) in enumerate(rows):
             held = view.valid if view.valid is not None else torch.ones_like(view.positions, dtype=torch.bool)
             keep = held if keep is None else keep & held
             self.policy.on_evict(view, held & ~keep)
             view.write_back()
-            relative[i, :, : row.width] = keep[0]
+            relative[i, :, : view.length] = keep[0]
         counts = relative.sum(dim=-1)  # [B, Hkv]
         index = torch.arange(width, device=self.device)
         prefix = index < counts[..., None]
         holes, movers = (prefix & ~relative).nonzero(), (~prefix & relative).nonzero()
         new_n = int(counts.max())
-        if all(row.start == 0 for row in self.rows):  # in place: each mover fills a hole
+        aligned = all(row.start == 0 for row in self.rows)
+        ordered = all(keep is None for _, keep in rows)  # only entries that left a sliding window go
+        if aligned and not ordered:  # in place: each mover fills a hole
             b, h, dst, src = holes[:, 0], holes[:, 1], holes[:, 2], movers[:, 2]
             for storage in (self._keys, self._values, self._positions, *self._state.values()):
                 storage[b, h, dst] = storage[b, h, src]
-        else:  # the first eviction of a left-padded batch: rows move to column 0 (once)
-            source = index.expand(*counts.shape, width).clone()
-            source[holes[:, 0], holes[:, 1], holes[:, 2]] = movers[:, 2]
+        else:  # rows move to column 0: once for a left-padded batch, or keeping position order
+            if ordered:  # as transformers' sliding layer (O(window)): a layer that never evicted stays bit-identical
+                source = relative.to(torch.int8).argsort(dim=-1, descending=True, stable=True)
+            else:
+                source = index.expand(*counts.shape, width).clone()
+                source[holes[:, 0], holes[:, 1], holes[:, 2]] = movers[:, 2]
             starts = torch.tensor([row.start for row in self.rows], device=self.device)[:, None, None]
             source = (source[..., :new_n] + starts).clamp(max=self.n - 1)  # beyond a head's count: unused
             capacity = new_n + max(row.interval for row in self.rows)
@@ -374,8 +446,27 @@ class EvictionLayer(DynamicLayer):
             self._valid[:, :, :new_n] = prefix[..., :new_n]
         for row, longest in zip(self.rows, counts.max(dim=1).values.tolist()):
             row.start, row.width = 0, longest
-        self.compacted = True
+        # the model's own mask still fits a layout that only lost its oldest entries, in order
+        self.compacted = self.compacted or not (ordered and aligned and uniform)
         self._refresh(new_n)
+
+    def snapshot(self) -> tuple[int, int, int, list[tuple[int, int, int]]]:
+        """What :meth:`restore` needs to drop entries appended after this point."""
+        return self.n, self.tokens, self.passes, [(row.seen, row.width, row.decode_peak) for row in self.rows]
+
+    def restore(self, snapshot: tuple[int, int, int, list[tuple[int, int, int]]]) -> None:
+        """Drop every entry appended since :meth:`snapshot` (nothing was evicted in between),
+        as if the passes since then never ran: a side pass leaves no trace. Appends only
+        ever write past each row's end, so restoring the rows' widths and the logical length
+        removes them; a row shorter than the storage also gets its padding columns back
+        (hidden, at a position no query has), as it appended inside the shared length."""
+        self.n, self.tokens, self.passes, rows = snapshot
+        for i, (row, (seen, width, decode_peak)) in enumerate(zip(self.rows, rows)):
+            row.seen, row.width, row.decode_peak = seen, width, decode_peak
+            if self._valid is not None:
+                self._valid[i, :, row.start + row.width :] = False
+                self._positions[i, :, row.start + row.width :] = -1
+        self._refresh(self.n)
 
     def row_bytes(self) -> list[tuple[int, int]]:
         """Per row: (bytes allocated, bytes of real entries). Allocated counts the row's
@@ -403,10 +494,9 @@ def _real_columns(mask: torch.Tensor | None, num_new: int, batch: int) -> torch.
         return None
     if mask.dim() == 2:  # flash kernels receive the 2-D padding mask itself
         real = mask.bool()
-    elif mask.dtype == torch.bool:
-        real = mask[:, 0, -1, :]
-    else:  # additive float mask (eager)
-        real = mask[:, 0, -1, :] > torch.finfo(mask.dtype).min / 2
+    else:  # whether each query sees its own key: a sliding window hides old keys from later queries, never this
+        own = mask[:, 0].diagonal(offset=mask.shape[-1] - mask.shape[-2], dim1=-2, dim2=-1)
+        real = own if mask.dtype == torch.bool else own > torch.finfo(mask.dtype).min / 2
     real = real.expand(batch, -1)[:, -num_new:]
     if bool((real[:, 1:] < real[:, :-1]).any()):
         raise ValueError(
@@ -451,8 +541,14 @@ class RowView:
             info.budget,
             info.interval,
         )
-        self.passes, self.layer_idx, self.device = layer.passes, layer.layer_idx, layer.device
+        self.passes, self.layer_idx, self.device, self.window = (
+            layer.passes,
+            layer.layer_idx,
+            layer.device,
+            layer.window,
+        )
         self.num_new = min(layer._num_new, info.width)
+        self.columns = columns
         self.owner = _RowOwner(layer.owner, row)
 
     policy = property(lambda self: self.layer.policy)
@@ -467,9 +563,39 @@ class RowView:
             return self.valid.sum(dim=-1)
         return torch.full(self.keys.shape[:2], self.length, dtype=torch.long, device=self.device)
 
+    def outside_window(self) -> torch.Tensor | None:
+        """``[1, Hkv, n]``: entries no later query can see (positions ``≤ seen − window``);
+        None on a full layer or when there are none."""
+        if self.window is None:
+            return None
+        outside = self.positions <= self.seen - self.window
+        return outside if bool(outside.any()) else None
+
+    def drop_outside_window(self) -> bool:
+        """Hide the entries that left the sliding window from selection (they are no longer
+        attended by the model itself, so they go before the policy chooses); whether any did."""
+        outside = self.outside_window()
+        if outside is None:
+            return False
+        self.valid = ~outside if self.valid is None else self.valid & ~outside
+        return True
+
+    def held_after_pass(self) -> int:
+        """Entries the longest head holds once the entries that left the window are dropped."""
+        outside = self.outside_window()
+        if outside is None:
+            return self.length
+        held = ~outside if self.valid is None else self.valid & ~outside
+        return int(held.sum(dim=-1).max())
+
+    def keep(self, mask: torch.Tensor) -> None:
+        """Retain this row's entries where ``mask`` ``[1, Hkv, n]`` is true (a layer of one row)."""
+        self.layer._keep_rows([(self, mask)])
+
     def eviction_due(self, phase: Phase, num_new: int) -> bool:
-        """Over budget, and (decode) the step counter crossed a multiple of ``interval``."""
-        if self.budget is None or self.length <= self.budget or not self.policy.evicts_in(phase):
+        """Over budget (counting, on a sliding layer, only the entries still in the window
+        after this pass), and (decode) the step counter crossed a multiple of ``interval``."""
+        if self.budget is None or self.held_after_pass() <= self.budget or not self.policy.evicts_in(phase):
             return False
         if phase == "prefill":
             return True
@@ -495,6 +621,7 @@ class _RowOwner:
     policy = property(lambda self: self.cache.policy)
     eviction_layers = property(lambda self: self.cache.eviction_layers)
     shared = property(lambda self: self.cache.row_shared(self.row))
+    rotary = property(lambda self: self.cache.rotary)
 
     @property
     def hidden(self) -> _RowHidden | None:
@@ -523,14 +650,19 @@ class EvictionCache(Cache):
     Args:
         model: the causal LM; its attention implementation is switched to kvevict's wrapper
             of the same kernel (a pure pass-through for any other cache).
-        policy: a registered policy name (see :func:`kvevict.list_policies`) or object.
+        policy: a registered policy name (see :func:`kvevict.list_policies`), a policy made by
+            :func:`kvevict.make_policy`, or a method object (``LazyEviction(alpha=1e-3)``). The
+            cache binds its own copy to the model; the object passed is left as it is.
         budget: retained tokens per KV head per layer.
         keep: fraction of the prompt to retain (resolved at prefill). Not with ``budget``.
         interval: decode-time eviction runs every ``interval`` steps once over budget
             (1 = every step; larger lets the cache grow to ``budget + interval``). Default:
             the policy's own schedule (LazyEviction's and R-KV's window), else 1.
 
-    Sliding-window layers of hybrid models keep their own window and are not evicted.
+    Sliding-window layers (all-sliding or hybrid models) drop what left their window, then
+    are evicted to the budget like full layers: one never holds more than
+    ``min(window, budget)`` + interval entries between passes. Models kvevict cannot evict
+    exactly are refused (:func:`kvevict.models.check_supported`).
     """
 
     def __init__(
@@ -543,20 +675,24 @@ class EvictionCache(Cache):
         interval: int | None = None,
     ):
         check_supported(model)
-        self.policy = make_policy(policy) if isinstance(policy, str) else policy
-        if not isinstance(self.policy, Policy):
+        policy = make_policy(policy) if isinstance(policy, str) else policy
+        if isinstance(policy, Method):
+            policy = Policy(policy)
+        if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a policy name or a kvevict Policy, got {type(policy).__name__}")
         self.budget = Budget(budget, keep)
-        if not self.budget.given and self.policy.name != "full":
-            raise ValueError(f"policy {self.policy.name!r} needs a budget: give budget= (tokens) or keep= (fraction)")
+        if not self.budget.given and policy.name != "full":
+            raise ValueError(f"policy {policy.name!r} needs a budget: give budget= (tokens) or keep= (fraction)")
         if budget is not None:
-            self.policy.check_budget(budget)
+            policy.check_budget(budget)
+        check_policy_fits(model, policy.corrects_output, budget)
         if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 1):
             raise ValueError(f"interval must be an integer >= 1 (1 = evict every step), got {interval!r}")
         self.interval = interval
         attention.install(model)
         config = model.config.get_text_config(decoder=True)
-        self.policy.bind(config)
+        self.policy = policy.bound(config)
+        """This cache's copy of the policy, bound to the model (the object passed is left as it is)."""
         self.shared: dict[str, object] = {}
         """Per-cache policy data shared across layers (e.g. ThinKV's per-token entropy), of
         the first row; every row of a batch has its own (:meth:`row_shared`)."""
@@ -572,20 +708,64 @@ class EvictionCache(Cache):
             else None
         )
         """Hooks on the decoder layers the policy reads (:mod:`kvevict.hidden`); None if it reads none."""
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
-        layers = [
-            EvictionLayer(self, i) if kind == "full_attention" else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
-            for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs))
-        ]
+        self.rotary = RotaryTable(model)
+        """cos/sin of the model's RoPE at any position (ExpectedAttention's future rotations)."""
+        self.side_pass: SidePassObserver | None = None
+        """Set while a policy runs a scoring pass of its own through this cache (KVzip)."""
+        self.deferred: list[tuple[RowView, Signals]] = []
+        """Layers (of the only row) whose prefill eviction waits for the end of the prefill forward, with their signals."""
+        self._prefill_hook = PrefillHook(model, self) if self.policy.deferred_prefill else None
+        _, layer_kwargs = get_layer_types_and_kwargs(config)  # check_supported: full or sliding layers only
+        layers = [EvictionLayer(self, i, kwargs.get("sliding_window")) for i, kwargs in enumerate(layer_kwargs)]
         super().__init__(layers=layers)
 
     def __repr__(self) -> str:
         return f"EvictionCache(policy={self.policy!r}, {self.budget}, interval={self.interval})"
 
     def close(self) -> None:
-        """Remove the hidden-state hooks from the model (also done on garbage collection)."""
+        """Remove the hooks from the model (also done on garbage collection)."""
         if self.hidden is not None:
             self.hidden.close()
+        if self._prefill_hook is not None:
+            self._prefill_hook.close()
+
+    # -- deferred prefill eviction --------------------------------------------------------
+    def finish_prefill(self, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
+        """Evict the layers that deferred their prefill eviction, all at once: the policy
+        may first run passes of its own (KVzip's repeat pass), then allocate across layers
+        (``global+``), then each layer keeps its selection. Called by the decoder's forward
+        hook after the prefill forward returned; a no-op inside a side pass (re-entry)."""
+        if self.side_pass is not None or not self.deferred:
+            return
+        deferred, self.deferred = self.deferred, []
+        self.policy.method.rescore(self, decoder, input_ids)
+        views = []  # afresh: the scoring passes may have moved the storage
+        for view, signals in deferred:
+            views.append((view.layer.row_view(view.row), signals))
+            views[-1][0].drop_outside_window()
+        for (view, _), keep in zip(views, self.policy.select_layers(views)):
+            view.keep(keep)
+
+    @contextmanager
+    def scoring_pass(self, observer: SidePassObserver) -> Iterator[None]:
+        """Run a forward pass through this cache that only scores: each eviction layer hands
+        the pass's queries to ``observer(layer, query, scaling, module)`` instead of its
+        policy, and every entry the pass appended is dropped afterwards (``seen``, counters
+        and positions as before it), so later tokens never see it."""
+        others = [layer for layer in self.layers if not isinstance(layer, EvictionLayer)]
+        if others:
+            raise ValueError(
+                f"policy {self.policy.name!r} runs a scoring pass over the cache, which needs every layer to be a "
+                f"full-attention eviction layer; this model has {len(others)} other (sliding-window) layers"
+            )
+        snapshots = [(layer, layer.snapshot()) for layer in self.eviction_layers]
+        self.side_pass = observer
+        try:
+            yield
+        finally:
+            self.side_pass = None
+            for layer, snapshot in snapshots:
+                layer.restore(snapshot)
 
     def __enter__(self) -> Self:
         return self

@@ -20,7 +20,11 @@ def _budget_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2", help="'smollm2' (embedded, offline), a hub id or a local path")
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        help="'smollm2' or 'gemma3' (embedded, offline; gemma3: `make gemma3`), a local directory with a config.json, or a hub id",
+    )
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16 or auto")
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where the model loads)")
     parser.add_argument("--attn", default=None, help="base attention kernel: sdpa (default), eager, flash_attention_2")
@@ -84,6 +88,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--max-new-tokens", type=int, default=None, help="override every task's generation length")
     _model_args(bench)
+    cluster = bench.add_argument_group(
+        "Ray cluster",
+        "Spread the sweep over Ray actors, each loading the model once; the same results, resumable as "
+        "ever. Needs pip install 'kvevict[ray]'. Exit status 1 if a unit of work failed.",
+    )
+    cluster.add_argument(
+        "--workers", type=int, default=None, metavar="N", help="run on N Ray workers (default: in this process)"
+    )
+    cluster.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDRESS",
+        help="join this running cluster (ray start --head prints it; 'auto': this node's); default: start a local "
+        "cluster for the sweep and stop it afterwards",
+    )
+    cluster.add_argument(
+        "--gpus-per-worker",
+        type=float,
+        default=0.0,
+        metavar="G",
+        help="GPUs per worker, fractions share one (default: 0); with GPUs the model loads on cuda",
+    )
+    cluster.add_argument(
+        "--cpus-per-worker", type=float, default=1.0, metavar="C", help="CPUs and torch threads per worker (default: 1)"
+    )
 
     report = commands.add_parser(
         "report", help="summarise a results directory", description="Mean score per task × policy × budget, % of full."
@@ -219,7 +248,37 @@ def _importance_parser(analyses: argparse._SubParsersAction) -> None:
     importance.set_defaults(run=_analyze_importance)
 
 
-ANALYSES = (_recurrence_parser, _heads_parser, _perturbation_parser, _directional_parser, _importance_parser)
+def _retention_parser(analyses: argparse._SubParsersAction) -> None:
+    retention = analyses.add_parser(
+        "retention",
+        help="where a policy ranks a needle in every layer and KV head, and which layers must keep it",
+        description="For a RULER needle task (niah_*), context-only: the rank of the needle's tokens under the "
+        "policy's scores in every layer and KV head, the share of them each head keeps, the answer's score as "
+        "compressed and with the needle forced into every head; with --necessity, leave-one-layer-out of the "
+        "forcing names the layers that must keep it. Writes OUT/retention.json and retention.png.",
+    )
+    retention.add_argument("task", help="a needle task, e.g. niah_single_2")
+    retention.add_argument("--policy", default="kvzip", help="policy spec (default: kvzip)")
+    retention.add_argument("--keep", type=float, default=0.25, help="fraction of the context kept (default: 0.25)")
+    retention.add_argument("--samples", type=int, default=1, help="samples (default: 1)")
+    retention.add_argument("--length", type=int, default=2048, help="prompt length in tokens (default: 2048)")
+    retention.add_argument("--seed", type=int, default=0, help="seed of the generated samples (default: 0)")
+    retention.add_argument("--necessity", action="store_true", help="leave-one-layer-out forcing (one run per layer)")
+    retention.add_argument(
+        "--out", type=Path, default=Path("results/retention"), help="output directory (default: results/retention)"
+    )
+    _model_args(retention)
+    retention.set_defaults(run=_analyze_retention)
+
+
+ANALYSES = (
+    _recurrence_parser,
+    _heads_parser,
+    _perturbation_parser,
+    _directional_parser,
+    _importance_parser,
+    _retention_parser,
+)
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -306,10 +365,23 @@ def _bench(args: argparse.Namespace) -> int:
         device=args.device,
         attn=args.attn,
     )
-    store = BenchRunner(config, args.out).run()
+    if args.workers is None:
+        if args.ray_address is not None:
+            raise ValueError("--ray-address needs --workers")
+        store, failed = BenchRunner(config, args.out).run(), []
+    else:
+        from kvevict.bench.cluster import ClusterConfig, run_sweep
+
+        cluster = ClusterConfig(args.workers, args.ray_address, args.gpus_per_worker, args.cpus_per_worker)
+        sweep = run_sweep(config, args.out, cluster)
+        store, failed = sweep.store, sweep.failed
     print(format_report(summarize(store)))
     print(f"results: {store.path}", file=sys.stderr)
-    return 0
+    for failure in failed:
+        print(f"kvevict bench: failed: {failure.describe()}", file=sys.stderr)
+    if failed:
+        print(f"kvevict bench: {len(failed)} units failed; run the same command to retry them", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -454,6 +526,34 @@ def _analyze_importance(args: argparse.Namespace) -> int:
     return 0
 
 
+def _analyze_retention(args: argparse.Namespace) -> int:
+    from kvevict import load_model
+    from kvevict.analysis import retention as analysis
+    from kvevict.budgets import Budget
+    from kvevict.policies import make_policy
+
+    Budget(keep=args.keep)
+    make_policy(args.policy)
+    if args.samples < 1 or not args.task.startswith("niah"):
+        raise ValueError(f"give a needle task (niah_*) and --samples >= 1, got {args.task!r}, {args.samples}")
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    results = analysis.run_retention(
+        model,
+        tokenizer,
+        args.task,
+        args.policy,
+        args.keep,
+        samples=args.samples,
+        length=args.length,
+        seed=args.seed,
+        necessity=args.necessity,
+    )
+    print(analysis.format_summary(results))
+    for path in analysis.write_outputs(results, args.out):
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:2] == ["bench", "memory"]:  # a subcommand beside bench's positional task list
@@ -461,7 +561,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         try:
             return memory.main(argv[2:])
-        except (ValueError, FileNotFoundError) as err:
+        except (ValueError, OSError) as err:  # bad input, missing files, an unknown hub id
             print(f"kvevict bench memory: error: {err}", file=sys.stderr)
             return EXIT_USAGE
     if argv[:2] == ["bench", "decode-speed"]:
@@ -485,7 +585,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     try:
         return handlers[args.command]()
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:  # bad input, missing files, an unknown hub id
         print(f"kvevict {args.command}: error: {err}", file=sys.stderr)
         return EXIT_USAGE
 

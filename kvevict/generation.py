@@ -97,6 +97,8 @@ def answer(
     elif policy != "full" or budget is not None or keep is not None:
         raise ValueError("give either cache= or policy=/budget=/keep= (the cache already has its policy and budget)")
     head, tail = split_prompt(tokenizer, context, question, answer_prefix)
+    if tail.shape[-1] == 0:  # a bare prompt without a chat template (base models): its last token starts decoding
+        head, tail = head[:, :-1], head[:, -1:]
     ids = torch.cat([head, tail], dim=-1)
     # query-aware: everything but the last prompt token is compressed; that token starts decoding
     prefill(model, ids[:, :-1] if query_aware else head, cache)

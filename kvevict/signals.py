@@ -6,6 +6,14 @@ so the import graph is ``cache → attention → signals ← policies``. A polic
 layer's retained keys and values and the pass's queries, in fp32, per query head, and never
 an n×n matrix (column sums are summed over query chunks). Every grouped-query logit of the
 package is computed by :func:`attention_logits`.
+
+The probabilities are those the model's kernel used (DESIGN §1.2): a :class:`LogitSpec`
+carries what differs between families — the logit scale (``1/√d``, Gemma's
+``query_pre_attn_scalar``, Granite's ``attention_multiplier``), Gemma 2's logit soft-capping
+and gpt-oss's learned per-head sinks in the softmax denominator — and a sliding-window
+layer's rows hide the keys its window hides (:func:`window_mask`). QK-norm (Qwen3, OLMo 2,
+Gemma 3) needs nothing here: the model normalises queries and keys before the kernel, so
+the queries and keys handed over are already normed.
 """
 
 from __future__ import annotations
@@ -63,6 +71,32 @@ class Requirements:
 NOTHING = Requirements()
 
 
+@dataclass(frozen=True, eq=False)
+class LogitSpec:
+    """How the attention kernel turns ``q·k`` into probabilities, from its keyword arguments.
+
+    ``p_j = exp(l_j) / (Σ_k exp(l_k) + exp(s_h))`` with ``l = softcap·tanh(q·k·scaling / softcap)``
+    (plain ``q·k·scaling`` without soft-capping) and the sink term only where the model has
+    learned sinks ``s_h`` per query head (gpt-oss: the rows then sum to less than one).
+    """
+
+    scaling: float
+    softcap: float | None = None
+    """Attention logit soft-capping (Gemma 2's ``attn_logit_softcapping``), or None."""
+    sinks: torch.Tensor | None = None
+    """Learned per-query-head sink logits ``[Hq]`` (gpt-oss's ``s_aux``), or None."""
+
+    @property
+    def plain(self) -> bool:
+        """A plain scaled softmax (what MomentKV's correction assumes)."""
+        return self.softcap is None and self.sinks is None
+
+
+def as_spec(scaling: float | LogitSpec) -> LogitSpec:
+    """A :class:`LogitSpec` from a spec or a bare logit scale (a plain softmax)."""
+    return scaling if isinstance(scaling, LogitSpec) else LogitSpec(float(scaling))
+
+
 @dataclass
 class Signals:
     """What the attention path computed for one layer and one forward pass."""
@@ -78,6 +112,8 @@ class Signals:
     window_attention: torch.Tensor | None = None
     column_sums: torch.Tensor | None = None
     value_norms: torch.Tensor | None = None
+    spec: LogitSpec | None = None
+    """The kernel's full logit recipe (soft-capping, sinks), of which ``scaling`` is the scale."""
 
 
 class RetainedEntries(Protocol):
@@ -87,6 +123,12 @@ class RetainedEntries(Protocol):
     keys: torch.Tensor
     values: torch.Tensor
     valid: torch.Tensor | None
+    positions: torch.Tensor
+    """Absolute position of each entry, ``[B, Hkv, n]``."""
+    seen: int
+    """Tokens seen so far (the pass's queries are the last ``q`` of them)."""
+    window: int | None
+    """Sliding window of the layer (a query at ``p`` sees keys at ``> p − window``), or None."""
 
 
 def group_reduce(x: torch.Tensor, num_kv_heads: int, how: GroupReduce = "mean") -> torch.Tensor:
@@ -107,28 +149,69 @@ def heads_mask(valid: torch.Tensor, num_query_heads: int) -> torch.Tensor:
     return valid.repeat_interleave(num_query_heads // valid.shape[1], dim=1)
 
 
+def window_mask(key_positions: torch.Tensor, query_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """``[B, Hkv, r, n]``: which keys (at ``key_positions`` ``[B, Hkv, n]``) lie inside the
+    sliding window of each query (at ``query_positions`` ``[r]``, or ``[B, 1, r]`` per row):
+    ``key > query − window``, transformers' sliding-window rule. Causality is not part of it. Built from positions, not
+    indices, because a layer that evicted holds a non-contiguous set of positions."""
+    return key_positions[:, :, None, :] > (query_positions - window)[..., None]
+
+
+@dataclass(frozen=True)
+class SlidingWindow:
+    """The sliding window of one pass: the layer's key positions and the pass's queries'."""
+
+    size: int
+    key_positions: torch.Tensor
+    """``[B, Hkv, n]``."""
+    query_positions: torch.Tensor
+    """``[q]``: the pass's queries, in order."""
+
+    @classmethod
+    def of(cls, layer: RetainedEntries, num_queries: int) -> SlidingWindow | None:
+        """The window of a pass of ``num_queries`` queries through ``layer`` (None: a full layer)."""
+        if getattr(layer, "window", None) is None:
+            return None
+        device = layer.positions.device
+        queries = torch.arange(layer.seen - num_queries, layer.seen, device=device)
+        return cls(layer.window, layer.positions, queries)
+
+    def visible(self, start: int, stop: int, num_keys: int | None = None) -> torch.Tensor:
+        """``[B, Hkv, stop - start, num_keys]``: the keys queries ``start..stop`` may see by the window."""
+        return window_mask(self.key_positions[..., :num_keys], self.query_positions[start:stop], self.size)
+
+
 def attention_logits(
     query: torch.Tensor,
     keys: torch.Tensor,
-    scaling: float,
+    scaling: float | LogitSpec,
     valid: torch.Tensor | None = None,
     *,
     causal: bool = True,
+    visible: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Scaled attention logits (fp32) of ``r`` queries over ``n`` keys, ``-inf`` where a
-    query may not look. The one grouped-query logits helper of kvevict.
+    """Attention logits (fp32) of ``r`` queries over ``n`` keys, ``-inf`` where a query may
+    not look. The one grouped-query logits helper of kvevict.
 
     ``query`` is ``[B, Hq, r, d]``; ``keys`` is ``[B, Hkv, n, d]``; query head ``h`` uses KV
     head ``h // (Hq / Hkv)`` (GQA, as ``repeat_kv``, without materialising the repeat).
     With ``causal`` the queries sit at the end of the key sequence: row ``i`` sees keys
     ``0 .. n - r + i``; without it every query sees every key (queries that come after all
-    the keys). ``valid`` ``[B, Hkv, n]`` hides padding (head-wise budgets). Returns
-    ``[B, Hq, r, n]``.
+    the keys). ``valid`` ``[B, Hkv, n]`` hides padding (head-wise budgets); ``visible``
+    ``[B, Hkv, r, n]`` hides what else a query may not see (a sliding window, see
+    :class:`SlidingWindow`). ``scaling`` is the logit scale or a :class:`LogitSpec`
+    (soft-capping is applied here; sinks only enter the softmax, see :func:`softmax_rows`).
+    Returns ``[B, Hq, r, n]``.
     """
+    spec = as_spec(scaling)
     b, hq, r, d = query.shape
     hkv, n = keys.shape[1], keys.shape[2]
     grouped = query.float().reshape(b, hkv, (hq // hkv) * r, d)
-    logits = (grouped @ keys.float().transpose(-1, -2)).reshape(b, hq, r, n) * scaling
+    logits = (grouped @ keys.float().transpose(-1, -2)).reshape(b, hq, r, n) * spec.scaling
+    if spec.softcap is not None:  # Gemma 2: the kernel caps the scaled logits before masking
+        logits = torch.tanh(logits / spec.softcap) * spec.softcap
+    if visible is not None:
+        logits = logits.masked_fill(~visible.repeat_interleave(hq // hkv, dim=1), float("-inf"))
     if causal and r > 1:
         logits = logits.masked_fill(~causal_mask(r, n, query.device), float("-inf"))
     if valid is not None:
@@ -136,12 +219,27 @@ def attention_logits(
     return logits
 
 
+def softmax_rows(logits: torch.Tensor, scaling: float | LogitSpec) -> torch.Tensor:
+    """Softmax of logits ``[B, Hq, r, n]`` over the keys; with learned sinks (gpt-oss) each
+    head's sink adds ``exp(s_h)`` to the denominator, as the kernel does (it then drops the
+    sink's own probability)."""
+    sinks = as_spec(scaling).sinks
+    if sinks is None:
+        return logits.softmax(dim=-1)
+    sink = sinks.detach().float().reshape(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+    return (logits - torch.cat([logits, sink], dim=-1).logsumexp(dim=-1, keepdim=True)).exp()
+
+
 def attention_rows(
-    query: torch.Tensor, keys: torch.Tensor, scaling: float, valid: torch.Tensor | None = None
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float | LogitSpec,
+    valid: torch.Tensor | None = None,
+    visible: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Post-softmax attention (fp32) of the last ``r`` queries over ``n`` keys,
-    ``[B, Hq, r, n]`` (see :func:`attention_logits`)."""
-    return attention_logits(query, keys, scaling, valid).softmax(dim=-1)
+    """Attention probabilities (fp32) of the last ``r`` queries over ``n`` keys, as the
+    kernel computed them, ``[B, Hq, r, n]`` (see :func:`attention_logits`)."""
+    return softmax_rows(attention_logits(query, keys, scaling, valid, visible=visible), scaling)
 
 
 def query_chunks(
@@ -165,36 +263,42 @@ def query_chunks(
 def column_sums(
     query: torch.Tensor,
     keys: torch.Tensor,
-    scaling: float,
+    scaling: float | LogitSpec,
     valid: torch.Tensor | None = None,
     chunk: int = COLUMN_SUM_CHUNK,
+    window: SlidingWindow | None = None,
 ) -> torch.Tensor:
     """Attention received by each key from every query of the pass, ``[B, Hq, n]`` fp32,
     computed ``chunk`` queries at a time (memory ``chunk × n`` per head)."""
     total = query.new_zeros(*query.shape[:2], keys.shape[-2], dtype=torch.float32)
-    for _, _, rows, visible_keys, visible_valid in query_chunks(query, keys, valid, chunk):
-        total[..., : visible_keys.shape[-2]] += attention_rows(rows, visible_keys, scaling, visible_valid).sum(dim=2)
+    for start, stop, rows, visible_keys, visible_valid in query_chunks(query, keys, valid, chunk):
+        n = visible_keys.shape[-2]
+        visible = None if window is None else window.visible(start, stop, n)
+        total[..., :n] += attention_rows(rows, visible_keys, scaling, visible_valid, visible).sum(dim=2)
     return total
 
 
-def projected_value_norms(values: torch.Tensor, o_proj: torch.Tensor, num_query_heads: int) -> torch.Tensor:
-    """CriticalKV's ``‖v W_O‖₁`` per KV head, ``[B, Hkv, m]`` fp32.
+def projected_value_norms(
+    values: torch.Tensor, o_proj: torch.Tensor, num_query_heads: int, *, ord: int = 1, per_query_head: bool = False
+) -> torch.Tensor:
+    """``‖v W_O^h‖`` of each value, ``[B, Hkv, m]`` (or ``[B, Hq, m]``) fp32.
 
     ``values`` is ``[B, Hkv, m, d]``; ``o_proj`` is the output projection's weight
     ``[hidden, Hq·d]``. Query head ``h`` projects its KV head's values by its own slice
-    ``W_O[:, h·d:(h+1)·d]``; the L1 norm is over the hidden dimension and the result is
-    averaged over the query heads of each KV head. One query head and ``VALUE_NORM_CHUNK``
-    values at a time, never ``m × hidden`` for all heads at once.
+    ``W_O[:, h·d:(h+1)·d]``; the norm (``ord``: 1 for CriticalKV, 2 for KVzip+) is over the
+    hidden dimension. By default the result is averaged over the query heads of each KV
+    head; ``per_query_head`` keeps one row per query head. One query head and
+    ``VALUE_NORM_CHUNK`` values at a time, never ``m × hidden`` for all heads at once.
     """
     b, hkv, m, d = values.shape
     group = num_query_heads // hkv
-    norms = values.new_zeros(b, hkv, m, dtype=torch.float32)
+    norms = values.new_zeros(b, num_query_heads, m, dtype=torch.float32)
     for head in range(num_query_heads):
         slice_t = o_proj[:, head * d : (head + 1) * d].float().T  # [d, hidden]
         for start in range(0, m, VALUE_NORM_CHUNK):
             chunk = values[:, head // group, start : start + VALUE_NORM_CHUNK].float()
-            norms[:, head // group, start : start + VALUE_NORM_CHUNK] += (chunk @ slice_t).abs().sum(dim=-1)
-    return norms / group
+            norms[:, head, start : start + VALUE_NORM_CHUNK] = (chunk @ slice_t).norm(p=ord, dim=-1)
+    return norms if per_query_head else group_reduce(norms, hkv)
 
 
 def compute_signals(
@@ -202,19 +306,27 @@ def compute_signals(
     layer: RetainedEntries,
     phase: Phase,
     query: torch.Tensor,
-    scaling: float,
+    scaling: float | LogitSpec,
     module: torch.nn.Module | None = None,
 ) -> Signals:
-    """Compute exactly the signals in ``requirements`` for one pass of one layer."""
+    """Compute exactly the signals in ``requirements`` for one pass of one layer, with the
+    kernel's logit recipe ``scaling`` (a scale or a :class:`LogitSpec`) and, on a
+    sliding-window layer, the window's mask."""
+    spec = as_spec(scaling)
     keys, valid, num_new = layer.keys, layer.valid, query.shape[-2]
-    signals = Signals(phase=phase, num_new=num_new, query=query, scaling=scaling)
+    sliding = SlidingWindow.of(layer, num_new)
+    signals = Signals(phase=phase, num_new=num_new, query=query, scaling=spec.scaling, spec=spec)
+
+    def rows(r: int) -> torch.Tensor:  # the last r queries' rows
+        visible = None if sliding is None else sliding.visible(num_new - r, num_new)
+        return attention_rows(query[:, :, -r:], keys, spec, valid, visible)
+
     if requirements.last_query_attention:
-        signals.last_query_attention = attention_rows(query[:, :, -1:], keys, scaling, valid)[:, :, 0]
+        signals.last_query_attention = rows(1)[:, :, 0]
     if requirements.window:
-        window = min(requirements.window, query.shape[-2])
-        signals.window_attention = attention_rows(query[:, :, -window:], keys, scaling, valid)
+        signals.window_attention = rows(min(requirements.window, num_new))
     if requirements.column_sums:
-        signals.column_sums = column_sums(query, keys, scaling, valid)
+        signals.column_sums = column_sums(query, keys, spec, valid, window=sliding)
     if requirements.value_norms:
         if module is None or not hasattr(module, "o_proj"):
             raise ValueError("value norms need the attention module's output projection (o_proj)")

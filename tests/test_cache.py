@@ -1,10 +1,8 @@
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
-from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import kvevict
-from kvevict.cache import EvictionLayer
 from kvevict.policies.h2o import ACCUMULATED
 from tests.conftest import COMMON, greedy, prompt, reference_logits, tiny_model
 
@@ -37,12 +35,13 @@ def test_policy_state_stays_aligned_with_entries() -> None:
     with torch.no_grad():
         model(input_ids=prompt(60), past_key_values=cache)
     layer = cache.layers[0]
-    keys, scores = layer.keys.clone(), layer.state[ACCUMULATED].clone()
+    state = cache.policy.scorer.state(layer)
+    keys, scores = layer.keys.clone(), state[ACCUMULATED].clone()
     keep = torch.tensor([[[0, 5, 7], [1, 2, 59]]])
     layer.keep(torch.zeros(1, 2, 60, dtype=torch.bool).scatter(2, keep, True))
     keep = torch.tensor([[[0, 5, 7], [59, 1, 2]]])  # a kept entry keeps its slot; dropped slots refill from the end
     assert layer.positions.tolist() == keep.tolist()
-    assert torch.equal(layer.state[ACCUMULATED], scores.gather(2, keep))
+    assert torch.equal(state[ACCUMULATED], scores.gather(2, keep))
     assert torch.equal(layer.keys, keys.gather(2, keep[..., None].expand(-1, -1, -1, 16)))
 
 
@@ -98,12 +97,29 @@ def test_sliding_window_layers_keep_their_own_window() -> None:
     )
     model = Qwen2ForCausalLM(config).eval()
     cache = kvevict.EvictionCache(model, "streamingllm", budget=40)
-    assert isinstance(cache.layers[0], DynamicSlidingWindowLayer) and isinstance(cache.layers[1], EvictionLayer)
+    assert [layer.is_sliding for layer in cache.layers] == [True, False]
     sequences, _ = greedy(model, prompt(96), cache, new_tokens=4)
-    assert cache.layer_lengths() == [15, 40]
+    assert cache.layer_lengths() == [15, 40]  # the sliding layer holds its window (as transformers' own layer)
     with torch.no_grad():
         logits = model(input_ids=sequences[:, -1:], past_key_values=cache).logits[:, -1]
     assert torch.isfinite(logits).all()
+
+
+def test_bytes_and_lengths_cover_every_layer_type_of_a_hybrid_model() -> None:
+    """Qwen2 with ``use_sliding_window`` and ``max_window_layers`` below the depth mixes
+    full-attention and sliding layers; every byte and length report covers both kinds."""
+    torch.manual_seed(0)
+    config = Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    model = Qwen2ForCausalLM(config).eval()
+    cache = kvevict.EvictionCache(model, "h2o", budget=40)
+    assert {layer.is_sliding for layer in cache.layers} == {True, False}
+    greedy(model, prompt(96), cache, new_tokens=4)
+    lengths = cache.layer_lengths()
+    full = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
+    assert all(lengths[i] == 40 for i in full)  # the full-attention layers shrink to the budget
+    per_entry = 2 * 2 * 16 * 4  # (K, V) × KV heads × head_dim × fp32 bytes
+    assert cache.layer_bytes() == [(n * per_entry, n * per_entry) for n in lengths]
+    assert isinstance(cache.kv_bytes(), int) and cache.kv_bytes() == sum(lengths) * per_entry
 
 
 def test_cache_cannot_be_cropped() -> None:

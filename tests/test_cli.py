@@ -7,13 +7,24 @@ from kvevict.cli import main
 def test_policies_lists_name_and_summary(capsys) -> None:
     assert main(["policies"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    wrappers = [f"{prefix}+<policy>" for prefix in kvevict.policies.WRAPPERS]
-    assert [line.split()[0] for line in lines] == kvevict.list_policies() + wrappers
+    prefixes = [f"{prefix}+<policy>" for prefix in kvevict.policies.PREFIXES]
+    assert [line.split()[0] for line in lines] == kvevict.list_policies() + prefixes
     assert all(len(line.split()) > 2 for line in lines)
 
 
 @pytest.mark.parametrize(
-    "command", ["generate", "policies", "demo", "tasks", "bench", "report", "analyze heads", "analyze perturbation"]
+    "command",
+    [
+        "generate",
+        "policies",
+        "demo",
+        "tasks",
+        "bench",
+        "report",
+        "analyze heads",
+        "analyze perturbation",
+        "analyze retention",
+    ],
 )
 def test_help_for_every_command(command: str, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
@@ -38,11 +49,37 @@ def test_help_everywhere(argv, capsys) -> None:
         (["analyze", "perturbation", "--policies", "snapkv", "--budget", "64"], "takes two or more policies"),
         (["analyze", "perturbation", "--policies", "snapkv,critical+snapkvv", "--budget", "64"], "unknown policy"),
         (["analyze", "perturbation", "--policies", "snapkv,critical+snapkv", "--budget", "16"], "smaller than"),
+        (["analyze", "retention", "vt"], "give a needle task (niah_*)"),
+        (["analyze", "retention", "niah_single_1", "--policy", "global+h2o"], "use regime=prefill"),
+        (
+            ["generate", "--policy", "snapkv[window=abc]", "--budget", "64", "hi"],
+            "kvevict generate: error: snapkv: parameter 'window' expects an integer >= 1, got 'abc'",
+        ),
+        (
+            ["bench", "niah_single_1", "--policies", "h2o,snapkv[window=abc]", "--budgets", "64", "--out", "unused"],
+            "kvevict bench: error: snapkv: parameter 'window' expects an integer >= 1, got 'abc'",
+        ),
+        (
+            ["generate", "--policy", "adakv+critical+lagkv", "--budget", "64", "hi"],
+            "critical and lagkv's own lagkv-quotas are both selectors",
+        ),
+        (
+            ["generate", "--model", "/no/such/dir", "hi"],
+            "model path '/no/such/dir' does not exist; a model (--model) is 'smollm2' (the embedded",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_a_message_before_loading(argv, message: str, capsys) -> None:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_model_directory_without_a_config_or_a_file_is_refused(tmp_path, capsys) -> None:
+    assert main(["generate", "--model", str(tmp_path), "hi"]) == 2
+    assert "has no config.json; a model (--model) is 'smollm2'" in capsys.readouterr().err
+    (tmp_path / "model.gguf").write_text("")
+    assert main(["generate", "--model", str(tmp_path / "model.gguf"), "hi"]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
 
 
 def test_budget_and_keep_are_exclusive(capsys) -> None:

@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 
@@ -75,3 +77,19 @@ def test_cache_and_policy_arguments_are_exclusive() -> None:
     model = tiny_model()
     with pytest.raises(ValueError, match="either cache= or policy="):
         kvevict.answer(model, None, "context", cache=kvevict.EvictionCache(model, "h2o", budget=64), budget=32)
+
+
+def test_a_bare_prompt_without_chat_template_is_compressed_once(tokenizer) -> None:
+    """A base model's tokenizer has no chat template: the prompt is the context alone, so all
+    but its last token is compressed and that token starts decoding (never fed twice)."""
+    from tests.conftest import tiny_model
+
+    base = copy.copy(tokenizer)
+    base.chat_template = None
+    model = tiny_model(vocab=len(tokenizer))
+    text = "The quick brown fox jumps over the lazy dog. " * 8
+    length = base(text, return_tensors="pt").input_ids.shape[-1]
+    cache = kvevict.EvictionCache(model, "snapkv", budget=40)
+    kvevict.answer(model, base, text, cache=cache, max_new_tokens=3)
+    assert cache.get_seq_length() == length + 2
+    assert cache.layers[0].prompt_length == length - 1 and cache.layer_lengths() == [40 + 3, 40 + 3]

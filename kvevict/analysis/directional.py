@@ -35,7 +35,7 @@ from torch import Tensor
 from kvevict.bench.report import text_table
 from kvevict.figures import pyplot, save_figure
 from kvevict.moments import MomentStats, accumulate, nc_correct
-from kvevict.signals import attention_logits
+from kvevict.signals import LogitSpec, as_spec, attention_logits
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -169,11 +169,11 @@ def _record_passes(layer: object) -> list[dict]:
     """The two passes of ``layer`` (context, question): query and entries before any eviction."""
     passes, original = [], layer.after_attention
 
-    def spy(query: torch.Tensor, scaling: float, module: torch.nn.Module | None = None) -> None:
+    def spy(query: torch.Tensor, scaling: float | LogitSpec, module: torch.nn.Module | None = None) -> None:
         passes.append(
             {
                 "query": query,
-                "scaling": scaling,
+                "scaling": as_spec(scaling).scaling,
                 "keys": layer.keys,
                 "values": layer.values,
                 "positions": layer.positions,

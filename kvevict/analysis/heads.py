@@ -26,37 +26,37 @@ from tqdm.auto import tqdm
 from kvevict.bench.report import text_table
 from kvevict.figures import pyplot, save_figure
 from kvevict.policies.allocation import model_fingerprint
-from kvevict.policies.base import Policy
-from kvevict.signals import NOTHING, Phase, Requirements, Signals
+from kvevict.policies.base import Method
+from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from kvevict.cache import EvictionLayer
+    from kvevict.cache import EvictionCache, EvictionLayer
 
 TASK = "niah_single_2"
 NEVER_EVICT = 2**62
 
 
-class ArgmaxProbe(Policy):
+class ArgmaxProbe(Method):
     """Records, at every decode pass, where each query head attends most (never evicts)."""
 
     name = "argmax-probe"
     summary = "records each query head's argmax attention at decode (analysis only)"
     regimes = ("decode",)
+    evicts = False
 
-    def __init__(self) -> None:
-        super().__init__(regime="decode")
-        self.argmax: dict[int, torch.Tensor] = {}
-        """Layer index → ``[Hq]`` cache index of the strongest attention of the last pass."""
-
-    def requirements(self, phase: Phase, evicting: bool) -> Requirements:
+    def requirements(self, phase: Phase, evicting: bool, regime: Regime) -> Requirements:
         return Requirements(last_query_attention=True) if phase == "decode" else NOTHING
 
     def observe(self, layer: EvictionLayer, signals: Signals) -> None:
         if signals.last_query_attention is not None:
             strongest = signals.last_query_attention[0].argmax(dim=-1)  # [Hq] cache indexes
-            self.argmax[layer.layer_idx] = layer.positions[0, 0].gather(0, strongest)  # nothing evicted: all heads
+            self.argmax(layer.owner)[layer.layer_idx] = layer.positions[0, 0].gather(0, strongest)  # all heads
+
+    def argmax(self, cache: EvictionCache) -> dict[int, torch.Tensor]:
+        """Layer index → ``[Hq]`` position of the strongest attention of the cache's last pass."""
+        return self.shared(cache).setdefault("argmax", {})
 
 
 def find_span(haystack: list[int], needle: list[int]) -> range | None:
@@ -72,8 +72,8 @@ def retrieval_scores(model: PreTrainedModel, prompt_ids: torch.Tensor, target: l
     """Share of the ``target`` tokens each query head retrieved from ``span``, ``[L, Hq]``."""
     from kvevict.cache import EvictionCache
 
-    probe = ArgmaxProbe()
-    cache = EvictionCache(model, probe, budget=NEVER_EVICT)
+    cache = EvictionCache(model, ArgmaxProbe(), budget=NEVER_EVICT)
+    probe: ArgmaxProbe = cache.policy.method
     ids = prompt_ids.to(model.device)
     model(input_ids=ids[:, :-1], past_key_values=cache)
     config = model.config.get_text_config(decoder=True)
@@ -82,7 +82,7 @@ def retrieval_scores(model: PreTrainedModel, prompt_ids: torch.Tensor, target: l
     prompt = ids[0].tolist()
     for token in target:
         model(input_ids=fed, past_key_values=cache)  # its query predicts `token`
-        for layer, positions in probe.argmax.items():
+        for layer, positions in probe.argmax(cache).items():
             for head, position in enumerate(positions.tolist()):
                 hits[layer, head] += int(position in span and prompt[position] == token)
         fed = torch.tensor([[token]], device=model.device)

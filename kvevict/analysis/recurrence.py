@@ -244,7 +244,8 @@ def layer_mri(cache: EvictionCache) -> list[np.ndarray]:
     """The MRI of every retained entry, ``[Hkv, n]`` int per layer (batch 1)."""
     from kvevict.policies.lazyeviction import MRI
 
-    return [layer.state[MRI][0].cpu().numpy() for layer in cache.eviction_layers]
+    lazy = cache.policy.method
+    return [lazy.state(layer)[MRI][0].cpu().numpy() for layer in cache.eviction_layers]
 
 
 def track_generation(
@@ -313,7 +314,7 @@ def run_recurrence(
     for text in tqdm(prompts, desc="recurrence", unit="prompt", disable=not progress):
         cache = recurrence_cache(model, alpha)
         if run is None:
-            run = RecurrenceRun(model_name, prompt_set, cache.policy.alpha, max_new_tokens)
+            run = RecurrenceRun(model_name, prompt_set, cache.policy.method.alpha, max_new_tokens)
         head, tail = split_prompt(tokenizer, text)
         ids = torch.cat([head, tail], dim=-1)
         new = track_generation(model, tokenizer, ids, max_new_tokens, cache)

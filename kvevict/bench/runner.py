@@ -4,14 +4,18 @@ For each group of samples sharing a context and each (policy, budget) setting, t
 is prefilled and compressed once; each sample then continues from a copy of that cache
 (question, answer prefix, greedy answer). ``full`` runs first in every group, so with
 ``fidelity`` its answer is replayed, teacher-forced, under every other setting.
+
+A context group under one setting is a :class:`Unit`: :func:`plan_units` lists those still to
+run, :class:`UnitRunner` turns one into records. :class:`BenchRunner` runs them in turn here;
+:mod:`kvevict.bench.cluster` spreads them over Ray workers with the same two functions.
 """
 
 from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,11 @@ class Setting:
     policy: str
     budget: int | None = None
     keep: float | None = None
+
+    def describe(self) -> str:
+        if self.budget is not None:
+            return f"{self.policy} at budget {self.budget}"
+        return self.policy if self.keep is None else f"{self.policy} keeping {self.keep:g}"
 
 
 @dataclass
@@ -86,11 +95,88 @@ class BenchConfig:
         self.settings = reference + budgets + keeps
 
 
-def _groups(samples: list[Sample]) -> list[list[Sample]]:
+def _groups(samples: Sequence[Sample]) -> list[list[Sample]]:
     groups: dict[str, list[Sample]] = {}
     for sample in samples:
         groups.setdefault(sample.context_id, []).append(sample)
     return list(groups.values())
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One context group under one setting: the context is prefilled and compressed once, then
+    each sample continues from a copy. The unit of work of a sweep, run in turn by
+    :class:`BenchRunner` or spread over Ray workers by :mod:`kvevict.bench.cluster`; it carries
+    everything a worker needs besides its model, so any worker can run (or rerun) it."""
+
+    task: str
+    setting: Setting
+    samples: tuple[Sample, ...]
+    references: Mapping[tuple[str, int], tuple[int, ...]] = field(default_factory=dict, compare=False)
+    """The full cache's answer per (task, index), for a setting replayed against it (fidelity)."""
+
+    @property
+    def group(self) -> tuple[str, str]:
+        return self.task, self.samples[0].context_id
+
+    def describe(self) -> str:
+        size = f"{len(self.samples)} samples" if len(self.samples) > 1 else f"sample {self.samples[0].index}"
+        return f"{self.setting.describe()} on {self.task} ({size})"
+
+
+def identity(config: BenchConfig, sample: Sample, setting: Setting) -> dict[str, Any]:
+    """The fields that identify a sample's result in the store (:data:`~kvevict.bench.store.KEY_FIELDS`)."""
+    policy = make_policy(setting.policy)
+    return {
+        "task": sample.task,
+        "index": sample.index,
+        "length": config.length,
+        "seed": config.seed,
+        "model": config.model,
+        "policy": setting.policy,
+        "policy_params": policy.params(),
+        "budget": setting.budget,
+        "keep": setting.keep,
+        "interval": None if setting.policy == "full" else config.interval,  # the reference never evicts
+        "query_aware": config.query_aware,
+        "max_new_tokens": config.max_new_tokens or sample.max_new_tokens,
+    }
+
+
+def replays_reference(config: BenchConfig, task: Task, setting: Setting) -> bool:
+    """Whether ``setting`` replays the full cache's answer, so its unit runs after the group's ``full``."""
+    return (config.fidelity or task.scored_by_fidelity) and setting.policy != "full"
+
+
+def pending(config: BenchConfig, unit: Unit, store: ResultStore) -> Unit | None:
+    """``unit`` narrowed to its samples not yet in ``store``; None when all are."""
+    todo = tuple(sample for sample in unit.samples if identity(config, sample, unit.setting) not in store)
+    return replace(unit, samples=todo) if todo else None
+
+
+def plan_units(config: BenchConfig, samples: Mapping[str, Sequence[Sample]], store: ResultStore) -> list[Unit]:
+    """Every unit of the sweep with samples not yet in ``store``, in run order: task by task,
+    context group by group, every setting in turn (``full`` first, the others' reference)."""
+    units = (
+        pending(config, Unit(task, setting, tuple(group)), store)
+        for task, task_samples in samples.items()
+        for group in _groups(task_samples)
+        for setting in config.settings
+    )
+    return [unit for unit in units if unit is not None]
+
+
+def with_references(config: BenchConfig, unit: Unit, store: ResultStore) -> Unit:
+    """``unit`` with the full cache's answers it replays, read from ``store`` (the group's ``full``
+    unit must have finished)."""
+    if not replays_reference(config, get_task(unit.task), unit.setting):
+        return unit
+    reference = Setting("full")
+    answers = {
+        (sample.task, sample.index): tuple(store.get(identity(config, sample, reference))["prediction_ids"])
+        for sample in unit.samples
+    }
+    return replace(unit, references=answers)
 
 
 @dataclass
@@ -110,76 +196,40 @@ class _Prompt:
         return cls(head, torch.cat([head, tail], dim=-1))
 
 
-class BenchRunner:
-    """Runs a :class:`BenchConfig` into a :class:`ResultStore`."""
+class UnitRunner:
+    """One loaded model that turns units into records: the engine of the local loop and of every
+    Ray worker, so both produce the same records. It keeps the full cache's reference logits of
+    the group at hand (computed once, replayed by every other setting of the group)."""
 
     def __init__(
         self,
         config: BenchConfig,
-        out: str | Path,
         model: PreTrainedModel | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
     ):
         self.config = config
-        self.store = ResultStore(out)
         if model is None or tokenizer is None:
             model, tokenizer = load_model(
                 config.model, dtype=config.dtype, device=config.device, attn_implementation=config.attn
             )
         self.model, self.tokenizer = model, tokenizer
         self._references: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._group: tuple[str, str] | None = None
 
-    def run(self, progress: bool = True) -> ResultStore:
-        plan = [(task, self._samples(task)) for task in map(get_task, self.config.tasks)]
-        pending = sum(
-            1
-            for _, samples in plan
-            for sample in samples
-            for setting in self.config.settings
-            if not self._done(sample, setting)
-        )
-        with tqdm(total=pending, desc="bench", unit="sample", disable=not progress) as bar:
-            for task, samples in plan:
-                for group in _groups(samples):
-                    for setting in self.config.settings:
-                        todo = [sample for sample in group if not self._done(sample, setting)]
-                        for record in self._run_group(task, todo, setting):
-                            self.store.append(record)
-                            bar.update()
-                    self._references.clear()
-        return self.store
-
-    def _samples(self, task: Task) -> list[Sample]:
-        return task.samples(self.tokenizer, length=self.config.length, count=self.config.samples, seed=self.config.seed)
-
-    def _identity(self, sample: Sample, setting: Setting) -> dict[str, Any]:
-        policy = make_policy(setting.policy)
+    def samples(self) -> dict[str, list[Sample]]:
+        """Every task's samples, by task name (they depend on the model's tokenizer)."""
+        config = self.config
         return {
-            "task": sample.task,
-            "index": sample.index,
-            "length": self.config.length,
-            "seed": self.config.seed,
-            "model": self.config.model,
-            "policy": setting.policy,
-            "policy_params": policy.params(),
-            "budget": setting.budget,
-            "keep": setting.keep,
-            "interval": None if setting.policy == "full" else self.config.interval,  # the reference never evicts
-            "query_aware": self.config.query_aware,
-            "max_new_tokens": self.config.max_new_tokens or sample.max_new_tokens,
+            name: get_task(name).samples(self.tokenizer, length=config.length, count=config.samples, seed=config.seed)
+            for name in config.tasks
         }
 
-    def _done(self, sample: Sample, setting: Setting) -> bool:
-        return self._identity(sample, setting) in self.store
-
-    def _cache(self, setting: Setting) -> EvictionCache:
-        return EvictionCache(
-            self.model, setting.policy, budget=setting.budget, keep=setting.keep, interval=self.config.interval
-        )
-
-    def _run_group(self, task: Task, samples: list[Sample], setting: Setting) -> Iterator[dict[str, Any]]:
-        if not samples:
-            return
+    def run(self, unit: Unit) -> Iterator[dict[str, Any]]:
+        """One record per sample of ``unit``, each as soon as it is finished."""
+        if unit.group != self._group:  # reference logits are large: keep only the current group's
+            self._references.clear()
+            self._group = unit.group
+        task, setting, samples = get_task(unit.task), unit.setting, unit.samples
         prompts = [_Prompt.of(self.tokenizer, sample) for sample in samples]
         shared: EvictionCache | None = None
         shared_seconds = 0.0
@@ -195,11 +245,11 @@ class BenchRunner:
             kv_prefill, kv_layers = cache.kv_bytes(), cache.layer_bytes()
             with_reference = self.config.fidelity or task.scored_by_fidelity
             fidelity = None
-            if with_reference and setting.policy != "full":
+            if replays_reference(self.config, task, setting):
                 # a fidelity-scored task only replays: its cache then shows the real decode-time memory
                 replayed = cache if task.scored_by_fidelity else copy.deepcopy(cache)
                 start = time.perf_counter()
-                fidelity = self._fidelity(sample, prompt, replayed)
+                fidelity = self._fidelity(unit, sample, prompt, replayed)
                 decode_seconds = time.perf_counter() - start
             if task.scored_by_fidelity and setting.policy != "full":
                 new_ids, prediction, score = None, None, fidelity["top1"]
@@ -219,7 +269,7 @@ class BenchRunner:
                         reference_logits(self.model, prompt.ids, new_ids),
                     )
             yield {
-                **self._identity(sample, setting),
+                **identity(self.config, sample, setting),
                 "context_id": sample.context_id,
                 "metric": task.metric,
                 "score": score,
@@ -242,20 +292,45 @@ class BenchRunner:
                 "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
             }
 
-    def _fidelity(self, sample: Sample, prompt: _Prompt, cache: EvictionCache) -> dict[str, float]:
+    def _cache(self, setting: Setting) -> EvictionCache:
+        return EvictionCache(
+            self.model, setting.policy, budget=setting.budget, keep=setting.keep, interval=self.config.interval
+        )
+
+    def _fidelity(self, unit: Unit, sample: Sample, prompt: _Prompt, cache: EvictionCache) -> dict[str, float]:
         """Replay the full cache's answer under ``cache``."""
-        tokens, logits = self._reference(sample, prompt)
+        key = (sample.task, sample.index)
+        if key not in self._references:  # the full answer came from another run or worker: with the unit
+            tokens = torch.tensor(unit.references[key], dtype=torch.long)
+            self._references[key] = (tokens, reference_logits(self.model, prompt.ids, tokens))
+        tokens, logits = self._references[key]
         policy_logits = replay(self.model, cache, prompt.ids, tokens, step_by_step=cache.policy.evicts_in("decode"))
         return fidelity_metrics(logits, policy_logits, tokens).to_dict()
 
-    def _reference(self, sample: Sample, prompt: _Prompt) -> tuple[torch.Tensor, torch.Tensor]:
-        """The full cache's answer and logits: from this run, or (resumed) from its record."""
-        key = (sample.task, sample.index)
-        if key not in self._references:
-            record = self.store.get(self._identity(sample, Setting("full")))
-            tokens = torch.tensor(record["prediction_ids"], dtype=torch.long)
-            self._references[key] = (tokens, reference_logits(self.model, prompt.ids, tokens))
-        return self._references[key]
+
+class BenchRunner:
+    """Runs a :class:`BenchConfig` into a :class:`ResultStore`, unit by unit in this process."""
+
+    def __init__(
+        self,
+        config: BenchConfig,
+        out: str | Path,
+        model: PreTrainedModel | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+    ):
+        self.config = config
+        self.store = ResultStore(out)
+        self.worker = UnitRunner(config, model, tokenizer)
+
+    def run(self, progress: bool = True) -> ResultStore:
+        units = plan_units(self.config, self.worker.samples(), self.store)
+        total = sum(len(unit.samples) for unit in units)
+        with tqdm(total=total, desc="bench", unit="sample", disable=not progress) as bar:
+            for unit in units:
+                for record in self.worker.run(with_references(self.config, unit, self.store)):
+                    self.store.append(record)
+                    bar.update()
+        return self.store
 
 
 def _timed(action: Callable[..., object], *args: object) -> float:

@@ -1,23 +1,32 @@
-"""The policy registry: every eviction method under one name.
+"""The policy registry: every eviction method under one name, and the stages that can be
+named over any of them.
 
-Adding a method: write its :class:`~kvevict.policies.base.Policy` subclass in a file of
-this package and add the class to ``_CLASSES`` below; a wrapper (a
-:class:`~kvevict.policies.base.Wrapper` that changes selection or budgets of any policy)
-goes in ``_WRAPPERS`` and composes by name: ``critical+adakv+snapkv``.
+A policy is assembled from stages (:mod:`kvevict.policies.base`): a registered method
+(``_METHODS``) brings its scorer, its protector and whatever else it has of its own; a
+prefix (``_PREFIXES``) fills one more slot: ``critical`` the selector, ``adakv``,
+``pyramidkv``, ``headkv``, ``global`` the allocator, ``moment-nc`` the corrector. So
+``critical+adakv+snapkv`` and ``adakv+critical+snapkv`` are the same policy, and a spelling
+whose stages clash is refused by :func:`make_policy` (:class:`~kvevict.policies.pipeline.Policy`).
+
+Adding a method: write its :class:`~kvevict.policies.base.Method` subclass (a ``score``
+function, its parameters) in a file of this package and add the class to ``_METHODS``.
 """
 
 from __future__ import annotations
 
 import ast
 
-from kvevict.policies.allocation import AdaKV, HeadKV, PyramidKV
-from kvevict.policies.base import Policy, Wrapper
+from kvevict.policies.allocation import AdaKV, GlobalBudget, HeadKV, PyramidKV
+from kvevict.policies.base import Method, Stage
 from kvevict.policies.critical import Critical
 from kvevict.policies.epikv import AttnXHS, BandAdaptive, EpiKV, HSVariance
+from kvevict.policies.expected_attention import ExpectedAttention
 from kvevict.policies.h2o import H2O
 from kvevict.policies.kvvar import KVKeyVariance, KVValueVariance, LagKV, LagKVDecode
+from kvevict.policies.kvzip import KVzip
 from kvevict.policies.lazyeviction import LazyEviction
 from kvevict.policies.momentkv import MomentKV, MomentNC
+from kvevict.policies.pipeline import Policy
 from kvevict.policies.raas import RaaS
 from kvevict.policies.rkv import RKV
 from kvevict.policies.simple import Full, KNorm, Random, StreamingLLM
@@ -26,7 +35,7 @@ from kvevict.policies.thinkv import SegmentHS, ThinKV
 from kvevict.policies.tova import TOVA
 from kvevict.signals import Requirements, Signals, group_reduce
 
-_CLASSES: tuple[type[Policy], ...] = (
+_METHODS: tuple[type[Method], ...] = (
     Full,
     Random,
     KNorm,
@@ -48,12 +57,15 @@ _CLASSES: tuple[type[Policy], ...] = (
     ThinKV,
     AttnXHS,
     SegmentHS,
+    KVzip,
+    ExpectedAttention,
 )
-POLICIES: dict[str, type[Policy]] = {cls.name: cls for cls in _CLASSES}
-_WRAPPERS: tuple[type[Wrapper], ...] = (Critical, AdaKV, PyramidKV, HeadKV, MomentNC)
-WRAPPERS: dict[str, type[Wrapper]] = {cls.prefix: cls for cls in _WRAPPERS}
+POLICIES: dict[str, type[Method]] = {cls.name: cls for cls in _METHODS}
+_PREFIXES: tuple[type[Stage], ...] = (Critical, AdaKV, PyramidKV, HeadKV, MomentNC, GlobalBudget)
+PREFIXES: dict[str, type[Stage]] = {cls.name: cls for cls in _PREFIXES}
+"""Stages named over a policy (``prefix+policy``), by name."""
 ALIASES = {"pyramidkv": "pyramidkv+snapkv", "headkv": "headkv+snapkv"}
-"""Methods known by one name that are a wrapper over their paper's scorer."""
+"""Methods known by one name that are an allocator over their paper's scorer."""
 COMPOSED = (
     "adakv+snapkv",
     "pyramidkv",
@@ -63,9 +75,11 @@ COMPOSED = (
     "critical+h2o",
     "moment-nc+h2o",
     "moment-nc+streamingllm",
+    "global+snapkv",
+    "global+expected-attention",
 )
 """The compositions the papers evaluate (listed and tested like every policy; any other
-``wrapper+...+policy`` works too)."""
+``prefix+...+policy`` whose stages do not clash works too)."""
 
 
 def list_policies() -> list[str]:
@@ -74,11 +88,11 @@ def list_policies() -> list[str]:
 
 
 def describe_policies() -> list[tuple[str, str]]:
-    """``(name, one-line summary)`` of every registered policy, composition and wrapper."""
+    """``(name, one-line summary)`` of every registered policy, composition and prefix."""
     return [
         *((name, cls.summary) for name, cls in POLICIES.items()),
         *((name, make_policy(name).summary) for name in COMPOSED),
-        *((f"{prefix}+<policy>", cls.summary) for prefix, cls in WRAPPERS.items()),
+        *((f"{prefix}+<policy>", cls.summary) for prefix, cls in PREFIXES.items()),
     ]
 
 
@@ -107,7 +121,7 @@ def _value(text: str) -> object:
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, object]]:
-    """``"name[key=value,...]"`` → ``(name, params)``; a wrapper's parameter is written
+    """``"name[key=value,...]"`` → ``(name, params)``; a prefix's parameter is written
     ``prefix.key=value`` and lands in a dict under its prefix (what :func:`make_policy` takes):
     ``"critical+snapkv[critical.alpha=0,window=16]"`` → ``("critical+snapkv",
     {"critical": {"alpha": 0}, "window": 16})``. A name without brackets has no parameters."""
@@ -131,37 +145,44 @@ def parse_spec(spec: str) -> tuple[str, dict[str, object]]:
 
 def make_policy(name: str, **params: object) -> Policy:
     """Build a policy by name: ``make_policy("snapkv", window=16)``, or a composition whose
-    wrappers take their parameters as a dict under their prefix:
+    prefixes take their parameters as a dict under their name:
     ``make_policy("critical+adakv+snapkv", critical={"alpha": 0.0}, window=16)``. The name may
     carry parameters itself, as on the command line (:func:`parse_spec`):
-    ``make_policy("critical+adakv+snapkv[critical.alpha=0,window=16]")``."""
+    ``make_policy("critical+adakv+snapkv[critical.alpha=0,window=16]")``.
+
+    Every parameter is checked here, and a composition whose stages clash (two allocators,
+    two selectors, CriticalKV over a scorer that is not attention, ...) is refused here, with
+    a ``ValueError`` saying what is allowed; a policy this returns does what its name says.
+    """
     name, spec_params = parse_spec(name)
     if both := sorted(set(spec_params) & set(params)):
         raise ValueError(f"parameters {', '.join(both)} of policy {name!r} given both in its name and as arguments")
     params = {**spec_params, **params}
     *prefixes, base = ALIASES.get(name, name).split("+")
-    unknown = [prefix for prefix in prefixes if prefix not in WRAPPERS]
+    unknown = [prefix for prefix in prefixes if prefix not in PREFIXES]
     if unknown or base not in POLICIES:
         raise ValueError(
-            f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}; wrappers (as 'wrapper+policy'): "
-            f"{', '.join(WRAPPERS)}; aliases: {', '.join(ALIASES)}"
+            f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}; prefixes (as 'prefix+policy'): "
+            f"{', '.join(PREFIXES)}; aliases: {', '.join(ALIASES)}"
         )
-    wrapper_params = {prefix: params.pop(prefix, None) or {} for prefix in prefixes}
-    try:
-        policy: Policy = POLICIES[base](**params)
-        for prefix in reversed(prefixes):
-            policy = WRAPPERS[prefix](policy, **wrapper_params[prefix])
-    except TypeError as err:
-        raise ValueError(f"bad parameters for policy {name!r}: {err}") from None
-    return policy
+    named = []
+    for prefix in prefixes:
+        own = params.pop(prefix, None) or {}
+        if not isinstance(own, dict):  # bad input, also from a spec ("critical=5"): a ValueError like the rest
+            message = f"parameters of {prefix} go in a dict: make_policy({name!r}, {prefix}={{...}})"
+            raise ValueError(message)  # noqa: TRY004
+        named.append(PREFIXES[prefix](**own))
+    return Policy(POLICIES[base](**params), named)
 
 
 __all__ = [
     "POLICIES",
+    "PREFIXES",
+    "Method",
     "Policy",
     "Requirements",
     "Signals",
-    "Wrapper",
+    "Stage",
     "describe_policies",
     "group_reduce",
     "list_policies",

@@ -1,86 +1,85 @@
-"""Budget allocators as policy wrappers: ``adakv+X``, ``pyramidkv+X``, ``headkv+X``.
+"""Budget allocators: ``adakv+X``, ``pyramidkv+X``, ``headkv+X``, ``global+X``.
 
-Each wraps any scoring policy ``X`` and changes only how many entries each KV head keeps
-(:meth:`~kvevict.policies.base.Policy.allocate`); the scores, protected entries and
-per-token state stay ``X``'s. Heads that keep different numbers are padded to the longest
-head of their layer with a validity mask (``EvictionLayer.valid``), so attention and
-later selections see exactly the real entries; ``EvictionCache.layer_bytes()`` reports
-the bytes allocated and the bytes of real entries per layer. The allocation math is in
-:mod:`kvevict.budgets`.
+Each is the allocator stage of a policy: it changes only how many entries each KV head
+keeps (:meth:`~kvevict.policies.base.Allocator.counts`); the scores, the protected entries,
+the per-token state and the selection (top-k, CriticalKV, MomentKV's MI loop, ThinKV's and
+LagKV's quotas: every selector takes per-head counts) stay ``X``'s. Heads that keep
+different numbers are padded to the longest head of their layer with a validity mask
+(``EvictionLayer.valid``), so attention and later selections see exactly the real entries;
+``EvictionCache.layer_bytes()`` reports the bytes allocated and the bytes of real entries
+per layer. The allocation math is in :mod:`kvevict.budgets`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.budgets import adakv_counts, headkv_capacities, load_head_profile, pyramid_budgets
-from kvevict.policies.base import Policy, Wrapper
+from kvevict.budgets import adakv_counts, global_counts, headkv_capacities, load_head_profile, pyramid_budgets
+from kvevict.policies.base import Allocator
+from kvevict.policies.params import Param, declare, integer, number
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from kvevict.cache import EvictionLayer
+    from kvevict.policies.pipeline import Policy
 
 
-def _protected_count(scores: torch.Tensor) -> int:
-    """Entries a head must keep (sinks + recent window), as the scores mark them (+inf)."""
-    return int(torch.isposinf(scores).sum(dim=-1).max())
-
-
-class AdaKV(Wrapper):
+class AdaKV(Allocator):
     """AdaKV (Feng et al., 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget
     Allocation"): within each layer, the heads share ``H × budget`` entries by the top
     scores of all heads flattened; each head keeps at least ``⌊safeguard·B'⌋`` of its own
-    (``B' = budget − window``, ``safeguard = 0.2``, DESIGN §3)."""
+    (``B' = budget − window``, ``safeguard = 0.2``, DESIGN §3). Needs a scorer whose scores
+    compare across heads."""
 
-    prefix = "adakv"
+    name = "adakv"
     summary = "head-adaptive budgets within each layer (AdaKV, safeguard 0.2) over any scorer"
+    PARAMS = declare(safeguard=number(0.2, 0, 1))
 
-    def __init__(self, inner: Policy, *, safeguard: float = 0.2):
-        if not 0 <= safeguard <= 1:
+    def check(self, policy: Policy) -> None:
+        if policy.scorer is None:
             raise ValueError(
-                f"adakv: safeguard must be in [0, 1] (share of a head's budget it always keeps), got {safeguard}"
+                "adakv shares each layer's budget across heads by comparing their scores, and "
+                f"{policy.method.name} has no score (it selects by its own quotas); over {policy.method.name} "
+                "use pyramidkv or headkv"
             )
-        super().__init__(inner)
-        self.safeguard = safeguard
 
-    def allocate(self, layer: EvictionLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
+    def counts(
+        self, layer: EvictionLayer, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
+    ) -> torch.Tensor:
         return adakv_counts(scores, budget, self.safeguard)
 
 
-class PyramidKV(Wrapper):
+class PyramidKV(Allocator):
     """PyramidKV (Cai et al., 2024, "PyramidKV: Dynamic KV Cache Compression based on
     Pyramidal Information Funneling"): per-layer budgets decreasing linearly with depth
     (``β = 20``, DESIGN §3), each head of a layer keeping its layer's budget. ``pyramidkv``
     alone is ``pyramidkv+snapkv``."""
 
-    prefix = "pyramidkv"
+    name = "pyramidkv"
     summary = "per-layer budgets shrinking with depth (PyramidKV, β = 20); alone: over snapkv"
+    PARAMS = declare(beta=integer(20, low=1))
 
-    def __init__(self, inner: Policy, *, beta: int = 20):
-        if beta < 1:
-            raise ValueError(f"pyramidkv: beta must be >= 1, got {beta}")
-        super().__init__(inner)
-        self.beta = beta
+    def __init__(self, **params: object):
+        super().__init__(**params)
         self._num_layers = 0
 
     def bind(self, config: PretrainedConfig) -> None:
         super().bind(config)
         self._num_layers = config.num_hidden_layers
 
-    def layer_budget(self, layer: EvictionLayer, scores: torch.Tensor, budget: int) -> int:
-        window = _protected_count(scores)
+    def counts(
+        self, layer: EvictionLayer, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
+    ) -> torch.Tensor:
+        window = int(protected.sum(dim=-1).max())  # entries a head must keep (sinks + recent window)
         schedule = pyramid_budgets(budget, window, layer.length, self._num_layers, self.beta)
-        return schedule[layer.layer_idx]
-
-    def allocate(self, layer: EvictionLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
-        return layer.head_lengths().clamp(max=max(self.layer_budget(layer, scores, budget), 0))
+        return layer.head_lengths().clamp(max=max(schedule[layer.layer_idx], 0))
 
 
 PROFILES = "profiles"
@@ -111,7 +110,15 @@ def bundled_profile(config: PretrainedConfig) -> Path | None:
     return None
 
 
-class HeadKV(Wrapper):
+PROFILE = Param(
+    None,
+    "a JSON file (path) or a mapping 'layer-head' -> scores",
+    lambda v: isinstance(v, (str, Path, Mapping)),
+    "the profile bundled for the model",
+)
+
+
+class HeadKV(Allocator):
     """HeadKV (Fu et al., 2024, "Not All Heads Matter: A Head-Level KV Cache Compression
     Method"): per-head budgets across the whole model from an offline head-importance
     profile, ``cap = round(s·⌊B/β⌋·L·H + (B − ⌊B/β⌋))`` with ``β = 1.01`` (DESIGN §3).
@@ -122,19 +129,12 @@ class HeadKV(Wrapper):
     ``headkv`` alone is ``headkv+snapkv``.
     """
 
-    prefix = "headkv"
+    name = "headkv"
     summary = "per-head budgets from an offline retrieval-head profile (HeadKV, β = 1.01); alone: over snapkv"
+    PARAMS = declare(profile=PROFILE, beta=number(1.01, 1, open_low=True))
 
-    def __init__(
-        self, inner: Policy, *, profile: str | Path | Mapping[str, Sequence[float]] | None = None, beta: float = 1.01
-    ):
-        if beta <= 1:
-            raise ValueError(
-                f"headkv: beta must be > 1 (share of the budget pooled across heads is 1/beta), got {beta}"
-            )
-        super().__init__(inner)
-        self.profile = profile
-        self.beta = beta
+    def __init__(self, **params: object):
+        super().__init__(**params)
         self._importance: torch.Tensor | None = None
 
     def params(self) -> dict[str, object]:
@@ -157,9 +157,68 @@ class HeadKV(Wrapper):
             profile, config.num_hidden_layers, config.num_attention_heads, config.num_key_value_heads
         )
 
-    def allocate(self, layer: EvictionLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
+    def counts(
+        self, layer: EvictionLayer, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
+    ) -> torch.Tensor:
         if self._importance is None:
             raise RuntimeError("headkv is not bound to a model: use it through an EvictionCache")
-        capacity = headkv_capacities(self._importance, budget, self.beta)[layer.layer_idx].to(scores.device)
-        protected = torch.isposinf(scores).sum(dim=-1)
-        return torch.minimum(torch.maximum(capacity, protected), layer.head_lengths())
+        capacity = headkv_capacities(self._importance, budget, self.beta)[layer.layer_idx].to(protected.device)
+        return torch.minimum(torch.maximum(capacity, protected.sum(dim=-1)), layer.head_lengths())
+
+
+def standardize(scores: torch.Tensor) -> torch.Tensor:
+    """A layer's selection scores on a common scale: the free (finite) scores minus their
+    mean over the layer, over their standard deviation; protected and padding untouched."""
+    free = torch.isfinite(scores)
+    values = scores.masked_fill(~free, 0.0).double()
+    count = free.sum(dim=(1, 2), keepdim=True).clamp(min=1)
+    mean = values.sum(dim=(1, 2), keepdim=True) / count
+    spread = (((values - mean) * free).pow(2).sum(dim=(1, 2), keepdim=True) / count).sqrt().clamp(min=1e-12)
+    return torch.where(free, (values - mean) / spread, scores.double()).to(scores.dtype)
+
+
+class GlobalBudget(Allocator):
+    """One budget shared by every layer and KV head (``global+X``, DESIGN §3): the pool
+    ``L·H·B`` goes to the top entries of all layers and heads ranked together by ``X``'s
+    scores, each head keeping at least ``⌊safeguard·B'⌋`` (AdaKV's safeguard, ``0.2``;
+    ``B'`` = budget − its protected entries). Prefill only: the layers defer their eviction
+    until the prefill forward has scored every layer, then all evict at once. KVzip brings
+    this allocator itself with ``safeguard = 0`` (the paper's global bottom-k).
+
+    Comparability: scorers whose scores are attention probabilities (``snapkv``, ``tova``,
+    ``h2o``, ``kvzip``, ``expected-attention``: ``comparable_scores``) are ranked as they
+    are. Any other scorer (``knorm``'s ``−‖k‖``, positions, variances) is first standardised
+    per layer (its free scores' mean 0 and standard deviation 1 over the layer's heads), so a
+    layer gains budget where its score distribution has a heavier upper tail, not because its
+    scores have another unit. A method that selects by its own rule rather than top scores
+    (LagKV's per-chunk quotas, ThinKV, MomentKV's MI loop) is refused.
+    """
+
+    name = "global"
+    summary = "one budget pool over all layers and heads ranked by the scorer (floor 0.2·B per head; prefill)"
+    PARAMS = declare(safeguard=number(0.2, 0, 1))
+    across_layers = True
+
+    def check(self, policy: Policy) -> None:
+        method = policy.method.name
+        if not policy.selects_by_top_scores:
+            raise ValueError(
+                f"global ranks scores across layers, and {method} selects by its own rule, not by top scores; "
+                "use a scorer (snapkv, knorm, kvzip, expected-attention, ...)"
+            )
+        if policy.regime != "prefill":
+            raise ValueError(
+                f"a budget shared across layers is allocated once, at prefill; {method} is set to regime "
+                f"{policy.regime!r} (use regime=prefill)"
+            )
+
+    def allocate_layers(self, layers: list[EvictionLayer], scores: list[torch.Tensor], comparable: bool) -> None:
+        """Store in each layer's memo what its heads keep under one pool ``L·H·B`` (:func:`global_counts`)."""
+        ranked = scores if comparable else [standardize(layer_scores) for layer_scores in scores]
+        for layer, counts in zip(layers, global_counts(ranked, layers[0].budget, self.safeguard)):
+            self.memo(layer)["counts"] = counts
+
+    def counts(
+        self, layer: EvictionLayer, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
+    ) -> torch.Tensor:
+        return self.memo(layer).pop("counts")

@@ -1,109 +1,158 @@
-"""The policy interface shared by every eviction method.
+"""The stages an eviction policy is assembled from (DESIGN §1.6, §1.9).
 
-A policy is a small object with three jobs (DESIGN §1.6):
+A policy (:class:`~kvevict.policies.pipeline.Policy`) is a few stages with one duty each:
 
-1. declare the signals it needs in each phase (:meth:`Policy.requirements`), so the
-   attention path computes only those;
-2. keep its per-token state aligned with the cache (:meth:`Policy.new_tokens` gives
-   the initial state of appended entries, :meth:`Policy.observe` updates it; the cache
-   layer gathers every state tensor with the entries on eviction);
-3. score the retained entries (:meth:`Policy.score`, higher = keep) and select the ones
-   to keep (:meth:`Policy.select`, by default: protected sinks and recent window, then
-   the top scores).
+* **scorer** (:class:`Scorer`): the importance of every retained entry, higher kept first;
+* **protector** (:class:`Protector`): entries that always survive (sinks, recent window, prompt);
+* **allocator** (:class:`Allocator`): how many entries each KV head keeps (uniform, AdaKV,
+  PyramidKV, HeadKV);
+* **selector** (:class:`Selector`): which entries fill those counts (top-k, CriticalKV's two
+  stages, MomentKV's MI loop, ThinKV's and LagKV's quotas);
+* **corrector** (:class:`Corrector`): a change of the attention output (MomentKV's NC);
+* **observers**: stages that only keep statistics (MomentKV's moments of the evicted set).
 
-Adding a method is one subclass with a ``name`` and a ``summary``, registered in
-:mod:`kvevict.policies`.
+Every stage may declare the signals it reads (:meth:`Stage.requirements`) and keep per-token
+state (:meth:`Stage.new_tokens`, :meth:`Stage.observe`), always under its own namespace
+(:meth:`Stage.state`, :meth:`Stage.memo`, :meth:`Stage.shared`), so two stages never collide.
+Nothing per cache lives on a stage object: a policy can serve any number of caches.
+
+A registered base policy is a :class:`Method`: its own scorer (most methods are one
+``score`` function), plus the stages it brings (:meth:`Method.stages`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+import copy
+from collections.abc import Iterator, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
-from kvevict.budgets import descending_ranks
+from kvevict.budgets import capped_share, descending_ranks
+from kvevict.policies.params import Param, choice, declare
 from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kvevict.cache import EvictionLayer
+    from kvevict.cache import EvictionCache, EvictionLayer
+    from kvevict.policies.pipeline import Policy
+
+Slot = Literal["scorer", "protector", "allocator", "selector", "corrector", "observer"]
 
 
-class Policy:
-    """Base class of eviction policies.
+class Namespaced(MutableMapping):
+    """One stage's part of a store shared by the stages: ``holder.<attribute>`` (a layer's
+    ``state`` or ``memo``, a cache's ``shared``); key ``k`` of the stage is ``"<namespace>/k"``
+    there. The store is looked up at every access, so a view stays valid when the layer
+    replaces its ``state`` (as it does on every eviction)."""
 
-    Subclasses set ``name``, ``summary`` and ``regimes`` (the first is the default regime),
-    and override :meth:`score` (and :meth:`requirements`, :meth:`new_tokens`,
-    :meth:`observe` when they keep state or read attention).
+    def __init__(self, holder: object, attribute: str, namespace: str):
+        self._holder, self._attribute = holder, attribute
+        self._prefix = f"{namespace}/"
 
-    Args:
-        sinks: first tokens always kept.
-        window: most recent tokens always kept.
-        regime: when the policy evicts: ``"prefill"`` (compress the prompt once),
-            ``"decode"`` (while generating) or ``"both"``.
+    @property
+    def _store(self) -> dict:
+        return getattr(self._holder, self._attribute)
+
+    def __getitem__(self, key: str) -> object:
+        return self._store[self._prefix + key]
+
+    def __setitem__(self, key: str, value: object) -> None:
+        self._store[self._prefix + key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._store[self._prefix + key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([key[len(self._prefix) :] for key in self._store if key.startswith(self._prefix)])
+
+    def __len__(self) -> int:
+        return sum(1 for key in self._store if key.startswith(self._prefix))
+
+
+class Stage:
+    """A part of a policy with one duty (see the module docstring).
+
+    Parameters are declared in ``PARAMS`` and checked when the stage is built (None, or not
+    given: the default); the ones the user gave are remembered, so :meth:`bind` never
+    overwrites them with a model's default. Hooks default to doing nothing.
     """
 
     name: ClassVar[str]
-    summary: ClassVar[str]
-    regimes: ClassVar[tuple[Regime, ...]] = ("both", "prefill", "decode")
-    corrects_output: bool = False
-    """True when :meth:`correct_output` changes the attention output (MomentKV's NC): the
-    reference is then attention over the retained entries *plus* that correction."""
+    slot: ClassVar[Slot]
+    summary: ClassVar[str] = ""
+    PARAMS: ClassVar[Mapping[str, Param]] = {}
 
-    def __init__(self, *, sinks: int = 0, window: int = 0, regime: Regime | None = None):
-        if sinks < 0 or window < 0:
-            raise ValueError(f"{self.name}: sinks and window must be >= 0, got sinks={sinks}, window={window}")
-        regime = regime or self.regimes[0]
-        if regime not in self.regimes:
-            raise ValueError(f"{self.name}: regime {regime!r} is not supported; allowed: {', '.join(self.regimes)}")
-        self.sinks = sinks
-        self.window = window
-        self.regime: Regime = regime
+    def __init__(self, **params: object):
+        unknown = [key for key in params if key not in self.PARAMS]
+        if unknown:
+            known = ", ".join(self.PARAMS) or "none"
+            raise ValueError(f"{self.name}: unknown parameter {unknown[0]!r}; its parameters: {known}")
+        for key, spec in self.PARAMS.items():
+            value = params.get(key)
+            value = copy.deepcopy(spec.default) if value is None else value  # None: left unset
+            setattr(self, key, spec.check(self.name, key, value))
+        self._given = frozenset(key for key, value in params.items() if value is not None)
+        self.namespace = self.name
+        """Where this stage's state lives (unique within its policy, set when it is assembled)."""
 
     def __repr__(self) -> str:
-        params = ", ".join(f"{k}={v!r}" for k, v in self.params().items())
-        return f"{type(self).__name__}({params})"
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.params().items())})"
 
     def params(self) -> dict[str, object]:
-        """The configuration of this policy (recorded with benchmark results)."""
-        return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+        """The parameters of this stage (recorded with benchmark results)."""
+        return {key: getattr(self, key) for key in self.PARAMS}
 
-    # -- phases and budgets -------------------------------------------------------
-    def evicts_in(self, phase: Phase) -> bool:
-        return self.regime == "both" or self.regime == phase
+    def given(self, key: str) -> bool:
+        """Whether the user set parameter ``key`` (to something other than None)."""
+        return key in self._given
 
-    def recent_window(self, budget: int) -> int:
-        """Recent tokens protected at this budget (a fixed window by default)."""
-        return self.window
-
-    def min_budget(self, budget: int) -> int:
-        """Smallest budget this policy can honour: its sinks plus its recent window."""
-        return self.sinks + self.recent_window(budget)
-
-    def check_budget(self, budget: int) -> None:
-        need = self.min_budget(budget)
-        if budget < need:
-            raise ValueError(
-                f"budget {budget} is smaller than {self.name}'s sinks ({self.sinks}) + recent window "
-                f"({self.recent_window(budget)}) = {need}; use a budget >= {need} or make_policy({self.name!r}, "
-                "sinks=..., window=...) with smaller values"
-            )
-
-    def default_interval(self, budget: int) -> int | None:
-        """The decode-time eviction interval this method prescribes (None: every step),
-        used when the cache is given no ``interval``."""
-        return None
+    # -- the model ----------------------------------------------------------------------
+    def model_defaults(self, config: PretrainedConfig) -> dict[str, object]:
+        """Values of the parameters that depend on the model, for ``config``."""
+        return {}
 
     def bind(self, config: PretrainedConfig) -> None:
-        """Adapt model-dependent defaults to the decoder's config (called once per cache)."""
+        """Adapt to the decoder's config: fill only the parameters the user left unset
+        (binding again to another config recomputes exactly those)."""
+        for key, value in self.model_defaults(config).items():
+            if not self.given(key):
+                setattr(self, key, value)
 
-    # -- hidden states (the EpiKV family; see kvevict.hidden) -----------------------
+    def check(self, policy: Policy) -> None:
+        """Refuse (``ValueError`` saying why; the policy's spelling is prefixed) a policy this
+        stage cannot work in (called once the policy is assembled)."""
+
+    def companions(self) -> tuple[Stage, ...]:
+        """Observer stages this stage needs beside it (e.g. the statistics NC reads)."""
+        return ()
+
+    # -- the hooks ---------------------------------------------------------------------------
+    def requirements(self, phase: Phase, evicting: bool, regime: Regime) -> Requirements:
+        """Signals this stage reads in a pass of ``phase`` (``evicting``: the pass ends with
+        an eviction; ``regime``: when the policy evicts)."""
+        return NOTHING
+
+    def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
+        """Initial per-token state ``{key: [B, Hkv, num_new, ...]}`` of appended entries (stored
+        under this stage's namespace; read it with :meth:`state`)."""
+        return {}
+
+    def observe(self, layer: EvictionLayer, signals: Signals) -> None:
+        """Update state from the signals of a pass (after attention, before any eviction)."""
+
+    def on_evict(self, layer: EvictionLayer, evicted: torch.Tensor) -> None:
+        """Called with the entries about to be dropped, ``[B, Hkv, n]`` bool, while the layer
+        still holds them."""
+
+    # -- hidden states (the EpiKV family; see kvevict.hidden) --------------------------------
     hidden_context: int = 0
     """Earlier tokens the hidden-state score of a token depends on (e.g. a rolling window − 1)."""
 
     def hidden_layers(self, num_layers: int) -> tuple[int, ...]:
-        """Decoder layers whose outputs the policy reads; the cache hooks only these (none by default)."""
+        """Decoder layers whose outputs the stage reads; the cache hooks only these (none by default)."""
         return ()
 
     def hidden_scores(self, changes: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -112,152 +161,239 @@ class Policy:
         per token, then frozen (read them with ``layer.owner.hidden.lookup(layer.positions)``)."""
         raise NotImplementedError(f"{self.name} reads no hidden states")
 
-    # -- the hooks a method overrides ----------------------------------------------
-    def requirements(self, phase: Phase, evicting: bool) -> Requirements:
-        """Signals needed for a pass in ``phase`` (``evicting``: this pass ends with an
-        eviction); nothing by default."""
-        return NOTHING
+    # -- namespaced storage -------------------------------------------------------------------
+    def state(self, layer: EvictionLayer) -> Namespaced:
+        """This stage's per-token state in ``layer`` (``[B, Hkv, n, ...]`` tensors, gathered
+        with the entries on every eviction)."""
+        return Namespaced(layer, "state", self.namespace)
 
-    def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
-        """Initial per-token state ``{name: [B, Hkv, num_new, ...]}`` of appended entries."""
-        return {}
+    def memo(self, layer: EvictionLayer) -> Namespaced:
+        """This stage's per-layer data that is not per token (e.g. recent queries)."""
+        return Namespaced(layer, "memo", self.namespace)
 
-    def observe(self, layer: EvictionLayer, signals: Signals) -> None:
-        """Update per-token state from the signals of a pass (after attention)."""
+    def shared(self, cache: EvictionCache) -> Namespaced:
+        """This stage's per-cache data shared by every layer (e.g. a random generator)."""
+        return Namespaced(cache, "shared", self.namespace)
+
+
+class Scorer(Stage):
+    """Importance of every retained entry (higher is kept first)."""
+
+    slot = "scorer"
+    attention_scores: ClassVar[bool] = False
+    """The scores are attention received (probability mass, ``>= 0``): what CriticalKV
+    weights by ``‖v W_O‖₁``."""
+    comparable_scores: ClassVar[bool] = False
+    """The scores mean the same thing in every layer (attention probabilities, possibly
+    weighted), so one budget can be ranked across layers as they are (``global+``; other
+    scorers are standardised per layer first, see :class:`~kvevict.policies.allocation.GlobalBudget`)."""
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
-        """Importance of each retained entry, ``[B, Hkv, n]``; higher is kept first."""
+        """``[B, Hkv, n]``, fp32 (fp64 where the policy needs its exactness)."""
         raise NotImplementedError
 
+
+class Protector(Stage):
+    """Entries that always survive an eviction."""
+
+    slot = "protector"
+    sinks = 0
+
+    def recent_window(self, budget: int) -> int:
+        """Recent tokens protected at this budget."""
+        return 0
+
+    def min_budget(self, budget: int) -> int:
+        """Smallest budget that leaves room for the protected entries."""
+        return self.sinks + self.recent_window(budget)
+
     def protected(self, layer: EvictionLayer, budget: int) -> torch.Tensor:
-        """Entries that must survive: the sinks and the recent window, ``[B, Hkv, n]`` bool."""
-        pos = layer.positions
-        return (pos < self.sinks) | (pos >= layer.seen - self.recent_window(budget))
+        """``[B, Hkv, n]`` bool."""
+        raise NotImplementedError
 
-    def on_evict(self, layer: EvictionLayer, evicted: torch.Tensor) -> None:
-        """Called with the entries about to be dropped, ``[B, Hkv, n]`` bool, while the layer
-        still holds them (e.g. to summarise them, as MomentKV does)."""
 
-    def correct_output(
-        self, layer: EvictionLayer, query: torch.Tensor, output: torch.Tensor, scaling: float
+class Allocator(Stage):
+    """How many entries each KV head keeps."""
+
+    slot = "allocator"
+
+    def counts(
+        self, layer: EvictionLayer, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
     ) -> torch.Tensor:
-        """The kernel's attention output ``[B, q, Hq, d]`` of a pass, corrected before the
-        layer evicts (unchanged by default)."""
-        return output
+        """Entries each KV head keeps, ``[B, Hkv]`` int64, protected ones included. ``scores``
+        are the selection scores (protected ``+inf``, padding ``-inf``; None when the policy
+        has no scorer); ``protected`` marks the real protected entries."""
+        raise NotImplementedError
 
-    def selection_scores(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
-        """:meth:`score` with protected entries at ``+inf`` and padding (entries a head does
-        not hold, see ``EvictionLayer.valid``) at ``-inf``; fp32 (fp64 kept where a policy
-        needs its exactness)."""
-        scores = self.score(layer, signals)
-        scores = scores if scores.dtype == torch.float64 else scores.float()
-        scores = scores.masked_fill(self.protected(layer, budget), float("inf"))
-        return scores if layer.valid is None else scores.masked_fill(~layer.valid, float("-inf"))
+    across_layers: ClassVar[bool] = False
+    """True when the counts of one layer depend on every layer's scores (``global``): the
+    prefill eviction then waits until the prefill forward has scored every layer
+    (:meth:`allocate_layers`, then :meth:`counts` per layer)."""
 
-    def allocate(self, layer: EvictionLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
-        """Entries each KV head keeps, ``[B, Hkv]`` int64: ``budget`` each (or all it holds).
-        Budget allocators (AdaKV, PyramidKV, HeadKV) override this through a wrapper."""
-        return layer.head_lengths().clamp(max=budget)
-
-    def select(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
-        """The entries to keep, ``[B, Hkv, n]`` bool: per head, the top-scoring ones up to
-        the head's allocation (protected entries first)."""
-        scores = self.selection_scores(layer, signals, budget)
-        return keep_top(scores, self.allocate(layer, scores, budget))
+    def allocate_layers(self, layers: list[EvictionLayer], scores: list[torch.Tensor], comparable: bool) -> None:
+        """With :attr:`across_layers`: decide every layer's counts together from their selection
+        scores (``comparable``: the scorer's :attr:`~Scorer.comparable_scores`), leaving what
+        :meth:`counts` returns in each layer's memo."""
 
 
+@dataclass(frozen=True)
+class Ranking:
+    """What a selector chooses from, for one eviction of one layer."""
+
+    scores: torch.Tensor | None
+    """The scorer's scores ``[B, Hkv, n]`` (fp32, or fp64 where a method needs it) with the
+    protected entries at ``+inf`` and padding at ``-inf``; None when the policy has no scorer."""
+    protected: torch.Tensor
+    """The real entries that must survive, ``[B, Hkv, n]`` bool."""
+    counts: torch.Tensor
+    """Entries each head keeps, protected ones included (the allocator's), ``[B, Hkv]`` int64."""
+
+
+class Selector(Stage):
+    """Which entries fill each head's count."""
+
+    slot = "selector"
+    by_top_scores: ClassVar[bool] = False
+    """The selection keeps each head's top scores (stage 1 of CriticalKV included), so forcing
+    an entry's score to ``+inf`` keeps it, and scores ranked across layers mean what they say
+    (``global``, ``kvevict analyze retention``); not so for rule-based selectors (quotas, MI)."""
+
+    def keep(self, layer: EvictionLayer, signals: Signals, ranking: Ranking) -> torch.Tensor:
+        """The keep mask ``[B, Hkv, n]``: ``ranking.counts[b, h]`` real entries of each head."""
+        raise NotImplementedError
+
+
+class Corrector(Stage):
+    """A correction of the attention output of every pass (e.g. MomentKV's NC)."""
+
+    slot = "corrector"
+
+    def correct(self, layer: EvictionLayer, query: torch.Tensor, output: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The kernel's attention output ``[B, q, Hq, d]``, corrected before the pass evicts."""
+        raise NotImplementedError
+
+
+class Observer(Stage):
+    """A stage that only keeps state (read by other stages)."""
+
+    slot = "observer"
+
+
+# -- the default stages -----------------------------------------------------------------------
 def keep_top(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Mask ``[B, H, n]`` of the ``counts[b, h]`` highest scores of each head (ties: the
     earlier entry)."""
     return descending_ranks(scores) < counts[..., None]
 
 
-class Wrapper(Policy):
-    """A policy built around another one (``prefix+inner``): every hook is delegated to
-    ``inner``; subclasses override the ones they change. Wrappers nest, so
-    ``critical+adakv+snapkv`` is ``Critical(Allocated(SnapKV(), AdaKV()))``. :meth:`select`
-    is not delegated: the generic one uses the wrapper's own ``selection_scores`` and
-    ``allocate``, so an allocator wrapped anywhere in the chain takes effect."""
+def window_size(window: int | None, budget: int, cap: int = 128) -> int:
+    """A recent window: ``window`` tokens, or ``min(cap, budget // 4)`` when None."""
+    return capped_share(budget, cap) if window is None else window
 
-    prefix: ClassVar[str]
 
-    def __init__(self, inner: Policy):
-        self.inner = inner
+class SinksAndWindow(Protector):
+    """The first ``sinks`` tokens and the recent window (``window`` tokens; None:
+    ``min(cap, budget // 4)``)."""
 
-    @property
-    def name(self) -> str:  # type: ignore[override]
-        return f"{self.prefix}+{self.inner.name}"
+    name = "sinks-and-window"
 
-    @property
-    def sinks(self) -> int:  # type: ignore[override]
-        return self.inner.sinks
-
-    @property
-    def window(self) -> int:  # type: ignore[override]
-        return self.inner.window
-
-    @property
-    def regime(self) -> Regime:  # type: ignore[override]
-        return self.inner.regime
-
-    @property
-    def corrects_output(self) -> bool:  # type: ignore[override]
-        return self.inner.corrects_output
-
-    @property
-    def hidden_context(self) -> int:  # type: ignore[override]
-        return self.inner.hidden_context
-
-    def hidden_layers(self, num_layers: int) -> tuple[int, ...]:
-        return self.inner.hidden_layers(num_layers)
-
-    def hidden_scores(self, changes: dict[int, torch.Tensor]) -> torch.Tensor:
-        return self.inner.hidden_scores(changes)
-
-    def params(self) -> dict[str, object]:
-        own = {k: v for k, v in vars(self).items() if not k.startswith("_") and k != "inner"}
-        return {**own, "inner": {"policy": self.inner.name, **self.inner.params()}}
-
-    def evicts_in(self, phase: Phase) -> bool:
-        return self.inner.evicts_in(phase)
+    def __init__(self, sinks: int = 0, window: int | None = 0, cap: int = 128):
+        super().__init__()
+        self.sinks, self.window, self.cap = sinks, window, cap
 
     def recent_window(self, budget: int) -> int:
-        return self.inner.recent_window(budget)
-
-    def min_budget(self, budget: int) -> int:
-        return self.inner.min_budget(budget)
-
-    def default_interval(self, budget: int) -> int | None:
-        return self.inner.default_interval(budget)
-
-    def bind(self, config: PretrainedConfig) -> None:
-        self.inner.bind(config)
-
-    def requirements(self, phase: Phase, evicting: bool) -> Requirements:
-        return self.inner.requirements(phase, evicting)
-
-    def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
-        return self.inner.new_tokens(layer, num_new)
-
-    def observe(self, layer: EvictionLayer, signals: Signals) -> None:
-        self.inner.observe(layer, signals)
-
-    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
-        return self.inner.score(layer, signals)
+        return window_size(self.window, budget, self.cap)
 
     def protected(self, layer: EvictionLayer, budget: int) -> torch.Tensor:
-        return self.inner.protected(layer, budget)
+        pos = layer.positions
+        return (pos < self.sinks) | (pos >= layer.seen - self.recent_window(budget))
 
-    def selection_scores(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
-        return self.inner.selection_scores(layer, signals, budget)
 
-    def allocate(self, layer: EvictionLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
-        return self.inner.allocate(layer, scores, budget)
+class Uniform(Allocator):
+    """``budget`` entries per KV head (or all it holds)."""
 
-    def on_evict(self, layer: EvictionLayer, evicted: torch.Tensor) -> None:
-        self.inner.on_evict(layer, evicted)
+    name = "uniform"
 
-    def correct_output(
-        self, layer: EvictionLayer, query: torch.Tensor, output: torch.Tensor, scaling: float
+    def counts(
+        self, layer: EvictionLayer, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
     ) -> torch.Tensor:
-        return self.inner.correct_output(layer, query, output, scaling)
+        return layer.head_lengths().clamp(max=budget)
+
+
+class TopK(Selector):
+    """Per head, the top-scoring entries up to its count (protected entries first)."""
+
+    name = "top-k"
+    by_top_scores = True
+
+    def check(self, policy: Policy) -> None:
+        if policy.scorer is None and policy.method.evicts:
+            raise ValueError(f"top-k selection needs a scorer, and {policy.method.name} has none")
+
+    def keep(self, layer: EvictionLayer, signals: Signals, ranking: Ranking) -> torch.Tensor:
+        return keep_top(ranking.scores, ranking.counts)
+
+
+# -- methods ----------------------------------------------------------------------------------
+@dataclass
+class Stages:
+    """What a method brings: its scorer (usually itself), its protector and, where it has its
+    own, an allocator, a selector, a corrector and observers. ``replaceable`` names the slots
+    whose stage is only a default, which a named stage (``adakv+…``) may take over."""
+
+    scorer: Scorer | None
+    protector: Protector
+    allocator: Allocator | None = None
+    selector: Selector | None = None
+    corrector: Corrector | None = None
+    observers: tuple[Stage, ...] = ()
+    replaceable: frozenset[str] = frozenset()
+
+
+def regime_param(regimes: tuple[Regime, ...]) -> Param:
+    """A method's ``regime`` parameter: one of its regimes, the first by default."""
+    return choice(regimes[0], *regimes)
+
+
+class Method(Scorer):
+    """A registered base policy: the scorer of its pipeline, plus the stages it brings
+    (:meth:`stages`; by default its ``sinks`` and recent ``window`` as the protector).
+
+    Subclasses set ``name``, ``summary`` (one line), ``regimes`` (the first is the default
+    regime; a ``regime`` parameter is added to ``PARAMS``), ``PARAMS`` and :meth:`score`.
+    """
+
+    regimes: ClassVar[tuple[Regime, ...]] = ("both", "prefill", "decode")
+    evicts: ClassVar[bool] = True
+    """False for a method that never evicts (``full``)."""
+    deferred_prefill: ClassVar[bool] = False
+    """True when the method scores the prompt only after the whole prefill forward ran
+    (KVzip's repeat pass, :meth:`rescore`): its prefill eviction is deferred until then."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        params = {key: spec for key, spec in cls.PARAMS.items() if key != "regime"}
+        cls.PARAMS = declare(**params, regime=regime_param(cls.regimes))
+
+    regime: Regime
+
+    def stages(self) -> Stages:
+        """This method as the scorer, its ``sinks`` and ``window`` parameters (0 where it has
+        none) as the protector; a method with stages of its own overrides this."""
+        return Stages(scorer=self, protector=SinksAndWindow(getattr(self, "sinks", 0), getattr(self, "window", 0)))
+
+    def evicts_in(self, phase: Phase) -> bool:
+        return self.evicts and self.regime in ("both", phase)
+
+    def rescore(self, cache: EvictionCache, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
+        """With :attr:`deferred_prefill`: after the prefill forward, before the deferred
+        eviction, run the method's own scoring passes (KVzip's repeat) through ``cache``."""
+
+    def default_interval(self, budget: int) -> int | None:
+        """The decode-time eviction interval this method prescribes (None: every step),
+        used when the cache is given no ``interval``."""
+        return None
+
+    def clash_advice(self, stage: Stage) -> str:
+        """What to do when ``stage`` is named over this method but the method fills its slot."""
+        return f"use {self.name} alone"

@@ -7,14 +7,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Policy, Wrapper, keep_top
-from kvevict.signals import Phase, Requirements, Signals
+from kvevict.policies.base import Ranking, Selector, keep_top
+from kvevict.policies.params import declare, number
+from kvevict.signals import Phase, Regime, Requirements, Signals
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
+    from kvevict.policies.pipeline import Policy
 
-VALUE_NORM = "critical_value_norm"
+VALUE_NORM = "value_norm"
 """Per-token state: ``‖v W_O‖₁`` of the entry (mean over its KV head's query heads)."""
+ATTENTION_SCORERS = "tova, h2o, snapkv, momentkv[mi=false] (with any allocator)"
+"""The registered methods whose scores are attention received and that leave the selection to
+``critical`` (checked against the registry by tests/policies/test_composition.py)."""
 
 
 def critical_keep(
@@ -35,49 +40,46 @@ def critical_keep(
     return keep_top(bound.masked_fill(stage1, float("inf")), counts)
 
 
-class Critical(Wrapper):
-    """CriticalKV over any attention scorer and any budget allocator (``critical+X``).
+class Critical(Selector):
+    """CriticalKV's selection over any attention scorer and any budget allocator (``critical+X``).
 
-    For a head with budget ``b_h`` (from ``X``'s allocator: uniform, ``adakv``,
-    ``pyramidkv``, ``headkv``): stage 1 keeps the top ``⌊α·b_h⌋`` entries by ``X``'s score
-    (``α = 0.5``), stage 2 the rest by ``(score + ε)·‖v_i W_O‖₁`` (``ε = 1e-4``), where query
-    head ``h`` projects its KV head's value by ``W_O[:, h·d:(h+1)·d]``, the L1 norm is over
-    the hidden dimension and the group's heads are averaged (DESIGN §3). The norms are
-    computed once per entry, when it enters the cache, one query head at a time. Works at
-    prefill and at decode time, wherever ``X`` evicts. ``alpha=0`` is the stage-2-only
-    ablation.
+    For a head with budget ``b_h`` (from the policy's allocator: uniform, ``adakv``,
+    ``pyramidkv``, ``headkv``, in any order of the prefixes): stage 1 keeps the top
+    ``⌊α·b_h⌋`` entries by ``X``'s score (``α = 0.5``), stage 2 the rest by
+    ``(score + ε)·‖v_i W_O‖₁`` (``ε = 1e-4``), where query head ``h`` projects its KV head's
+    value by ``W_O[:, h·d:(h+1)·d]``, the L1 norm is over the hidden dimension and the group's
+    heads are averaged (DESIGN §3). The norms are computed once per entry, when it enters the
+    cache, one query head at a time. Works at prefill and at decode time, wherever ``X``
+    evicts. ``alpha=0`` is the stage-2-only ablation.
+
+    ``X`` must score by attention received (tova, h2o, snapkv, momentkv with ``mi=false``):
+    the bound weights an attention probability by the value's norm.
     """
 
-    prefix = "critical"
+    name = "critical"
+    by_top_scores = True  # stage 1 is a top-k by score; a +inf score survives both stages
     summary = "two-stage perturbation-constrained selection (CriticalKV, α = 0.5) over any attention scorer"
+    PARAMS = declare(alpha=number(0.5, 0, 1), eps=number(1e-4, 0))
 
-    def __init__(self, inner: Policy, *, alpha: float = 0.5, eps: float = 1e-4):
-        if not 0 <= alpha <= 1:
+    def check(self, policy: Policy) -> None:
+        scorer = policy.scorer
+        if scorer is None or not scorer.attention_scores:
             raise ValueError(
-                f"critical: alpha must be in [0, 1] (share of each head's budget chosen by score), got {alpha}"
+                f"critical weights attention scores by ‖v W_O‖₁, and {policy.method.name}'s scores "
+                f"are not attention received; critical works over: {ATTENTION_SCORERS}"
             )
-        if eps < 0:
-            raise ValueError(f"critical: eps must be >= 0, got {eps}")
-        super().__init__(inner)
-        self.alpha = alpha
-        self.eps = eps
 
-    def requirements(self, phase: Phase, evicting: bool) -> Requirements:
+    def requirements(self, phase: Phase, evicting: bool, regime: Regime) -> Requirements:
         # decode entries need their norm only if a later decode-time eviction may drop them
-        needs_norms = phase == "prefill" or self.evicts_in("decode")
-        return self.inner.requirements(phase, evicting) | Requirements(value_norms=needs_norms)
+        return Requirements(value_norms=phase == "prefill" or regime != "prefill")
 
     def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
         b, h = layer.keys.shape[:2]
-        zeros = torch.zeros(b, h, num_new, dtype=torch.float32, device=layer.device)
-        return {**self.inner.new_tokens(layer, num_new), VALUE_NORM: zeros}
+        return {VALUE_NORM: torch.zeros(b, h, num_new, dtype=torch.float32, device=layer.device)}
 
     def observe(self, layer: EvictionLayer, signals: Signals) -> None:
-        self.inner.observe(layer, signals)
         if signals.value_norms is not None:
-            layer.state[VALUE_NORM][..., -signals.num_new :] = signals.value_norms
+            self.state(layer)[VALUE_NORM][..., -signals.num_new :] = signals.value_norms
 
-    def select(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
-        scores = self.selection_scores(layer, signals, budget)
-        counts = self.allocate(layer, scores, budget)
-        return critical_keep(scores, layer.state[VALUE_NORM], counts, self.alpha, self.eps)
+    def keep(self, layer: EvictionLayer, signals: Signals, ranking: Ranking) -> torch.Tensor:
+        return critical_keep(ranking.scores, self.state(layer)[VALUE_NORM], ranking.counts, self.alpha, self.eps)

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.h2o import ACCUMULATED, H2O
+from kvevict.policies.h2o import RECENT_WINDOW, CumulativeAttention
+from kvevict.policies.params import Param, declare, integer, is_integer, layer_indices
 from kvevict.policies.selection import PromptKeeping
-from kvevict.signals import Phase, Regime, Requirements, Signals
+from kvevict.signals import Signals
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -80,27 +81,12 @@ def scale_band(band: tuple[int, int], num_layers: int) -> tuple[int, ...]:
     return tuple(range(first, last + 1))
 
 
-def _check_layers(name: str, layers: tuple[int, ...] | None, count: int | None = None) -> None:
-    if layers is None:
-        return
-    ok = isinstance(layers, (tuple, list)) and all(isinstance(i, int) and i >= 0 for i in layers)
-    if not ok or (count is not None and len(layers) != count) or not layers:
-        shape = f"{count} layer indices" if count else "layer indices"
-        raise ValueError(f"{name}: expected {shape} (ints >= 0) or None (scaled defaults), got {layers!r}")
-
-
 # -- policies -----------------------------------------------------------------------------------
 class HiddenStatePolicy(PromptKeeping):
     """Base of the hidden-state policies: prompt and recent window kept, the rest by the
     frozen per-token score (unscored tokens, i.e. the one in flight, count as ``+inf``)."""
 
-    def __init__(self, *, rolling: int = ROLLING, window: int | None = None, regime: Regime | None = None):
-        if isinstance(rolling, bool) or not isinstance(rolling, int) or rolling < 1:
-            raise ValueError(
-                f"{self.name}: rolling must be an integer >= 1 (window of the statistics), got {rolling!r}"
-            )
-        super().__init__(window=window, regime=regime)
-        self.rolling = rolling
+    PARAMS = declare(rolling=integer(ROLLING, low=1), window=RECENT_WINDOW)
 
     @property
     def hidden_context(self) -> int:
@@ -121,29 +107,21 @@ class HSVariance(HiddenStatePolicy):
 
     name = "hs-variance"
     summary = "keep prompt + recent; rank decode tokens by rolling-mean hidden-state change g_A - g_B (EpiKV)"
+    PARAMS = declare(layers=layer_indices(2), **HiddenStatePolicy.PARAMS)
 
-    def __init__(
-        self,
-        *,
-        layers: tuple[int, int] | None = None,
-        rolling: int = ROLLING,
-        window: int | None = None,
-        regime: Regime | None = None,
-    ):
-        _check_layers(self.name, layers, count=2)
-        super().__init__(rolling=rolling, window=window, regime=regime)
-        self.layers = None if layers is None else tuple(layers)
-        self._pair = (LAYER_A, LAYER_B)
-
-    def bind(self, config: PretrainedConfig) -> None:
+    def model_defaults(self, config: PretrainedConfig) -> dict[str, object]:
         depth = config.num_hidden_layers
-        self._pair = self.layers or (scale_layer(LAYER_A, depth), scale_layer(LAYER_B, depth))
+        return {"layers": (scale_layer(LAYER_A, depth), scale_layer(LAYER_B, depth))}
 
     def hidden_layers(self, num_layers: int) -> tuple[int, ...]:
-        return self._pair
+        return self.pair()
+
+    def pair(self) -> tuple[int, int]:
+        """Layers ``(A, B)``: the given ones, or the defaults of the model bound to (10 and 21)."""
+        return self.layers or (LAYER_A, LAYER_B)
 
     def hidden_scores(self, changes: dict[int, torch.Tensor]) -> torch.Tensor:
-        a, b = self._pair
+        a, b = self.pair()
         return rolling_mean(changes[a], self.rolling) - rolling_mean(changes[b], self.rolling)
 
 
@@ -156,8 +134,12 @@ class EpiKV(HSVariance):
     summary = "keep prompt + recent; rank decode tokens by rolling z-score of hidden-state change z_A - z_B"
 
     def hidden_scores(self, changes: dict[int, torch.Tensor]) -> torch.Tensor:
-        a, b = self._pair
+        a, b = self.pair()
         return rolling_zscore(changes[a], self.rolling) - rolling_zscore(changes[b], self.rolling)
+
+
+def _bands(value: object) -> bool:
+    return isinstance(value, (tuple, list)) and len(value) == 2 and all(layer_indices().accepts(band) for band in value)
 
 
 class BandAdaptive(HiddenStatePolicy):
@@ -170,36 +152,35 @@ class BandAdaptive(HiddenStatePolicy):
 
     name = "band-adaptive"
     summary = "keep prompt + recent; rank by mean rolling z-score of band A (7-13) minus band B (18-25)"
+    PARAMS = declare(
+        bands=Param(
+            None,
+            "(band A layers, band B layers), two lists of layer indices (integers >= 0)",
+            _bands,
+            "7-13 and 18-25 scaled from the model's depth",
+            lambda bands: (tuple(bands[0]), tuple(bands[1])),
+        ),
+        **HiddenStatePolicy.PARAMS,
+    )
 
-    def __init__(
-        self,
-        *,
-        bands: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
-        rolling: int = ROLLING,
-        window: int | None = None,
-        regime: Regime | None = None,
-    ):
-        if bands is not None:
-            if not isinstance(bands, (tuple, list)) or len(bands) != 2:
-                raise ValueError(f"{self.name}: bands must be (band A layers, band B layers), got {bands!r}")
-            for band in bands:
-                _check_layers(self.name, band)
-        super().__init__(rolling=rolling, window=window, regime=regime)
-        self.bands = None if bands is None else (tuple(bands[0]), tuple(bands[1]))
-        self._bands: tuple[tuple[int, ...], tuple[int, ...]] = (tuple(range(7, 14)), tuple(range(18, 26)))
-
-    def bind(self, config: PretrainedConfig) -> None:
+    def model_defaults(self, config: PretrainedConfig) -> dict[str, object]:
         depth = config.num_hidden_layers
-        self._bands = self.bands or (scale_band(BAND_A, depth), scale_band(BAND_B, depth))
+        return {"bands": (scale_band(BAND_A, depth), scale_band(BAND_B, depth))}
+
+    def band_layers(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The given bands, or the defaults of the model bound to (7-13 and 18-25)."""
+        return self.bands or (tuple(range(7, 14)), tuple(range(18, 26)))
 
     def hidden_layers(self, num_layers: int) -> tuple[int, ...]:
-        return tuple(sorted({*self._bands[0], *self._bands[1]}))
+        first, second = self.band_layers()
+        return tuple(sorted({*first, *second}))
 
     def hidden_scores(self, changes: dict[int, torch.Tensor]) -> torch.Tensor:
         def band(layers: tuple[int, ...]) -> torch.Tensor:
             return torch.stack([rolling_zscore(changes[i], self.rolling) for i in layers]).mean(dim=0)
 
-        return band(self._bands[0]) - band(self._bands[1])
+        first, second = self.band_layers()
+        return band(first) - band(second)
 
 
 def standardize(x: torch.Tensor, eps: float = EPSILON) -> torch.Tensor:
@@ -208,7 +189,7 @@ def standardize(x: torch.Tensor, eps: float = EPSILON) -> torch.Tensor:
     return (x - x.mean(dim=-1, keepdim=True)) / (x.std(dim=-1, correction=0, keepdim=True) + eps)
 
 
-class AttnXHS(HiddenStatePolicy):
+class AttnXHS(CumulativeAttention, HiddenStatePolicy):
     """Attn×HS, the attention + hidden-state hybrid of seed 000 (Table 1): cumulative
     attention (H2O's, prompt column sums included, GQA mean) plus ``z_A``.
 
@@ -223,38 +204,21 @@ class AttnXHS(HiddenStatePolicy):
 
     name = "attn-x-hs"
     summary = "keep prompt + recent; rank by standardised cumulative attention + z_A (hybrid)"
+    regimes = ("decode",)
+    attention_scores = False  # standardised attention plus a z-score
+    PARAMS = declare(
+        **HiddenStatePolicy.PARAMS,
+        layer=Param(None, "a layer index (integer >= 0)", lambda v: is_integer(v) and v >= 0, "10 scaled"),
+    )
 
-    def __init__(
-        self,
-        *,
-        layer: int | None = None,
-        rolling: int = ROLLING,
-        window: int | None = None,
-        regime: Regime | None = None,
-    ):
-        _check_layers(self.name, None if layer is None else (layer,))
-        super().__init__(rolling=rolling, window=window, regime=regime)
-        self.layer = layer
-        self._layer = LAYER_A
-        self._cumulative = H2O(sinks=0)
-
-    def bind(self, config: PretrainedConfig) -> None:
-        self._layer = scale_layer(LAYER_A, config.num_hidden_layers) if self.layer is None else self.layer
+    def model_defaults(self, config: PretrainedConfig) -> dict[str, object]:
+        return {"layer": scale_layer(LAYER_A, config.num_hidden_layers)}
 
     def hidden_layers(self, num_layers: int) -> tuple[int, ...]:
-        return (self._layer,)
+        return (LAYER_A if self.layer is None else self.layer,)
 
     def hidden_scores(self, changes: dict[int, torch.Tensor]) -> torch.Tensor:
-        return rolling_zscore(changes[self._layer], self.rolling)
-
-    def requirements(self, phase: Phase, evicting: bool) -> Requirements:
-        return Requirements(column_sums=True)
-
-    def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
-        return self._cumulative.new_tokens(layer, num_new)
-
-    def observe(self, layer: EvictionLayer, signals: Signals) -> None:
-        self._cumulative.observe(layer, signals)
+        return rolling_zscore(changes[self.hidden_layers(0)[0]], self.rolling)
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
-        return standardize(layer.state[ACCUMULATED]) + super().score(layer, signals)
+        return standardize(super().score(layer, signals)) + layer.owner.hidden.lookup(layer.positions)

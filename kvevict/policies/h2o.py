@@ -1,4 +1,5 @@
-"""H2O (Zhang et al., 2023, "Heavy-Hitter Oracle")."""
+"""H2O (Zhang et al., 2023, "Heavy-Hitter Oracle"), and the cumulative attention score it
+shares with ThinKV and the Attn×HS hybrid."""
 
 from __future__ import annotations
 
@@ -6,14 +7,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.budgets import capped_share
-from kvevict.policies.base import Policy
+from kvevict.policies.base import Method
+from kvevict.policies.params import choice, declare, integer
 from kvevict.signals import NOTHING, GroupReduce, Phase, Regime, Requirements, Signals, group_reduce
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
 
-ACCUMULATED = "h2o_attention"
+ACCUMULATED = "attention"
+"""Per-token state of :class:`CumulativeAttention`: attention received so far, ``[B, Hkv, n]`` fp32."""
+RECENT_WINDOW = integer(None, unset="min(128, budget // 4)")
+GROUP = choice("mean", "mean", "max")
 
 
 def h2o_accumulate(accumulated: torch.Tensor, column_sums: torch.Tensor, group: GroupReduce = "mean") -> torch.Tensor:
@@ -22,7 +26,32 @@ def h2o_accumulate(accumulated: torch.Tensor, column_sums: torch.Tensor, group: 
     return accumulated + group_reduce(column_sums.float(), accumulated.shape[1], group)
 
 
-class H2O(Policy):
+class CumulativeAttention(Method):
+    """Scores every entry by the attention it received from every query so far: prompt column
+    sums (computed in query chunks, no eager attention) plus each later pass's, reduced over
+    the GQA group by ``group`` (``mean`` unless a ``group`` parameter says otherwise)."""
+
+    attention_scores = True
+    group: GroupReduce = "mean"
+
+    def requirements(self, phase: Phase, evicting: bool, regime: Regime) -> Requirements:
+        # Scores accumulate over the whole sequence: observe every pass that can still
+        # lead to an eviction.
+        return Requirements(column_sums=True) if phase == "prefill" or regime != "prefill" else NOTHING
+
+    def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
+        b, h = layer.positions.shape[:2]
+        return {ACCUMULATED: torch.zeros(b, h, num_new, dtype=torch.float32, device=layer.positions.device)}
+
+    def observe(self, layer: EvictionLayer, signals: Signals) -> None:
+        state = self.state(layer)
+        state[ACCUMULATED] = h2o_accumulate(state[ACCUMULATED], signals.column_sums, self.group)
+
+    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+        return self.state(layer)[ACCUMULATED]
+
+
+class H2O(CumulativeAttention):
     """H2O: keep heavy hitters by cumulative attention plus a recent window.
 
     Per KV head, the score of an entry is the attention it has received from every query
@@ -35,34 +64,6 @@ class H2O(Policy):
     """
 
     name = "h2o"
+    comparable_scores = True  # attention probabilities
     summary = "keep heavy hitters by cumulative attention + sinks + a recent window"
-
-    def __init__(
-        self,
-        *,
-        sinks: int = 4,
-        window: int | None = None,
-        group: GroupReduce = "mean",
-        regime: Regime | None = None,
-    ):
-        super().__init__(sinks=sinks, regime=regime)
-        self.window = window  # None: scales with the budget, see recent_window
-        self.group = group
-
-    def recent_window(self, budget: int) -> int:
-        return capped_share(budget) if self.window is None else self.window
-
-    def requirements(self, phase: Phase, evicting: bool) -> Requirements:
-        # Scores accumulate over the whole sequence: observe every pass that can still
-        # lead to an eviction.
-        return Requirements(column_sums=True) if phase == "prefill" or self.evicts_in("decode") else NOTHING
-
-    def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
-        b, h = layer.positions.shape[:2]
-        return {ACCUMULATED: torch.zeros(b, h, num_new, dtype=torch.float32, device=layer.positions.device)}
-
-    def observe(self, layer: EvictionLayer, signals: Signals) -> None:
-        layer.state[ACCUMULATED] = h2o_accumulate(layer.state[ACCUMULATED], signals.column_sums, self.group)
-
-    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
-        return layer.state[ACCUMULATED]
+    PARAMS = declare(sinks=integer(4), window=RECENT_WINDOW, group=GROUP)

@@ -23,16 +23,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Policy
+from kvevict.policies.base import Method, Ranking, Selector, SinksAndWindow, Stage, Stages
 from kvevict.policies.epikv import EPSILON, ROLLING, rolling_mean
+from kvevict.policies.h2o import RECENT_WINDOW
+from kvevict.policies.params import declare, integer
 from kvevict.policies.selection import PromptKeeping, select_by_tiers, within_group_rank
-from kvevict.signals import Regime, Signals
+from kvevict.signals import Signals
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
 
-SCORE = "kv_score"
-HISTORY = "kv_history"
+SCORE = "score"
+HISTORY = "history"
 LAG = 128
 
 
@@ -50,25 +52,22 @@ class RollingKVStatistic(PromptKeeping):
     """Base of the decode-time KV-vector policies: a raw per-token statistic of the new
     entries, smoothed by a trailing rolling mean, frozen as per-token state."""
 
-    def __init__(self, *, rolling: int = ROLLING, window: int | None = None, regime: Regime | None = None):
-        if isinstance(rolling, bool) or not isinstance(rolling, int) or rolling < 1:
-            raise ValueError(f"{self.name}: rolling must be an integer >= 1 (window of the mean), got {rolling!r}")
-        super().__init__(window=window, regime=regime)
-        self.rolling = rolling
+    PARAMS = declare(rolling=integer(ROLLING, low=1), window=RECENT_WINDOW)
 
     def raw(self, layer: EvictionLayer, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """The statistic of the new entries ``[B, H, n, d]`` → ``[B, H, n]`` fp32."""
         raise NotImplementedError
 
     def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
+        memo = self.memo(layer)
         raw = self.raw(layer, layer.keys[:, :, -num_new:], layer.values[:, :, -num_new:])
-        history = layer.memo.get(HISTORY)
+        history = memo.get(HISTORY)
         series = raw if history is None else torch.cat([history, raw], dim=-1)
-        layer.memo[HISTORY] = series[..., series.shape[-1] - min(series.shape[-1], self.rolling - 1) :]
+        memo[HISTORY] = series[..., series.shape[-1] - min(series.shape[-1], self.rolling - 1) :]
         return {SCORE: rolling_mean(series, self.rolling)[..., -num_new:]}
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
-        return layer.state[SCORE]
+        return self.state(layer)[SCORE]
 
 
 class KVKeyVariance(RollingKVStatistic):
@@ -133,18 +132,12 @@ class LagKVDecode(RollingKVStatistic):
     name = "lag-kv"
     summary = "keep prompt + recent; rank by rolling variance of K,V normalised by the previous chunk's range"
 
-    def __init__(
-        self, *, lag: int = LAG, rolling: int = ROLLING, window: int | None = None, regime: Regime | None = None
-    ):
-        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
-            raise ValueError(f"{self.name}: lag must be an integer >= 1 (chunk length), got {lag!r}")
-        super().__init__(rolling=rolling, window=window, regime=regime)
-        self.lag = lag
+    PARAMS = declare(lag=integer(LAG, low=1), **RollingKVStatistic.PARAMS)
 
     def raw(self, layer: EvictionLayer, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         first = layer.seen - keys.shape[2]
         parts = [
-            head_variance(lag_normalize(x, first, self.lag, layer.memo.setdefault(name, {})))
+            head_variance(lag_normalize(x, first, self.lag, self.memo(layer).setdefault(name, {})))
             for name, x in (("lag_keys", keys), ("lag_values", values))
         ]
         return parts[0] + parts[1]
@@ -162,13 +155,17 @@ def lagkv_chunk_scores(x: torch.Tensor, lag: int) -> torch.Tensor:
     return spread.softmax(dim=-1).reshape(b, h, -1)
 
 
-class LagKV(Policy):
+class LagKV(Method):
     """LagKV (prefill; Liang et al., 2025): the prompt after ``sinks`` is cut into chunks of
     ``lag`` tokens; every chunk that has a successor is scored by
     :func:`lagkv_chunk_scores` (keys plus values) and keeps the same share of its entries
-    (its top ranks, round-robin over chunks until the budget is full). Sinks are kept, and
-    the tail (the last full chunk, the reference of the one before, plus the partial chunk)
-    is kept next, most recent first, as it cannot be scored.
+    (its top ranks, round-robin over chunks until each head's count is full). Sinks are kept,
+    and the tail (the last full chunk, the reference of the one before, plus the partial
+    chunk) is kept next, most recent first, as it cannot be scored.
+
+    Stages: no scorer (the ranks are per chunk and do not compare across heads, so ``adakv``
+    cannot be named over it; ``pyramidkv`` and ``headkv`` can), the sinks as the protector,
+    :class:`ChunkQuotas` as the selector.
 
     Args:
         lag: chunk length (128). sinks: first tokens kept (4).
@@ -177,14 +174,26 @@ class LagKV(Policy):
     name = "lagkv"
     summary = "prefill: per-chunk top share by std of K,V normalised by the next chunk's range (LagKV)"
     regimes = ("prefill",)
+    PARAMS = declare(lag=integer(LAG, low=1), sinks=integer(4))
 
-    def __init__(self, *, lag: int = LAG, sinks: int = 4, regime: Regime | None = None):
-        if isinstance(lag, bool) or not isinstance(lag, int) or lag < 1:
-            raise ValueError(f"{self.name}: lag must be an integer >= 1 (chunk length), got {lag!r}")
-        super().__init__(sinks=sinks, regime=regime)
-        self.lag = lag
+    def stages(self) -> Stages:
+        return Stages(scorer=None, protector=SinksAndWindow(self.sinks), selector=ChunkQuotas(self.lag, self.sinks))
 
-    def select(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
+    def clash_advice(self, stage: Stage) -> str:
+        return "lagkv selects by its own chunk quotas: use it alone or under pyramidkv or headkv"
+
+
+class ChunkQuotas(Selector):
+    """LagKV's selection: sinks, then the unscored tail (most recent first), then the chunks'
+    entries round-robin by their rank inside the chunk (the score breaks ties)."""
+
+    name = "lagkv-quotas"
+
+    def __init__(self, lag: int, sinks: int):
+        super().__init__()
+        self.lag, self.sinks = lag, sinks
+
+    def keep(self, layer: EvictionLayer, signals: Signals, ranking: Ranking) -> torch.Tensor:
         n = layer.length
         chunks = max(0, (n - self.sinks) // self.lag)
         end = self.sinks + max(0, chunks - 1) * self.lag  # scored entries: sinks .. end
@@ -200,4 +209,4 @@ class LagKV(Policy):
             tiers[..., self.sinks : end] = 1
             # round-robin over chunks: rank inside the chunk first, the score breaks ties (< 1)
             values[..., self.sinks : end] = -within_group_rank(chunk, score).float() + score / 4
-        return select_by_tiers(tiers, values, budget)
+        return select_by_tiers(tiers, values, ranking.counts, layer.valid)

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.budgets import capped_share
-from kvevict.policies.base import Policy
+from kvevict.policies.base import Method, SinksAndWindow, Stages, window_size
+from kvevict.policies.params import declare, integer, number
 from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals, group_reduce
 
 if TYPE_CHECKING:
@@ -16,9 +16,11 @@ if TYPE_CHECKING:
 
     from kvevict.cache import EvictionLayer
 
-TIMESTAMP = "lazy_timestamp"
-MRI = "lazy_mri"
+TIMESTAMP = "timestamp"
+MRI = "mri"
 ALPHA_LLAMA, ALPHA_QWEN = 5e-4, 1e-4
+WINDOW_CAP = 32
+"""Default ``W``: ``min(32, budget // 4)``."""
 
 
 def track_recurrence(
@@ -46,7 +48,7 @@ def mri_scores(timestamp: torch.Tensor, mri: torch.Tensor, step: int) -> torch.T
     return h1 + h2
 
 
-class LazyEviction(Policy):
+class LazyEviction(Method):
     """LazyEviction: lagged eviction every ``W`` decode steps by recurrence patterns.
 
     Per KV head (query-head attention reduced by max over the group), every decode step
@@ -72,27 +74,21 @@ class LazyEviction(Policy):
     name = "lazyeviction"
     summary = "lagged eviction every W steps by maximum recurrence interval (seed 001)"
     regimes = ("decode", "both")
+    PARAMS = declare(
+        window=integer(None, low=1, unset="min(32, budget // 4)"),
+        alpha=number(None, 0, 1, open_low=True, open_high=True, unset="5e-4 for Llama, 1e-4 for Qwen models"),
+    )
 
-    def __init__(self, *, window: int | None = None, alpha: float | None = None, regime: Regime | None = None):
-        if window is not None and window < 1:
-            raise ValueError(f"lazyeviction: window must be >= 1, got {window}")
-        if alpha is not None and not 0 < alpha < 1:
-            raise ValueError(f"lazyeviction: alpha must be in (0, 1), got {alpha}")
-        super().__init__(regime=regime)
-        self.window = window  # None: min(32, budget // 4)
-        self.alpha = alpha  # None: from the model family at bind()
+    def model_defaults(self, config: PretrainedConfig) -> dict[str, object]:
+        return {"alpha": ALPHA_QWEN if config.model_type.startswith("qwen") else ALPHA_LLAMA}
 
-    def bind(self, config: PretrainedConfig) -> None:
-        if self.alpha is None:
-            self.alpha = ALPHA_QWEN if config.model_type.startswith("qwen") else ALPHA_LLAMA
-
-    def recent_window(self, budget: int) -> int:
-        return capped_share(budget, cap=32) if self.window is None else self.window
+    def stages(self) -> Stages:
+        return Stages(scorer=self, protector=SinksAndWindow(0, self.window, cap=WINDOW_CAP))
 
     def default_interval(self, budget: int) -> int:
-        return self.recent_window(budget)
+        return window_size(self.window, budget, cap=WINDOW_CAP)
 
-    def requirements(self, phase: Phase, evicting: bool) -> Requirements:
+    def requirements(self, phase: Phase, evicting: bool, regime: Regime) -> Requirements:
         return Requirements(last_query_attention=True) if phase == "decode" else NOTHING
 
     def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
@@ -109,10 +105,14 @@ class LazyEviction(Policy):
     def observe(self, layer: EvictionLayer, signals: Signals) -> None:
         if signals.phase != "decode":
             return
+        if self.alpha is None:
+            raise RuntimeError("lazyeviction is not bound to a model (alpha unset): use it through an EvictionCache")
+        state = self.state(layer)
         attention = group_reduce(signals.last_query_attention, layer.num_kv_heads, "max")
-        layer.state[TIMESTAMP], layer.state[MRI] = track_recurrence(
-            layer.state[TIMESTAMP], layer.state[MRI], attention, layer.decode_step, self.alpha
+        state[TIMESTAMP], state[MRI] = track_recurrence(
+            state[TIMESTAMP], state[MRI], attention, layer.decode_step, self.alpha
         )
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
-        return mri_scores(layer.state[TIMESTAMP], layer.state[MRI], layer.decode_step)
+        state = self.state(layer)
+        return mri_scores(state[TIMESTAMP], state[MRI], layer.decode_step)

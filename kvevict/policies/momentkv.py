@@ -1,67 +1,132 @@
 """MomentKV (seed 003; Li, Li & Lan, 2026, "MomentKV: Closing the Directional Gap in KV Cache
-Eviction for Long-Context Inference"): the ``momentkv`` policy and the ``moment-nc+<policy>``
-wrapper. The math lives in :mod:`kvevict.moments`.
+Eviction for Long-Context Inference"): the ``momentkv`` method and the ``moment-nc`` stage.
+The math lives in :mod:`kvevict.moments`.
 
-The moment statistics of a layer live in ``layer.memo["moments"]`` (they are not per token):
-:func:`record_evictions` adds the entries every eviction drops (the ``on_evict`` hook) and
-:func:`corrected_output` applies normalization-corrected inference to every later pass, the
-decode steps and the question tokens after context compression alike (the
-``correct_output`` hook, called before the pass evicts). Until something is evicted the
-correction is the identity, bit for bit, and costs nothing.
+MomentKV is a few stages over one observer: :class:`MomentStatistics` keeps the moment
+statistics of every entry a layer evicts (its ``on_evict`` hook; they are not per token, so
+they live in the stage's ``memo``); :class:`MomentMI`, the selector, evicts by the moment
+residual; :class:`MomentNC`, the corrector, applies normalization-corrected inference to
+every later pass, the decode steps and the question tokens after context compression alike
+(called before the pass evicts). Until something is evicted the correction is the identity,
+bit for bit, and costs nothing. ``moment-nc+<policy>`` is the corrector, with its own
+statistics, over any policy.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from kvevict.budgets import adakv_counts
 from kvevict.moments import MomentStats, accumulate, mi_evict, nc_correct, nc_log_partition
-from kvevict.policies.base import Policy, Wrapper, keep_top
+from kvevict.policies.allocation import AdaKV
+from kvevict.policies.base import Corrector, Method, Observer, Ranking, Selector, SinksAndWindow, Stage, Stages, Uniform
+from kvevict.policies.h2o import GROUP
+from kvevict.policies.params import choice, declare, flag, integer, number
 from kvevict.policies.snapkv import snapkv_scores
-from kvevict.signals import NOTHING, GroupReduce, Phase, Regime, Requirements, Signals, group_reduce
+from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals, group_reduce
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionCache, EvictionLayer
 
 MOMENTS = "moments"
-"""Key of a layer's :class:`~kvevict.moments.MomentStats` in ``layer.memo``."""
-ORDERS = (0, 1)
+"""Key of a layer's :class:`~kvevict.moments.MomentStats` in the statistics stage's ``memo``."""
+ORDER = choice(1, 0, 1)
+"""0: mean value only; 1: mean + value-key covariance."""
 
 
-def _check_order(name: str, order: int) -> None:
-    if order not in ORDERS:
-        raise ValueError(f"{name}: order must be 0 (mean value only) or 1 (mean + value-key covariance), got {order!r}")
+class MomentStatistics(Observer):
+    """The moment statistics of the entries each layer evicted (Eq. 25), ``order`` 0 or 1."""
+
+    name = "moments"
+    PARAMS = declare(order=ORDER)
+
+    def statistics(self, layer: EvictionLayer) -> MomentStats:
+        """The layer's statistics (zeros before its first eviction)."""
+        stats = self.memo(layer).get(MOMENTS)
+        if stats is None:
+            b, h, _, key_dim = layer.keys.shape
+            stats = MomentStats.zeros(b, h, key_dim, layer.values.shape[-1], self.order, layer.keys.device)
+        return stats
+
+    def recorded(self, layer: EvictionLayer) -> MomentStats | None:
+        """The layer's statistics once it evicted something, else None."""
+        return self.memo(layer).get(MOMENTS)
+
+    def on_evict(self, layer: EvictionLayer, evicted: torch.Tensor) -> None:
+        self.memo(layer)[MOMENTS] = accumulate(self.statistics(layer), layer.keys, layer.values, evicted)
 
 
-def moments_of(layer: EvictionLayer, order: int = 1) -> MomentStats:
-    """The layer's statistics (zeros before its first eviction)."""
-    stats = layer.memo.get(MOMENTS)
-    if stats is None:
-        b, h, _, key_dim = layer.keys.shape
-        stats = MomentStats.zeros(b, h, key_dim, layer.values.shape[-1], order, layer.keys.device)
-    return stats
+class MomentNC(Corrector):
+    """MomentKV's normalization-corrected inference (seed 003, Eq. 12), as the corrector of
+    ``momentkv`` or over any policy: ``moment-nc+<policy>`` (the "NC only" ablation with another
+    scorer).
+
+    The policy decides what to evict, unchanged; every entry it drops is added to the layer's
+    moment statistics (``order=1``: ``n_e, Σk, Σv, Σ v kᵀ``; ``order=0``: no outer product), and
+    every later pass mixes the retained output with the moment estimate of the evicted one:
+    ``w_R = σ(log Z_R − log Ẑ_E)``, ``w_R f_R + (1 − w_R) f̂_E``.
+    Example: ``make_policy("moment-nc+h2o", sinks=2, **{"moment-nc": {"order": 0}})``.
+    """
+
+    name = "moment-nc"
+    summary = "MomentKV's normalization-corrected attention over any policy (moment-nc+<policy>)"
+    PARAMS = declare(order=ORDER)
+
+    def __init__(self, *, statistics: MomentStatistics | None = None, **params: object):
+        super().__init__(**params)
+        self.statistics = MomentStatistics(order=self.order) if statistics is None else statistics
+        """The statistics it reads: its own, or those its method keeps (``momentkv``)."""
+
+    def companions(self) -> tuple[Stage, ...]:
+        return (self.statistics,)
+
+    def correct(self, layer: EvictionLayer, query: torch.Tensor, output: torch.Tensor, scaling: float) -> torch.Tensor:
+        """NC (Eq. 12) of the kernel's output ``[B, q, Hq, d]`` from the layer's statistics."""
+        stats = self.statistics.recorded(layer)
+        if stats is None or not bool(stats.count.any()):
+            return output
+        log_z = nc_log_partition(query, layer.keys, scaling, layer.valid)
+        return nc_correct(output.transpose(1, 2), log_z, query, stats, scaling).transpose(1, 2)
 
 
-def record_evictions(layer: EvictionLayer, evicted: torch.Tensor, order: int) -> None:
-    """Add the entries about to be dropped to the layer's statistics (Eq. 25)."""
-    layer.memo[MOMENTS] = accumulate(moments_of(layer, order), layer.keys, layer.values, evicted)
+class MomentMI(Selector):
+    """Moment-informed eviction (Eq. 10): residual ``r_j = v_j − v̄ − S̃ k_j/(n_e √d)``, score
+    ``α_j·‖r_j‖``; evict the argmin, update the statistics, repeat, until each head holds its
+    count (``evict_chunk`` entries per update; 1 is the exact loop)."""
 
+    name = "momentkv-mi"
 
-def corrected_output(layer: EvictionLayer, query: torch.Tensor, output: torch.Tensor, scaling: float) -> torch.Tensor:
-    """NC (Eq. 12) of the kernel's output ``[B, q, Hq, d]`` from the layer's statistics."""
-    stats = layer.memo.get(MOMENTS)
-    if stats is None or not bool(stats.count.any()):
-        return output
-    log_z = nc_log_partition(query, layer.keys, scaling, layer.valid)
-    return nc_correct(output.transpose(1, 2), log_z, query, stats, scaling).transpose(1, 2)
+    def __init__(self, statistics: MomentStatistics, evict_chunk: int):
+        super().__init__()
+        self.statistics, self.evict_chunk = statistics, evict_chunk
+
+    def keep(self, layer: EvictionLayer, signals: Signals, ranking: Ranking) -> torch.Tensor:
+        alpha = ranking.scores.masked_fill(~torch.isfinite(ranking.scores), 0.0)  # protected, padding: never candidates
+        evicted = mi_evict(
+            layer.keys,
+            layer.values,
+            alpha,
+            self.statistics.statistics(layer),
+            ranking.counts,
+            signals.scaling,
+            protected=ranking.protected,
+            valid=layer.valid,
+            chunk=self.evict_chunk,
+        )
+        return ~evicted if layer.valid is None else layer.valid & ~evicted
 
 
 def moment_bytes(cache: EvictionCache) -> int:
     """Bytes of moment statistics held by an :class:`~kvevict.cache.EvictionCache`."""
-    return sum(layer.memo[MOMENTS].nbytes for layer in cache.eviction_layers if MOMENTS in layer.memo)
+    observers = [stage for stage in cache.policy.stages if isinstance(stage, MomentStatistics)]
+    return sum(
+        stats.nbytes
+        for layer in cache.eviction_layers
+        for observer in observers
+        if (stats := observer.recorded(layer)) is not None
+    )
 
 
 def chunk_pool(scores: torch.Tensor, size: int) -> torch.Tensor:
@@ -77,7 +142,7 @@ def chunk_pool(scores: torch.Tensor, size: int) -> torch.Tensor:
     return (sums / lengths).repeat_interleave(size, dim=-1)[..., :n]
 
 
-class MomentKV(Policy):
+class MomentKV(Method):
     """MomentKV (seed 003, Algorithm 1): moment statistics of the evicted set drive both
     eviction (MI) and a corrected attention output (NC).
 
@@ -102,8 +167,14 @@ class MomentKV(Policy):
     attention (GQA mean), with the sink and the last ``window`` tokens kept.
 
     Head budgets: AdaKV's (``allocation="adakv"``, ``safeguard=0.2``, from the pooled ``α``),
-    as the paper's protocol; ``allocation="uniform"``: ``budget`` per head. Ablations: ``make_policy("momentkv", mi=False)`` (NC only),
+    as the paper's protocol; ``allocation="uniform"``: ``budget`` per head. An allocator named
+    over it (``pyramidkv+momentkv``) takes the place of this default, unless ``allocation`` or
+    ``safeguard`` was given. Ablations: ``make_policy("momentkv", mi=False)`` (NC only),
     ``nc=False`` (MI only), ``order=0``; NC over any other policy: ``moment-nc+<policy>``.
+
+    Stages: this scorer (``α``), sinks and window, the allocator, :class:`MomentMI` (top-k
+    when ``mi=False``), :class:`MomentNC` (none when ``nc=False``), and the
+    :class:`MomentStatistics` both read.
     """
 
     name = "momentkv"
@@ -112,45 +183,42 @@ class MomentKV(Policy):
         "NC over any policy: moment-nc+<policy>"
     )
     regimes = ("prefill", "both", "decode")
+    attention_scores = True
+    PARAMS = declare(
+        mi=flag(True),
+        nc=flag(True),
+        order=ORDER,
+        window=integer(32, low=1),
+        sinks=integer(1),
+        kernel=integer(7, low=1, odd=True),
+        pool_chunk=integer(4, low=1),
+        evict_chunk=integer(1, low=1),
+        group=GROUP,
+        allocation=choice(None, "adakv", "uniform", unset="'adakv', unless an allocator is named over momentkv"),
+        safeguard=number(None, 0, 1, unset="0.2, AdaKV's"),
+    )
 
-    def __init__(
-        self,
-        *,
-        mi: bool = True,
-        nc: bool = True,
-        order: int = 1,
-        window: int = 32,
-        sinks: int = 1,
-        kernel: int = 7,
-        pool_chunk: int = 4,
-        evict_chunk: int = 1,
-        group: GroupReduce = "mean",
-        allocation: Literal["adakv", "uniform"] = "adakv",
-        safeguard: float = 0.2,
-        regime: Regime | None = None,
-    ):
-        _check_order(self.name, order)
-        if allocation not in ("adakv", "uniform"):
-            raise ValueError(f"momentkv: allocation must be 'adakv' or 'uniform', got {allocation!r}")
-        if window < 1:
-            raise ValueError(f"momentkv: window must be >= 1, got {window}")
-        if kernel < 1 or kernel % 2 == 0:
-            raise ValueError(f"momentkv: kernel must be a positive odd number, got {kernel}")
-        if pool_chunk < 1 or evict_chunk < 1:
-            raise ValueError(
-                f"momentkv: pool_chunk and evict_chunk must be >= 1, got pool_chunk={pool_chunk}, "
-                f"evict_chunk={evict_chunk}"
-            )
-        super().__init__(sinks=sinks, window=window, regime=regime)
-        self.mi, self.nc, self.order = bool(mi), bool(nc), order
-        self.kernel, self.pool_chunk, self.evict_chunk, self.group = kernel, pool_chunk, evict_chunk, group
-        self.allocation, self.safeguard = allocation, safeguard
+    def stages(self) -> Stages:
+        statistics = MomentStatistics(order=self.order) if self.mi or self.nc else None
+        allocator = Uniform() if self.allocation == "uniform" else AdaKV(safeguard=self.safeguard)
+        return Stages(
+            scorer=self,
+            protector=SinksAndWindow(self.sinks, self.window),
+            allocator=allocator,
+            selector=MomentMI(statistics, self.evict_chunk) if self.mi else None,
+            corrector=MomentNC(order=self.order, statistics=statistics) if self.nc else None,
+            observers=() if statistics is None else (statistics,),
+            replaceable=frozenset(() if self.given("allocation") or self.given("safeguard") else ("allocator",)),
+        )
 
-    @property
-    def corrects_output(self) -> bool:
-        return self.nc
+    def clash_advice(self, stage: Stage) -> str:
+        if stage.slot == "selector":
+            return f"use {stage.name}+momentkv[mi=false] (no MI loop) or momentkv alone"
+        if stage.slot == "corrector":
+            return f"use {stage.name}+momentkv[nc=false] or momentkv alone (it applies NC)"
+        return f"leave momentkv's allocation and safeguard unset to let {stage.name} set the head budgets"
 
-    def requirements(self, phase: Phase, evicting: bool) -> Requirements:
+    def requirements(self, phase: Phase, evicting: bool, regime: Regime) -> Requirements:
         if not evicting:
             return NOTHING
         return Requirements(window=self.window) if phase == "prefill" else Requirements(last_query_attention=True)
@@ -163,73 +231,3 @@ class MomentKV(Policy):
         votes = snapkv_scores(signals.window_attention, layer.num_kv_heads, self.kernel, "max", self.group)
         before = votes.shape[-1] - signals.window_attention.shape[2]
         return torch.cat([chunk_pool(votes[..., :before], self.pool_chunk), votes[..., before:]], dim=-1)
-
-    def allocate(self, layer: EvictionLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
-        if self.allocation == "adakv":
-            return adakv_counts(scores, budget, self.safeguard)
-        return super().allocate(layer, scores, budget)
-
-    def select(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
-        scores = self.selection_scores(layer, signals, budget)  # α; protected +inf, padding -inf
-        counts = self.allocate(layer, scores, budget)
-        if not self.mi:
-            return keep_top(scores, counts)
-        protected = torch.isposinf(scores)
-        alpha = scores.masked_fill(~torch.isfinite(scores), 0.0)  # protected and padding are never candidates
-        stats = moments_of(layer, self.order)
-        evicted = mi_evict(
-            layer.keys,
-            layer.values,
-            alpha,
-            stats,
-            counts,
-            signals.scaling,
-            protected=protected,
-            valid=layer.valid,
-            chunk=self.evict_chunk,
-        )
-        return ~evicted if layer.valid is None else layer.valid & ~evicted
-
-    def on_evict(self, layer: EvictionLayer, evicted: torch.Tensor) -> None:
-        if self.mi or self.nc:
-            record_evictions(layer, evicted, self.order)
-
-    def correct_output(
-        self, layer: EvictionLayer, query: torch.Tensor, output: torch.Tensor, scaling: float
-    ) -> torch.Tensor:
-        return corrected_output(layer, query, output, scaling) if self.nc else output
-
-
-class MomentNC(Wrapper):
-    """MomentKV's normalization-corrected inference over any policy (seed 003, Eq. 12;
-    the "NC only" ablation with another scorer): ``moment-nc+<policy>``.
-
-    The inner policy decides what to evict, unchanged; every entry it drops is added to the
-    layer's moment statistics (``order=1``: ``n_e, Σk, Σv, Σ v kᵀ``; ``order=0``: no outer
-    product), and every later pass mixes the retained output with the moment estimate of
-    the evicted one: ``w_R = σ(log Z_R − log Ẑ_E)``, ``w_R f_R + (1 − w_R) f̂_E``.
-    Example: ``make_policy("moment-nc+h2o", sinks=2, **{"moment-nc": {"order": 0}})``.
-    """
-
-    prefix = "moment-nc"
-    summary = "MomentKV's normalization-corrected attention over any policy (moment-nc+<policy>)"
-
-    def __init__(self, inner: Policy, *, order: int = 1):
-        super().__init__(inner)
-        if inner.corrects_output:
-            raise ValueError(f"{self.name}: {inner.name!r} already corrects its attention output")
-        _check_order(self.name, order)
-        self.order = order
-
-    @property
-    def corrects_output(self) -> bool:
-        return True
-
-    def on_evict(self, layer: EvictionLayer, evicted: torch.Tensor) -> None:
-        self.inner.on_evict(layer, evicted)
-        record_evictions(layer, evicted, self.order)
-
-    def correct_output(
-        self, layer: EvictionLayer, query: torch.Tensor, output: torch.Tensor, scaling: float
-    ) -> torch.Tensor:
-        return corrected_output(layer, query, self.inner.correct_output(layer, query, output, scaling), scaling)

@@ -8,13 +8,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvevict.budgets import capped_share
-from kvevict.policies.base import Policy
+from kvevict.policies.base import Method, Protector, Stages
+from kvevict.policies.params import declare, integer, number
 from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals, group_reduce
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
 
-TIMESTAMP = "raas_timestamp"
+TIMESTAMP = "timestamp"
 PROMPT_TIMESTAMP = -1
 """Initial timestamp of prompt entries: older than any decode step (the prefill pass is step 0)."""
 
@@ -44,7 +45,7 @@ def raas_update(
     return torch.where(attended, torch.full_like(timestamp, step), timestamp)
 
 
-class RaaS(Policy):
+class RaaS(Method):
     """RaaS: keep the prompt, evict the decode token whose last "useful" step is oldest.
 
     DESIGN §3: every entry carries an int32 timestamp. A decode token starts at its own
@@ -72,24 +73,15 @@ class RaaS(Policy):
     summary = "keep the prompt; evict the token attended (>= median) longest ago (RaaS)"
     regimes = ("decode", "both")
 
-    def __init__(self, *, alpha: float | None = None, reserve: int | None = None, regime: Regime | None = None):
-        if alpha is not None and not 0 < alpha < 1:
-            raise ValueError(f"raas: alpha must be in (0, 1) or None (median rule), got {alpha}")
-        if reserve is not None and (isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 1):
-            raise ValueError(f"raas: reserve must be an integer >= 1 or None (min(128, budget // 4)), got {reserve!r}")
-        super().__init__(regime=regime)
-        self.alpha = alpha  # None: the median of the decode tokens' attention
-        self.reserve = reserve  # None: min(128, budget // 4)
+    PARAMS = declare(
+        alpha=number(None, 0, 1, open_low=True, open_high=True, unset="the median of the decode tokens' attention"),
+        reserve=integer(None, low=1, unset="min(128, budget // 4)"),
+    )
 
-    def decode_reserve(self, budget: int) -> int:
-        """Slots left for decode tokens before the prompt is protected."""
-        return max(1, capped_share(budget)) if self.reserve is None else self.reserve
+    def stages(self) -> Stages:
+        return Stages(scorer=self, protector=PromptWhileRoom(self.reserve))
 
-    def keeps_prompt(self, prompt_length: int, budget: int) -> bool:
-        """Whether the prompt is protected whole at this budget."""
-        return prompt_length + self.decode_reserve(budget) <= budget
-
-    def requirements(self, phase: Phase, evicting: bool) -> Requirements:
+    def requirements(self, phase: Phase, evicting: bool, regime: Regime) -> Requirements:
         # timestamps are refreshed at every decode step, evicting or not
         if phase == "decode" or evicting:
             return Requirements(last_query_attention=True)
@@ -111,14 +103,36 @@ class RaaS(Policy):
         attention = group_reduce(signals.last_query_attention.float(), layer.num_kv_heads, "max")
         if signals.phase == "decode":
             step, reference = layer.decode_step, layer.positions >= layer.prompt_length
+            if layer.valid is not None:  # padding of head-wise budgets is no decode token
+                reference = reference & layer.valid
         else:  # prefill compression ("both"): step 0, the prompt's own attention is the reference
             step, reference = 0, None
-        layer.state[TIMESTAMP] = raas_update(layer.state[TIMESTAMP], attention, step, reference, self.alpha)
+        state = self.state(layer)
+        state[TIMESTAMP] = raas_update(state[TIMESTAMP], attention, step, reference, self.alpha)
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
         """``TS·(seen + 1) + position`` in float64 (exact): the timestamp orders, the
         position breaks ties in favour of the more recent entry."""
-        return layer.state[TIMESTAMP].double() * (layer.seen + 1) + layer.positions.double()
+        return self.state(layer)[TIMESTAMP].double() * (layer.seen + 1) + layer.positions.double()
+
+
+class PromptWhileRoom(Protector):
+    """RaaS's protection: at decode, the whole prompt, while it leaves ``reserve`` slots
+    (default ``min(128, budget // 4)``, at least 1) for decode tokens."""
+
+    name = "prompt-while-room"
+
+    def __init__(self, reserve: int | None):
+        super().__init__()
+        self.reserve = reserve
+
+    def decode_reserve(self, budget: int) -> int:
+        """Slots left for decode tokens before the prompt is protected."""
+        return max(1, capped_share(budget)) if self.reserve is None else self.reserve
+
+    def keeps_prompt(self, prompt_length: int, budget: int) -> bool:
+        """Whether the prompt is protected whole at this budget."""
+        return prompt_length + self.decode_reserve(budget) <= budget
 
     def protected(self, layer: EvictionLayer, budget: int) -> torch.Tensor:
         if layer.passes > 1 and self.keeps_prompt(layer.prompt_length, budget):

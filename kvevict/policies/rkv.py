@@ -9,33 +9,43 @@ import torch
 import torch.nn.functional as F
 
 from kvevict.budgets import capped_share
-from kvevict.policies.base import Policy
-from kvevict.signals import Regime, Signals, attention_logits, group_reduce
+from kvevict.policies.base import Method
+from kvevict.policies.params import declare, integer, number
+from kvevict.signals import Signals, attention_logits, group_reduce
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
 
-QUERIES = "rkv_queries"
+QUERIES = "queries"
 """``layer.memo`` key of the post-RoPE queries of the last ``window`` tokens, ``[B, Hq, ≤w, d]``."""
 
 
-def rkv_importance(queries: torch.Tensor, keys: torch.Tensor, scaling: float, kernel: int = 7) -> torch.Tensor:
-    """R-KV's attention importance of ``keys`` ``[B, Hkv, m, d]`` (the non-window keys) from
-    ``queries`` ``[B, Hq, r, d]`` (the last ``r`` queries, all after the keys: no mask).
+def rkv_importance(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    kernel: int = 7,
+    candidates: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """R-KV's attention importance of ``keys`` ``[B, Hkv, m, d]`` from ``queries``
+    ``[B, Hq, r, d]`` (the last ``r`` queries, all after the keys: no causal mask).
 
     Logits ``q·k·scaling`` are reduced over each GQA group by **max** (before the softmax),
-    softmaxed over the ``m`` keys, averaged over the ``r`` queries and smoothed by a 1-D max
-    pool of width ``kernel`` (stride 1, same length). Returns ``[B, Hkv, m]`` fp32.
+    softmaxed over the candidate keys (``candidates`` ``[B, Hkv, m]`` bool: the non-window
+    entries; default all; the others get 0), averaged over the ``r`` queries and smoothed by a
+    1-D max pool of width ``kernel`` (stride 1, same length). Returns ``[B, Hkv, m]`` fp32.
     """
-    logits = attention_logits(queries, keys, scaling, causal=False)  # [B, Hq, r, m]
-    importance = group_reduce(logits, keys.shape[1], "max").softmax(dim=-1).mean(dim=2)  # [B, Hkv, m]
+    logits = attention_logits(queries, keys, scaling, candidates, causal=False)  # [B, Hq, r, m]
+    reduced = group_reduce(logits, keys.shape[1], "max").softmax(dim=-1).nan_to_num(0.0)  # no candidate: 0
+    importance = reduced.mean(dim=2)  # [B, Hkv, m]
     if kernel > 1:
         importance = F.max_pool1d(importance, kernel, stride=1, padding=kernel // 2)
     return importance
 
 
-def rkv_redundancy(keys: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
-    """R-KV's redundancy of each key among ``keys`` ``[B, H, n, d]``; returns ``[B, H, n]`` fp32.
+def rkv_redundancy(keys: torch.Tensor, threshold: float = 0.5, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """R-KV's redundancy of each key among ``keys`` ``[B, H, n, d]``; returns ``[B, H, n]`` fp32
+    (over the real entries of each head where ``valid`` ``[B, H, n]`` marks them; 0 on padding).
 
     Exactly (DESIGN §3, per head, fp32): ``K̂`` = keys divided by their L2 norm (+1e-8);
     ``S = K̂K̂ᵀ`` with a zero diagonal; in every row ``i`` that has near-duplicates
@@ -49,23 +59,24 @@ def rkv_redundancy(keys: torch.Tensor, threshold: float = 0.5) -> torch.Tensor:
     only, each one is the other's newest near-duplicate, so neither penalises the other.
     Memory: one ``n × n`` matrix per head at a time (``n`` ≤ budget + interval).
     """
-    out = keys.new_empty(keys.shape[:3], dtype=torch.float32)
-    index = torch.arange(keys.shape[2], device=keys.device)
+    out = keys.new_zeros(keys.shape[:3], dtype=torch.float32)
     for b in range(keys.shape[0]):
         for h in range(keys.shape[1]):
-            k = keys[b, h].float()
+            real = slice(None) if valid is None else valid[b, h]
+            k = keys[b, h][real].float()
             k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
             sim = k @ k.T
             sim.fill_diagonal_(0.0)
             near = sim > threshold
+            index = torch.arange(k.shape[0], device=keys.device)
             newest = torch.where(near, index, -1).amax(dim=-1)  # -1: no near-duplicate
             rows = (newest >= 0).nonzero().squeeze(-1)
             sim[rows, newest[rows]] = 0.0
-            out[b, h] = sim.mean(dim=0).softmax(dim=-1)
+            out[b, h][real] = sim.mean(dim=0).softmax(dim=-1)
     return out
 
 
-class RKV(Policy):
+class RKV(Method):
     """R-KV: every ``W`` decode steps, keep the important and non-redundant tokens.
 
     DESIGN §3. Once the cache exceeds the budget ``B``, every ``interval`` (``W``) decode
@@ -94,51 +105,33 @@ class RKV(Policy):
     name = "rkv"
     summary = "every W steps keep important, non-redundant tokens (attention - key similarity)"
     regimes = ("decode", "both")
-
-    def __init__(
-        self,
-        *,
-        window: int = 8,
-        interval: int | None = None,
-        kernel: int = 7,
-        mix_lambda: float = 0.1,
-        threshold: float = 0.5,
-        regime: Regime | None = None,
-    ):
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"rkv: window must be an integer >= 1, got {window!r}")
-        if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 1):
-            raise ValueError(f"rkv: interval must be an integer >= 1 or None (min(128, budget // 2)), got {interval!r}")
-        if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
-            raise ValueError(f"rkv: kernel must be a positive odd number, got {kernel!r}")
-        if not 0 <= mix_lambda <= 1:
-            raise ValueError(f"rkv: mix_lambda must be in [0, 1], got {mix_lambda}")
-        if not -1 <= threshold < 1:
-            raise ValueError(f"rkv: threshold (cosine similarity) must be in [-1, 1), got {threshold}")
-        super().__init__(window=window, regime=regime)
-        self.interval = interval  # None: min(128, budget // 2)
-        self.kernel = kernel
-        self.mix_lambda = mix_lambda
-        self.threshold = threshold
+    PARAMS = declare(
+        window=integer(8, low=1),
+        interval=integer(None, low=1, unset="min(128, budget // 2)"),
+        kernel=integer(7, low=1, odd=True),
+        mix_lambda=number(0.1, 0, 1),
+        threshold=number(0.5, -1, 1, open_high=True),
+    )
 
     def default_interval(self, budget: int) -> int:
         return max(1, capped_share(budget, divisor=2)) if self.interval is None else self.interval
 
     def observe(self, layer: EvictionLayer, signals: Signals) -> None:
         """Keep the post-RoPE queries of the last ``window`` tokens (every pass)."""
+        memo = self.memo(layer)
         recent = signals.query[:, :, -self.window :].detach()
-        previous = layer.memo.get(QUERIES)
+        previous = memo.get(QUERIES)
         if previous is not None and recent.shape[2] < self.window:
             recent = torch.cat([previous.to(recent.dtype), recent], dim=2)[:, :, -self.window :]
-        layer.memo[QUERIES] = recent.clone()
+        memo[QUERIES] = recent.clone()
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
-        n = layer.length
-        m = n - min(self.window, n)  # the window is the last entries (always retained)
+        window = layer.positions >= layer.seen - self.window  # the most recent entries (always retained)
+        candidates = ~window if layer.valid is None else layer.valid & ~window
         scores = torch.full(layer.positions.shape, float("inf"), device=layer.positions.device)
-        if m == 0:
+        if not bool(candidates.any()):
             return scores
-        importance = rkv_importance(layer.memo[QUERIES], layer.keys[:, :, :m], signals.scaling, self.kernel)
-        redundancy = rkv_redundancy(layer.keys, self.threshold)[..., :m]
-        scores[..., :m] = self.mix_lambda * importance - (1 - self.mix_lambda) * redundancy
-        return scores
+        importance = rkv_importance(self.memo(layer)[QUERIES], layer.keys, signals.scaling, self.kernel, candidates)
+        redundancy = rkv_redundancy(layer.keys, self.threshold, layer.valid)
+        mixed = self.mix_lambda * importance - (1 - self.mix_lambda) * redundancy
+        return torch.where(candidates, mixed, scores)

@@ -1,7 +1,8 @@
 """Selection rules shared by the EpiKV paper's decode-time policies (seed 000, App. D).
 
-* :class:`PromptKeeping`: the prompt is kept whole and the recent ``min(128, K/4)`` tokens
-  are kept; the rest of the budget ``K`` goes to the top decode tokens by score.
+* :class:`PromptKeeping` (with its :class:`PromptAndWindow` protector): the prompt is kept
+  whole and the recent ``min(128, K/4)`` tokens are kept; the rest of the budget ``K`` goes to
+  the top decode tokens by score.
 * :func:`within_group_rank` and :func:`select_by_tiers`: lexicographic selection (a tier
   first, then a value), used by the per-chunk (LagKV) and per-segment (ThinKV) quotas.
 """
@@ -12,15 +13,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.budgets import capped_share
-from kvevict.policies.base import Policy, keep_top
+from kvevict.policies.base import Method, Protector, Stages, keep_top, window_size
+from kvevict.policies.h2o import RECENT_WINDOW
+from kvevict.policies.params import declare
 from kvevict.signals import Regime
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
 
 
-class PromptKeeping(Policy):
+class PromptKeeping(Method):
     """Decode-time base: prompt kept, recent ``min(128, K/4)`` kept, top decode tokens by score.
 
     Like RaaS, the prompt is protected only while it leaves room for the recent window
@@ -33,17 +35,24 @@ class PromptKeeping(Policy):
     """
 
     regimes: tuple[Regime, ...] = ("decode",)
+    PARAMS = declare(window=RECENT_WINDOW)
 
-    def __init__(self, *, window: int | None = None, regime: Regime | None = None):
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 0):
-            raise ValueError(
-                f"{self.name}: window must be an integer >= 0 or None (min(128, budget // 4)), got {window!r}"
-            )
-        super().__init__(regime=regime)
-        self.window = window  # None: scales with the budget, see recent_window
+    def stages(self) -> Stages:
+        return Stages(scorer=self, protector=PromptAndWindow(self.window))
+
+
+class PromptAndWindow(Protector):
+    """The recent window (``window`` tokens; None: ``min(128, budget // 4)``) and, while it
+    fits beside the window, the whole prompt."""
+
+    name = "prompt-and-window"
+
+    def __init__(self, window: int | None):
+        super().__init__()
+        self.window = window
 
     def recent_window(self, budget: int) -> int:
-        return capped_share(budget) if self.window is None else self.window
+        return window_size(self.window, budget)
 
     def keeps_prompt(self, prompt_length: int, budget: int) -> bool:
         """Whether the prompt is protected whole at this budget."""
@@ -57,9 +66,17 @@ class PromptKeeping(Policy):
         return keep
 
 
-def within_group_rank(groups: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def within_group_rank(
+    groups: torch.Tensor, values: torch.Tensor, positions: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rank of each entry among the entries of its group by ``values`` (0 = highest), along
-    the last dimension; ties keep the earlier entry first. ``groups`` is an integer tensor."""
+    the last dimension; ties keep the earlier entry first: the one at the lower ``positions``
+    (storage reuses slots, so the index says nothing of age), else the lower index. ``groups``
+    is an integer tensor."""
+    if positions is not None:
+        order = positions.argsort(dim=-1, stable=True)
+        rank = within_group_rank(groups.gather(-1, order), values.gather(-1, order))
+        return torch.empty_like(rank).scatter_(-1, order, rank)
     n = values.shape[-1]
     by_value = values.argsort(dim=-1, descending=True, stable=True)
     by_group = groups.gather(-1, by_value).argsort(dim=-1, stable=True)
@@ -71,10 +88,24 @@ def within_group_rank(groups: torch.Tensor, values: torch.Tensor) -> torch.Tenso
     return torch.empty_like(order).scatter_(-1, order, index - first)
 
 
-def select_by_tiers(tiers: torch.Tensor, values: torch.Tensor, budget: int) -> torch.Tensor:
-    """Keep mask ``[B, H, n]`` of the ``budget`` entries with the highest tier, ties broken
-    by the highest value (then the more recent entry)."""
+def select_by_tiers(
+    tiers: torch.Tensor,
+    values: torch.Tensor,
+    counts: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Keep mask ``[B, H, n]`` of the ``counts[b, h]`` entries of each head with the highest
+    tier, ties broken by the highest value (then the more recent entry: the higher
+    ``positions``, else the higher index); padding (``valid`` false) comes last."""
+    if positions is not None:
+        order = positions.argsort(dim=-1, stable=True)
+        gathered = None if valid is None else valid.gather(-1, order)
+        keep = select_by_tiers(tiers.gather(-1, order), values.gather(-1, order), counts, gathered)
+        return torch.empty_like(keep).scatter_(-1, order, keep)
     n = values.shape[-1]
     value_rank = values.float().argsort(dim=-1, stable=True).argsort(dim=-1)
+    if valid is not None:
+        tiers = tiers.masked_fill(~valid, -1)
     key = tiers.double() * n + value_rank.double()
-    return keep_top(key, torch.full(key.shape[:2], min(budget, n), device=key.device))
+    return keep_top(key, counts)

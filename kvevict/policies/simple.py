@@ -6,38 +6,40 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Policy
-from kvevict.signals import Phase, Regime, Signals
+from kvevict.policies.base import Method
+from kvevict.policies.params import declare, integer
+from kvevict.signals import Signals
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
 
+SINKS_AND_WINDOW = declare(sinks=integer(0), window=integer(0))
+"""The protector's parameters of the simple methods: first and most recent tokens always kept."""
 
-class Full(Policy):
+
+class Full(Method):
     """No eviction: the reference every other policy is compared with."""
 
     name = "full"
     summary = "no eviction (the full cache)"
-
-    def evicts_in(self, phase: Phase) -> bool:
-        return False
+    evicts = False
 
 
-class Random(Policy):
-    """Keeps a uniformly random subset (seeded, reproducible): each sequence draws from its
-    own generator seeded with ``seed``, so a row of a batch draws what it draws alone."""
+class Random(Method):
+    """Keeps a uniformly random subset, reproducible: every sequence draws from its own
+    generator seeded with ``seed`` (the same choices on every new cache, and a row of a
+    batch draws what it draws alone)."""
 
     name = "random"
     summary = "keep a seeded random subset of the entries"
     regimes = ("prefill", "decode", "both")
-
-    def __init__(self, *, seed: int = 0, sinks: int = 0, window: int = 0, regime: Regime | None = None):
-        super().__init__(sinks=sinks, window=window, regime=regime)
-        self.seed = seed
+    PARAMS = declare(**SINKS_AND_WINDOW, seed=integer(0))
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
-        generator = layer.owner.shared.setdefault("random.generator", torch.Generator().manual_seed(self.seed))
-        return torch.rand(layer.positions.shape, generator=generator).to(layer.positions.device)
+        shared = self.shared(layer.owner)
+        if "generator" not in shared:
+            shared["generator"] = torch.Generator().manual_seed(self.seed)
+        return torch.rand(layer.positions.shape, generator=shared["generator"]).to(layer.positions.device)
 
 
 def knorm_scores(keys: torch.Tensor) -> torch.Tensor:
@@ -45,18 +47,19 @@ def knorm_scores(keys: torch.Tensor) -> torch.Tensor:
     return -keys.float().norm(dim=-1)
 
 
-class KNorm(Policy):
+class KNorm(Method):
     """KNorm: evict the keys with the largest L2 norm (score ``-‖k‖₂``, DESIGN §3)."""
 
     name = "knorm"
     summary = "evict the keys with the largest L2 norm (score -||k||)"
     regimes = ("prefill", "decode", "both")
+    PARAMS = SINKS_AND_WINDOW
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
         return knorm_scores(layer.keys)
 
 
-class StreamingLLM(Policy):
+class StreamingLLM(Method):
     """StreamingLLM (Xiao et al., 2024): attention sinks plus the most recent tokens.
 
     Default: 4 sinks; every other retained entry is the most recent (score = position).
@@ -64,9 +67,7 @@ class StreamingLLM(Policy):
 
     name = "streamingllm"
     summary = "keep 4 attention sinks + the most recent tokens"
-
-    def __init__(self, *, sinks: int = 4, regime: Regime | None = None):
-        super().__init__(sinks=sinks, window=0, regime=regime)
+    PARAMS = declare(sinks=integer(4))
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
         return layer.positions.float()

@@ -7,11 +7,15 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn.functional as F
 
-from kvevict.policies.base import Policy
-from kvevict.signals import NOTHING, GroupReduce, Phase, Requirements, Signals, group_reduce
+from kvevict.policies.base import Method
+from kvevict.policies.h2o import GROUP
+from kvevict.policies.params import choice, declare, integer
+from kvevict.signals import NOTHING, GroupReduce, Phase, Regime, Requirements, Signals, group_reduce
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
+
+POOLING = declare(kernel=integer(7, low=1, odd=True), pool=choice("max", "max", "avg"))
 
 
 def snapkv_scores(
@@ -43,7 +47,7 @@ def snapkv_scores(
     return F.pad(scores, (0, w), value=float("inf"))
 
 
-class SnapKV(Policy):
+class SnapKV(Method):
     """SnapKV: compress the prompt once by the votes of its last ``window`` queries.
 
     DESIGN §3: the last ``w=32`` queries (post-RoPE, causal inside the window) attend to all
@@ -53,30 +57,13 @@ class SnapKV(Policy):
     """
 
     name = "snapkv"
+    comparable_scores = True  # attention probabilities
     summary = "compress the prompt by the attention of its last 32 queries, max-pooled (prefill)"
     regimes = ("prefill",)
+    attention_scores = True
+    PARAMS = declare(window=integer(32, low=1), **POOLING, group=GROUP, sinks=integer(0))
 
-    def __init__(
-        self,
-        *,
-        window: int = 32,
-        kernel: int = 7,
-        pool: Literal["max", "avg"] = "max",
-        group: GroupReduce = "mean",
-        sinks: int = 0,
-    ):
-        if window < 1:
-            raise ValueError(f"snapkv: window must be >= 1, got {window}")
-        if pool not in ("max", "avg"):
-            raise ValueError(f"snapkv: pool must be 'max' or 'avg', got {pool!r}")
-        if kernel < 1 or kernel % 2 == 0:
-            raise ValueError(f"snapkv: kernel must be a positive odd number, got {kernel}")
-        super().__init__(sinks=sinks, window=window, regime="prefill")
-        self.kernel = kernel
-        self.pool = pool
-        self.group = group
-
-    def requirements(self, phase: Phase, evicting: bool) -> Requirements:
+    def requirements(self, phase: Phase, evicting: bool, regime: Regime) -> Requirements:
         return Requirements(window=self.window) if evicting else NOTHING
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:

@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvevict.policies.base import Ranking, Scorer, Selector, SinksAndWindow, Stage, Stages
 from kvevict.policies.epikv import EpiKV
-from kvevict.policies.h2o import ACCUMULATED, H2O
+from kvevict.policies.h2o import GROUP, RECENT_WINDOW, CumulativeAttention
+from kvevict.policies.params import Param, declare, integer, is_integer
 from kvevict.policies.selection import select_by_tiers, within_group_rank
 from kvevict.signals import Phase, Regime, Requirements, Signals
 
@@ -40,9 +42,9 @@ QUOTAS = {"E": 32, "R": 64, "T": 8}
 CLASSES = ("E", "R", "T")
 """Classes by increasing attention entropy (thirds)."""
 ENTROPY_LAYERS = 4
-ENTROPY = "thinkv_entropy"
-SEGMENTS = "thinkv_segments"
-SEGMENT_ENTROPY = "thinkv_segment_entropy"
+ENTROPY = "entropy"
+SEGMENTS = "segments"
+SEGMENT_ENTROPY = "segment_entropy"
 
 
 def attention_entropy(rows: torch.Tensor) -> torch.Tensor:
@@ -57,60 +59,51 @@ def classify_by_thirds(entropies: torch.Tensor) -> list[str]:
     return ["E" if e < low else "T" if e > high else "R" for e in entropies.double().tolist()]
 
 
-class ThinKV(H2O):
-    """ThinKV (attention-requiring, decode): thought segments classified R/E/T by attention
-    entropy, per-segment quotas R 64 / E 32 / T 8 ranked by cumulative attention, recent
-    ``min(128, K/4)`` kept (see the module docstring for the exact rules).
+QUOTAS_PARAM = Param(
+    QUOTAS,
+    "a mapping with an integer >= 0 for each of R, E, T",
+    lambda v: isinstance(v, dict) and set(v) == set(CLASSES) and all(is_integer(q) and q >= 0 for q in v.values()),
+    convert=dict,
+)
+SEGMENT_PARAMS = declare(
+    segment=integer(SEGMENT, low=1),
+    quotas=QUOTAS_PARAM,
+    entropy_layers=integer(ENTROPY_LAYERS, low=1),
+)
 
-    Args:
-        segment: segment length (128). quotas: ``{"R": 64, "E": 32, "T": 8}``.
-        entropy_layers: the last layers whose entropy classifies (4).
-        window: recent tokens kept (None: ``min(128, budget // 4)``).
-    """
 
-    name = "thinkv"
-    summary = "segments classified R/E/T by attention entropy; per-segment quotas 64/32/8 by attention (ThinKV)"
-    regimes = ("decode",)
+class SegmentQuotas(Selector):
+    """ThinKV's selection (see the module docstring): the recent window first (the protected
+    entries), then segments not classified yet, then each classified segment's quota of its
+    entries ranked best by ``scorer``'s score, then the rest, up to each head's count. Reads
+    the last query's attention of every pass for the entropy that classifies the segments."""
 
-    def __init__(
-        self,
-        *,
-        segment: int = SEGMENT,
-        quotas: dict[str, int] | None = None,
-        entropy_layers: int = ENTROPY_LAYERS,
-        window: int | None = None,
-        regime: Regime | None = None,
-    ):
-        quotas = dict(QUOTAS if quotas is None else quotas)
-        if set(quotas) != set(CLASSES) or any(not isinstance(v, int) or v < 0 for v in quotas.values()):
-            raise ValueError(f"{self.name}: quotas must give an integer >= 0 for each of R, E, T, got {quotas!r}")
-        for label, value in (("segment", segment), ("entropy_layers", entropy_layers)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{self.name}: {label} must be an integer >= 1, got {value!r}")
-        super().__init__(sinks=0, window=window, regime=regime)
-        self.segment = segment
-        self.quotas = quotas
-        self.entropy_layers = entropy_layers
+    name = "thinkv-quotas"
+
+    def __init__(self, scorer: Scorer, segment: int, quotas: dict[str, int], entropy_layers: int):
+        super().__init__()
+        self.scorer = scorer
+        """The method's scorer: its own scores, recent entries included, rank within a segment."""
+        self.segment, self.quotas, self.entropy_layers = segment, quotas, entropy_layers
         self._first_entropy_layer = 0
 
     def bind(self, config: PretrainedConfig) -> None:
         self._first_entropy_layer = max(0, config.num_hidden_layers - self.entropy_layers)
 
-    def requirements(self, phase: Phase, evicting: bool) -> Requirements:
-        return Requirements(column_sums=True, last_query_attention=True)
+    def requirements(self, phase: Phase, evicting: bool, regime: Regime) -> Requirements:
+        return Requirements(last_query_attention=True)
 
     def observe(self, layer: EvictionLayer, signals: Signals) -> None:
-        super().observe(layer, signals)
         if layer.layer_idx >= self._first_entropy_layer:
             entropy = attention_entropy(signals.last_query_attention)[0].item()
-            sums = layer.owner.shared.setdefault(ENTROPY, {})
+            sums = self.shared(layer.owner).setdefault(ENTROPY, {})
             for position in range(layer.seen - signals.num_new, layer.seen):
                 total, count = sums.get(position, (0.0, 0))
                 sums[position] = (total + entropy, count + 1)
 
     def segment_classes(self, layer: EvictionLayer) -> dict[int, str]:
         """Classes of the segments complete in every entropy layer (classified once, frozen)."""
-        shared = layer.owner.shared
+        shared = self.shared(layer.owner)
         sums: dict[int, tuple[float, int]] = shared.setdefault(ENTROPY, {})
         classes: dict[int, str] = shared.setdefault(SEGMENTS, {})
         means: list[float] = shared.setdefault(SEGMENT_ENTROPY, [])
@@ -125,25 +118,58 @@ class ThinKV(H2O):
             for p in members:  # classified: the per-token entropies are no longer needed
                 del sums[p]
 
-    def rank_values(self, layer: EvictionLayer) -> torch.Tensor:
-        """What ranks the entries inside a segment (higher kept): cumulative attention."""
-        return layer.state[ACCUMULATED]
-
-    def select(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
+    def keep(self, layer: EvictionLayer, signals: Signals, ranking: Ranking) -> torch.Tensor:
         classes = self.segment_classes(layer)
-        values = self.rank_values(layer).float()
         segment = torch.div(layer.positions, self.segment, rounding_mode="floor")
         quota = torch.tensor(
             [self.quotas[classes[s]] if s in classes else -1 for s in range(int(segment.max()) + 1)],
             device=segment.device,
         )[segment]
-        in_quota = within_group_rank(segment, values) < quota
+        values = self.scorer.score(layer, signals).float()
+        if layer.valid is not None:  # padding ranks below every real entry of its segment
+            values = values.masked_fill(~layer.valid, float("-inf"))
+        in_quota = within_group_rank(segment, values, layer.positions) < quota
         tiers = torch.where(quota < 0, 2, torch.where(in_quota, 1, 0))
-        tiers = torch.where(layer.positions >= layer.seen - self.recent_window(budget), 3, tiers)
-        return select_by_tiers(tiers, values, budget)
+        tiers = torch.where(ranking.protected, 3, tiers)
+        return select_by_tiers(tiers, values, ranking.counts, layer.valid, layer.positions)
 
 
-class SegmentHS(ThinKV):
+def segment_stages(method: ThinKV | SegmentHS) -> Stages:
+    """The stages of the segment methods: the method's score, the recent window, the quotas."""
+    return Stages(
+        scorer=method,
+        protector=SinksAndWindow(0, method.window),
+        selector=SegmentQuotas(method, method.segment, method.quotas, method.entropy_layers),
+    )
+
+
+class ThinKV(CumulativeAttention):
+    """ThinKV (attention-requiring, decode): thought segments classified R/E/T by attention
+    entropy, per-segment quotas R 64 / E 32 / T 8 ranked by cumulative attention, recent
+    ``min(128, K/4)`` kept (see the module docstring for the exact rules).
+
+    Stages: cumulative attention (H2O's, GQA ``group``) as the scorer, the recent window as the
+    protector, :class:`SegmentQuotas` as the selector (any allocator may set the counts).
+
+    Args:
+        segment: segment length (128). quotas: ``{"R": 64, "E": 32, "T": 8}``.
+        entropy_layers: the last layers whose entropy classifies (4).
+        window: recent tokens kept (None: ``min(128, budget // 4)``).
+    """
+
+    name = "thinkv"
+    summary = "segments classified R/E/T by attention entropy; per-segment quotas 64/32/8 by attention (ThinKV)"
+    regimes = ("decode",)
+    PARAMS = declare(window=RECENT_WINDOW, group=GROUP, **SEGMENT_PARAMS)
+
+    def stages(self) -> Stages:
+        return segment_stages(self)
+
+    def clash_advice(self, stage: Stage) -> str:
+        return f"{self.name} selects by its own segment quotas: use it alone or under an allocator"
+
+
+class SegmentHS(EpiKV):
     """Segment-HS, seed 000's segment hybrid: ThinKV's segments, classes and quotas, with the
     entries of a segment ranked by the EpiKV score ``z_A − z_B`` instead of attention
     (attention is still read for the entropy that classifies the segments).
@@ -153,26 +179,7 @@ class SegmentHS(ThinKV):
 
     name = "segment-hs"
     summary = "ThinKV segments and quotas, entries ranked by the EpiKV hidden-state score (hybrid)"
+    PARAMS = declare(**EpiKV.PARAMS, **SEGMENT_PARAMS)
 
-    def __init__(self, *, layers: tuple[int, int] | None = None, rolling: int = 64, **thinkv: object):
-        super().__init__(**thinkv)
-        self._epikv = EpiKV(layers=layers, rolling=rolling)
-        self.layers = layers
-        self.rolling = rolling
-
-    @property
-    def hidden_context(self) -> int:
-        return self._epikv.hidden_context
-
-    def bind(self, config: PretrainedConfig) -> None:
-        super().bind(config)
-        self._epikv.bind(config)
-
-    def hidden_layers(self, num_layers: int) -> tuple[int, ...]:
-        return self._epikv.hidden_layers(num_layers)
-
-    def hidden_scores(self, changes: dict[int, torch.Tensor]) -> torch.Tensor:
-        return self._epikv.hidden_scores(changes)
-
-    def rank_values(self, layer: EvictionLayer) -> torch.Tensor:
-        return layer.owner.hidden.lookup(layer.positions)
+    stages = segment_stages
+    clash_advice = ThinKV.clash_advice

@@ -6,7 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Policy
+from kvevict.policies.base import Method
+from kvevict.policies.simple import SINKS_AND_WINDOW
 from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals
 
 if TYPE_CHECKING:
@@ -20,7 +21,7 @@ def tova_scores(last_query_attention: torch.Tensor, num_kv_heads: int) -> torch.
     return row.expand(-1, num_kv_heads, -1)
 
 
-class TOVA(Policy):
+class TOVA(Method):
     """TOVA: at every step drop the entry the current query attends to least.
 
     Score (DESIGN §3): attention of the current (last) query, mean over all query heads of
@@ -28,12 +29,12 @@ class TOVA(Policy):
     """
 
     name = "tova"
+    comparable_scores = True  # attention probabilities
     summary = "evict the entry the current query attends least (mean over heads)"
+    attention_scores = True
+    PARAMS = SINKS_AND_WINDOW
 
-    def __init__(self, *, sinks: int = 0, window: int = 0, regime: Regime | None = None):
-        super().__init__(sinks=sinks, window=window, regime=regime)
-
-    def requirements(self, phase: Phase, evicting: bool) -> Requirements:
+    def requirements(self, phase: Phase, evicting: bool, regime: Regime) -> Requirements:
         return Requirements(last_query_attention=True) if evicting else NOTHING
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:

@@ -110,7 +110,8 @@ def test_tracking_equals_a_brute_force_recomputation(arch: str) -> None:
     found = layer_mri(cache)
     for layer, records, mri in zip(cache.eviction_layers, passes, found):
         assert layer.length == ids.shape[-1] + steps - 1  # nothing evicted
-        assert layer.state[MRI].dtype == layer.state[TIMESTAMP].dtype == torch.int32
+        state = cache.policy.method.state(layer)
+        assert state[MRI].dtype == state[TIMESTAMP].dtype == torch.int32
         expected = brute_force_mri(records, layer.num_kv_heads, ids.shape[-1] - 1, alpha)
         np.testing.assert_array_equal(mri, expected)
     values = np.concatenate([m.reshape(-1) for m in found])
@@ -118,9 +119,9 @@ def test_tracking_equals_a_brute_force_recomputation(arch: str) -> None:
 
 
 def test_alpha_defaults_to_the_model_family() -> None:
-    assert recurrence_cache(tiny_model("llama")).policy.alpha == ALPHA_LLAMA
-    assert recurrence_cache(tiny_model("qwen2")).policy.alpha == ALPHA_QWEN
-    assert recurrence_cache(tiny_model("qwen2"), alpha=0.01).policy.alpha == 0.01
+    assert recurrence_cache(tiny_model("llama")).policy.method.alpha == ALPHA_LLAMA
+    assert recurrence_cache(tiny_model("qwen2")).policy.method.alpha == ALPHA_QWEN
+    assert recurrence_cache(tiny_model("qwen2"), alpha=0.01).policy.method.alpha == 0.01
 
 
 def test_run_recurrence_applies_the_template_and_accumulates(monkeypatch) -> None:
@@ -212,7 +213,7 @@ def test_analyze_needs_an_analysis(capsys) -> None:
     [
         (["--prompt-set", "nope"], "unknown prompt set 'nope'"),
         (["--prompt-set", "missing.jsonl"], "prompt file missing.jsonl does not exist"),
-        (["--alpha", "2"], "alpha must be in (0, 1)"),
+        (["--alpha", "2"], "parameter 'alpha' expects a number in (0, 1)"),
         (["--samples", "0"], "--samples and --max-new-tokens must be >= 1"),
         (["--max-new-tokens", "0"], "--samples and --max-new-tokens must be >= 1"),
     ],

@@ -73,19 +73,83 @@ def test_flash_kernels_refuse_head_wise_budgets() -> None:
 
 
 def test_composition_errors_name_what_is_allowed() -> None:
-    with pytest.raises(ValueError, match="wrappers .*critical"):
+    with pytest.raises(ValueError, match="prefixes .*critical"):
         kvevict.make_policy("nonsense+snapkv")
-    with pytest.raises(ValueError, match="safeguard"):
+    with pytest.raises(ValueError, match=r"adakv: parameter 'safeguard' expects a number in \[0, 1\], got 2"):
         kvevict.make_policy("adakv+snapkv", adakv={"safeguard": 2})
     policy = kvevict.make_policy("critical+adakv+snapkv", critical={"alpha": 0.0}, window=16)
-    assert policy.name == "critical+adakv+snapkv" and policy.alpha == 0.0 and policy.window == 16
+    assert policy.name == "critical+adakv+snapkv" and policy.selector.alpha == 0.0 and policy.method.window == 16
     assert kvevict.make_policy("pyramidkv").name == "pyramidkv+snapkv"
 
 
-def test_wrappers_keep_the_hidden_state_hooks_of_what_they_wrap() -> None:
+def test_allocators_keep_the_hidden_state_hooks_of_the_method() -> None:
     model = tiny_model()
-    cache = kvevict.EvictionCache(model, "critical+epikv", budget=40)
+    cache = kvevict.EvictionCache(model, "adakv+epikv", budget=40)
     assert cache.hidden is not None and cache.policy.hidden_context == kvevict.make_policy("epikv").hidden_context
     sequences, _ = greedy(model, prompt(20), cache, new_tokens=30)
     assert cache.hidden.scored == sequences.shape[1] - 1
     cache.close()
+
+
+def test_global_counts_share_one_pool_over_layers_and_heads() -> None:
+    from kvevict.budgets import global_counts
+
+    inf = float("inf")
+    layer0 = torch.tensor([[[inf, 0.9, 0.8, 0.7], [inf, 0.1, 0.1, 0.1]]])
+    layer1 = torch.tensor([[[inf, 0.5, 0.4, 0.3], [inf, 0.95, 0.2, 0.05]]])
+    # budget 2: each head protects 1 and has 1 spare; safeguard 0.5 → floor 0; the 4 free slots
+    # go to .95, .9, .8, .7 wherever they are
+    counts = global_counts([layer0, layer1], budget=2, safeguard=0.5)
+    assert [c.tolist() for c in counts] == [[[4, 1]], [[1, 2]]]
+    counts = global_counts([layer0, layer1], budget=2, safeguard=1.0)  # floor 1: uniform
+    assert [c.tolist() for c in counts] == [[[2, 2]], [[2, 2]]]
+
+
+@pytest.mark.parametrize("policy", ["global+snapkv", "global+knorm", "global+expected-attention"])
+def test_global_budget_moves_entries_across_layers_and_memory_shrinks(policy: str) -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, policy, budget=40)
+    sequences, _ = greedy(model, prompt(160), cache, new_tokens=4)
+    lengths = [layer.head_lengths()[0] for layer in cache.eviction_layers]
+    prompt_held = [
+        int(((layer.positions < 160) & (layer.valid if layer.valid is not None else True)).sum())
+        for layer in cache.eviction_layers
+    ]
+    assert sum(prompt_held) == 2 * 2 * 40  # one pool L·H·B
+    assert len({int(n) for heads in lengths for n in heads}) > 1  # heads and layers differ
+    protected = 32 if "snapkv" in policy else 4 if "expected" in policy else 0
+    assert all(bool((heads - 3 >= protected + int(0.2 * (40 - protected))).all()) for heads in lengths)  # floor
+    allocated, real = zip(*cache.layer_bytes())
+    assert sum(real) == 2 * 16 * 4 * sum(int(heads.sum()) for heads in lengths)
+    assert sum(real) <= sum(allocated) < 2 * 16 * 4 * 2 * 2 * 163
+    token = sequences[:, -1:]
+    expected = reference_logits(model, cache, token)
+    with torch.no_grad():
+        logits = model(input_ids=token, past_key_values=cache).logits[:, -1]
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+
+
+def test_scores_without_a_common_unit_are_standardised_per_layer() -> None:
+    from kvevict.policies.allocation import standardize
+
+    inf = float("inf")
+    scores = torch.tensor([[[inf, 1.0, 3.0], [-inf, 5.0, 7.0]]])
+    out = standardize(scores)
+    free = torch.isfinite(scores)
+    torch.testing.assert_close(out[free], torch.tensor([-1.3416407, -0.4472136, 0.4472136, 1.3416407]))
+    assert out[0, 0, 0] == inf and out[0, 1, 0] == -inf
+
+
+def test_global_budget_refuses_what_it_cannot_rank() -> None:
+    with pytest.raises(ValueError, match="regime"):
+        kvevict.make_policy("global+h2o")
+    with pytest.raises(ValueError, match="own rule"):
+        kvevict.make_policy("global+lagkv")
+    with pytest.raises(ValueError, match="both allocators"):
+        kvevict.make_policy("global+adakv+snapkv")
+    with pytest.raises(ValueError, match="both allocators"):
+        kvevict.make_policy("adakv+global+snapkv")
+    with pytest.raises(ValueError, match=r"kvzip\[per_layer=true\]"):  # kvzip brings its own global allocator
+        kvevict.make_policy("adakv+kvzip")
+    with pytest.raises(ValueError, match="safeguard"):
+        kvevict.make_policy("global+snapkv", **{"global": {"safeguard": -1}})

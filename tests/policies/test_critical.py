@@ -64,7 +64,7 @@ def test_every_entry_carries_its_value_norm(policy: str) -> None:
         model(input_ids=torch.tensor([[5]]), past_key_values=cache)
     for layer, block in zip(cache.eviction_layers, model.model.layers):
         expected = projected_value_norms(layer.values, block.self_attn.o_proj.weight, 4)
-        norms = layer.state[VALUE_NORM]
+        norms = cache.policy.selector.state(layer)[VALUE_NORM]
         if policy == "critical+snapkv":  # prefill-only: decode entries are never evicted, no norm needed
             norms, expected = norms[..., :50], expected[..., :50]
         torch.testing.assert_close(norms, expected)

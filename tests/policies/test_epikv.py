@@ -70,7 +70,7 @@ def test_scores_of_the_hidden_state_family() -> None:
     torch.testing.assert_close(policies["band-adaptive"].hidden_scores(changes), z0 - (z0 + z1) / 2, atol=1e-5, rtol=0)
 
 
-def fake_layer(scores: list[float], prompt_length: int, accumulated: list[float] | None = None):
+def fake_layer(scores: list[float], prompt_length: int):
     n = len(scores)
     recorder = SimpleNamespace(lookup=lambda positions: torch.tensor(scores)[positions])
     return SimpleNamespace(
@@ -78,7 +78,7 @@ def fake_layer(scores: list[float], prompt_length: int, accumulated: list[float]
         seen=n,
         prompt_length=prompt_length,
         owner=SimpleNamespace(hidden=recorder),
-        state={} if accumulated is None else {ACCUMULATED: torch.tensor([[accumulated]])},
+        state={},
         valid=None,
         head_lengths=lambda: torch.tensor([[n]]),
     )
@@ -98,8 +98,10 @@ def test_prompt_and_recent_are_kept_and_the_rest_goes_by_score(prompt_length: in
 
 
 def test_attn_x_hs_adds_standardised_cumulative_attention_to_z_a() -> None:
-    layer = fake_layer([1.0, 0.0, -1.0, 0.0], 0, accumulated=[3.0, 1.0, 1.0, 3.0])
-    score = kvevict.make_policy("attn-x-hs").score(layer, None)
+    layer = fake_layer([1.0, 0.0, -1.0, 0.0], 0)
+    method = kvevict.make_policy("attn-x-hs").method
+    method.state(layer)[ACCUMULATED] = torch.tensor([[[3.0, 1.0, 1.0, 3.0]]])
+    score = method.score(layer, None)
     torch.testing.assert_close(
         score, standardize(torch.tensor([[[3.0, 1.0, 1.0, 3.0]]])) + torch.tensor([1.0, 0, -1, 0])
     )

@@ -25,7 +25,7 @@ def test_h2o_scores_equal_the_attention_matrix_column_sums() -> None:
         attentions = model(input_ids=ids, output_attentions=True).attentions
     for layer, weights in zip(cache.layers, attentions):
         expected = weights.sum(dim=2).reshape(1, 2, 2, 300).mean(dim=2)  # GQA mean
-        torch.testing.assert_close(layer.state[ACCUMULATED], expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(layer.policy.scorer.state(layer)[ACCUMULATED], expected, rtol=1e-4, atol=1e-4)
 
 
 def test_h2o_keeps_sinks_recent_window_and_heaviest() -> None:
@@ -36,11 +36,14 @@ def test_h2o_keeps_sinks_recent_window_and_heaviest() -> None:
         model(input_ids=prompt(96), past_key_values=cache)
         model(input_ids=prompt(96), past_key_values=reference)
     for layer, full in zip(cache.layers, reference.layers):
-        scores = full.state[ACCUMULATED].clone()
+        scores = full.policy.scorer.state(full)[ACCUMULATED].clone()
         scores[..., :4] = scores[..., 86:] = float("inf")
         expected = scores.topk(40, dim=-1).indices.sort(dim=-1).values
         assert torch.equal(layer.positions, expected)
-        torch.testing.assert_close(layer.state[ACCUMULATED], full.state[ACCUMULATED].gather(2, expected))
+        torch.testing.assert_close(
+            layer.policy.scorer.state(layer)[ACCUMULATED],
+            full.policy.scorer.state(full)[ACCUMULATED].gather(2, expected),
+        )
 
 
 @pytest.mark.parametrize(("window", "budget", "recent"), [(None, 40, 10), (None, 1024, 128), (20, 40, 20)])

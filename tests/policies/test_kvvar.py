@@ -39,7 +39,7 @@ def test_kv_variance_state_is_the_rolling_mean_of_each_new_vector() -> None:
     for name, cache in caches.items():
         for layer in cache.layers:
             vectors = layer.keys if name == "kv-key-var" else layer.values
-            torch.testing.assert_close(layer.state[SCORE], rolling_mean(head_variance(vectors), 5))
+            torch.testing.assert_close(layer.policy.scorer.state(layer)[SCORE], rolling_mean(head_variance(vectors), 5))
 
 
 def test_lag_kv_decode_state_sums_the_normalised_variances() -> None:
@@ -51,7 +51,7 @@ def test_lag_kv_decode_state_sums_the_normalised_variances() -> None:
             model(input_ids=torch.tensor([[step + 3]]), past_key_values=cache)
     layer = cache.layers[1]
     raw = sum(head_variance(lag_normalize(x, 0, 4, {})) for x in (layer.keys, layer.values))
-    torch.testing.assert_close(layer.state[SCORE], rolling_mean(raw, 3))
+    torch.testing.assert_close(layer.policy.scorer.state(layer)[SCORE], rolling_mean(raw, 3))
 
 
 def test_lagkv_chunk_score_is_the_softmax_of_the_std_against_the_next_chunk() -> None:
@@ -64,7 +64,15 @@ def test_lagkv_chunk_score_is_the_softmax_of_the_std_against_the_next_chunk() ->
 def test_lagkv_keeps_sinks_tail_and_an_even_share_of_every_chunk() -> None:
     keys = torch.randn(1, 2, 10, 4, generator=torch.Generator().manual_seed(0))
     values = torch.randn(1, 2, 10, 4, generator=torch.Generator().manual_seed(1))
-    layer = SimpleNamespace(length=10, keys=keys, values=values, positions=torch.arange(10).expand(1, 2, 10))
+    layer = SimpleNamespace(
+        length=10,
+        seen=10,
+        keys=keys,
+        values=values,
+        positions=torch.arange(10).expand(1, 2, 10),
+        valid=None,
+        head_lengths=lambda: torch.tensor([[10, 10]]),
+    )
     policy = kvevict.make_policy("lagkv", lag=3, sinks=1)  # chunks 1-3, 4-6 scored; 7-9 the tail
     score = lagkv_chunk_scores(keys[:, :, 1:10], 3) + lagkv_chunk_scores(values[:, :, 1:10], 3)
     best = score.reshape(1, 2, 2, 3).argmax(dim=-1)  # the top entry of each chunk, per head
@@ -78,9 +86,9 @@ def test_lagkv_keeps_sinks_tail_and_an_even_share_of_every_chunk() -> None:
 
 
 def test_bad_parameters_are_refused() -> None:
-    with pytest.raises(ValueError, match="lag-kv: lag must be an integer >= 1"):
+    with pytest.raises(ValueError, match="lag-kv: parameter 'lag' expects an integer >= 1, got 0"):
         kvevict.make_policy("lag-kv", lag=0)
-    with pytest.raises(ValueError, match="kv-key-var: rolling must be an integer >= 1"):
+    with pytest.raises(ValueError, match="kv-key-var: parameter 'rolling' expects an integer >= 1, got 0"):
         kvevict.make_policy("kv-key-var", rolling=0)
-    with pytest.raises(ValueError, match="regime 'both' is not supported; allowed: decode"):
+    with pytest.raises(ValueError, match="kv-val-var: parameter 'regime' expects one of 'decode', got 'both'"):
         kvevict.make_policy("kv-val-var", regime="both")

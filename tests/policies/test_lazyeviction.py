@@ -39,7 +39,7 @@ def test_eviction_only_at_multiples_of_w_and_the_cache_lives_between_c_and_c_plu
             lengths.append(cache.layer_lengths()[0])
             layer = cache.layers[0]
             # the new token starts at t - 1 (produced then) and moves to t if it attends to itself
-            assert layer.state[TIMESTAMP][0, 0, -1].item() in (step - 1, step)
+            assert layer.policy.scorer.state(layer)[TIMESTAMP][0, 0, -1].item() in (step - 1, step)
     assert lengths[:8] == [97, 98, 99, 100, 101, 102, 103, 40]
     assert lengths[8:] == [41, 42, 43, 44, 45, 46, 47, 40] * 2
     assert cache.decode_peak() == 104
@@ -57,14 +57,16 @@ def test_keeps_the_last_w_tokens_and_the_top_scores() -> None:
             for step in range(1, 9):  # t = 8 evicts in `cache`
                 model(input_ids=torch.tensor([[step + 2]]), past_key_values=c)
     for layer, full in zip(cache.layers, twin.layers):
-        scores = mri_scores(full.state[TIMESTAMP], full.state[MRI], 8)
+        scores = mri_scores(full.policy.scorer.state(full)[TIMESTAMP], full.policy.scorer.state(full)[MRI], 8)
         scores[..., -8:] = float("inf")  # the last W tokens stay
         # ties go to the earlier entry
         expected = scores.argsort(dim=-1, descending=True, stable=True)[..., :40].sort(dim=-1).values
         assert torch.equal(layer.positions, full.positions.gather(2, expected))
-        assert torch.equal(layer.state[MRI], full.state[MRI].gather(2, expected))
+        assert torch.equal(
+            layer.policy.scorer.state(layer)[MRI], full.policy.scorer.state(full)[MRI].gather(2, expected)
+        )
         assert layer.positions[0, 0, -8:].tolist() == list(range(96, 104))
-    assert any(full.state[MRI].max() > 1 for full in twin.layers)  # recurrences were seen
+    assert any(full.policy.scorer.state(full)[MRI].max() > 1 for full in twin.layers)  # recurrences were seen
 
 
 @pytest.mark.parametrize(("model_type", "alpha"), [("llama", 5e-4), ("qwen3", 1e-4), ("mistral", 5e-4)])
@@ -73,7 +75,7 @@ def test_alpha_follows_the_model_family(model_type: str, alpha: float) -> None:
 
     policy = kvevict.make_policy("lazyeviction")
     policy.bind(AutoConfig.for_model(model_type))
-    assert policy.alpha == alpha
+    assert policy.method.alpha == alpha
 
 
 @pytest.mark.parametrize(("budget", "window"), [(64, 16), (128, 32), (4096, 32)])

@@ -1,4 +1,4 @@
-"""MomentKV (seed 003): the ``momentkv`` policy, its variants and the ``moment-nc+<policy>`` wrapper."""
+"""MomentKV (seed 003): the ``momentkv`` policy, its variants and the ``moment-nc`` stage over any policy."""
 
 from __future__ import annotations
 
@@ -9,13 +9,19 @@ import kvevict
 from kvevict.budgets import adakv_counts
 from kvevict.moments import MomentStats, mi_evict
 from kvevict.policies.base import keep_top
-from kvevict.policies.momentkv import MOMENTS, MomentKV, MomentNC, chunk_pool, moment_bytes
+from kvevict.policies.momentkv import MomentKV, MomentNC, MomentStatistics, chunk_pool, moment_bytes
 from kvevict.policies.snapkv import snapkv_scores
 from kvevict.signals import Signals, attention_rows
 from tests.conftest import capture_passes, greedy, prompt, reference_logits, tiny_model
 
 INF = float("inf")
 PROMPT, BUDGET = 96, 40
+
+
+def recorded(cache: kvevict.EvictionCache, layer: int = 0) -> MomentStats | None:
+    """The moment statistics the cache's policy recorded for a layer (None: none kept)."""
+    observers = [stage for stage in cache.policy.stages if isinstance(stage, MomentStatistics)]
+    return observers[0].recorded(cache.layers[layer]) if observers else None
 
 
 def test_chunk_pool_by_hand() -> None:
@@ -38,7 +44,7 @@ def test_prefill_alpha_is_window_votes_then_chunk_means_by_hand() -> None:
     layer = type("Layer", (), {"num_kv_heads": 1})()
     signals = Signals(phase="prefill", num_new=7, query=None, scaling=1.0, window_attention=window)
     expected = torch.tensor([[[0.175, 0.175, 0.125, 0.125, 0.15, INF, INF]]])
-    torch.testing.assert_close(policy.score(layer, signals), expected)
+    torch.testing.assert_close(policy.score(layer, signals), expected)  # the method is its own scorer
 
 
 def test_momentkv_prefill_evicts_by_the_exact_mi_loop_and_records_the_evicted_moments() -> None:
@@ -67,7 +73,7 @@ def test_momentkv_prefill_evicts_by_the_exact_mi_loop_and_records_the_evicted_mo
         held = layer.positions[0, head] if layer.valid is None else layer.positions[0, head][layer.valid[0, head]]
         assert sorted(held.tolist()) == (~evicted[0, head]).nonzero().flatten().tolist()
     assert (layer.positions[..., 0] == 0).all() and set(range(64, 96)) <= set(layer.positions[0, 1].tolist())
-    stats = layer.memo[MOMENTS]
+    stats = recorded(cache)
     for head in range(2):
         gone = evicted[0, head]
         k, v = captured["keys"][0, head, gone], captured["values"][0, head, gone]
@@ -90,7 +96,7 @@ def test_decode_time_statistics_equal_sums_over_every_evicted_token(policy: str)
             for slot, position in enumerate(captured["positions"][0, head].tolist()):
                 keys.setdefault((head, position), captured["keys"][0, head, slot])
                 values.setdefault((head, position), captured["values"][0, head, slot])
-    stats = layer.memo[MOMENTS]
+    stats = recorded(cache, 1)
     for head in range(2):
         retained = set(layer.positions[0, head].tolist())
         gone = [p for p in range(layer.seen) if p not in retained]
@@ -147,8 +153,9 @@ def test_variants() -> None:
     # NC only = top-k of the pooled window votes; MI changes the kept set
     assert torch.equal(runs["nc_only"].layers[0].positions, runs["neither"].layers[0].positions)
     assert not torch.equal(runs["full"].layers[0].positions, runs["nc_only"].layers[0].positions)
-    assert MOMENTS not in runs["neither"].layers[0].memo  # no statistics when nothing uses them
-    assert runs["order0"].layers[0].memo[MOMENTS].outer is None
+    assert recorded(runs["neither"]) is None  # no statistics when nothing uses them
+    assert not any(isinstance(stage, MomentStatistics) for stage in runs["neither"].policy.stages)
+    assert recorded(runs["order0"]).outer is None
     assert runs["mi_only"].policy.corrects_output is False and runs["full"].policy.corrects_output is True
     question = prompt(3, seed=7)
     expected = reference_logits(model, runs["mi_only"], question, corrected=False)
@@ -166,33 +173,39 @@ def test_statistics_stay_fp32_under_half_precision(dtype: torch.dtype) -> None:
     cache = kvevict.EvictionCache(model, "momentkv", budget=BUDGET)
     _, logits = greedy(model, prompt(PROMPT), cache, new_tokens=4)
     assert torch.isfinite(logits).all()
-    stats = cache.layers[0].memo[MOMENTS]
+    stats = recorded(cache)
     assert {stats.count.dtype, stats.key_sum.dtype, stats.value_sum.dtype, stats.outer.dtype} == {torch.float32}
 
 
-def test_wrapper_composes_by_name_and_delegates() -> None:
+def test_nc_stage_composes_by_name_over_the_method() -> None:
     policy = kvevict.make_policy("moment-nc+h2o", sinks=2, window=8, **{"moment-nc": {"order": 0}})
-    assert isinstance(policy, MomentNC) and policy.name == "moment-nc+h2o"
-    assert (policy.order, policy.sinks, policy.window, policy.regime) == (0, 2, 8, "both")
-    inner = {"policy": "h2o", "sinks": 2, "window": 8, "regime": "both", "group": "mean"}
-    assert policy.params() == {"order": 0, "inner": inner}
+    assert isinstance(policy.corrector, MomentNC) and policy.name == "moment-nc+h2o"
+    assert (policy.corrector.order, policy.method.sinks, policy.method.window, policy.regime) == (0, 2, 8, "both")
+    assert policy.corrector.statistics in policy.stages and policy.corrector.statistics.order == 0
+    h2o = {"sinks": 2, "window": 8, "regime": "both", "group": "mean"}
+    assert policy.params() == {**h2o, "moment-nc": {"order": 0}}
     assert policy.min_budget(64) == 10 and policy.evicts_in("decode")
+    # NC over momentkv without its own: two statistics, each under its own namespace
+    both = kvevict.make_policy("moment-nc+momentkv[nc=false,moment-nc.order=0]")
+    observers = [stage for stage in both.stages if isinstance(stage, MomentStatistics)]
+    assert [stage.order for stage in observers] == [1, 0]
+    assert len({stage.namespace for stage in observers}) == 2
 
 
 def test_bad_parameters_are_refused_clearly() -> None:
-    with pytest.raises(ValueError, match="momentkv: order must be 0 .* or 1"):
+    with pytest.raises(ValueError, match="momentkv: parameter 'order' expects one of 0, 1, got 2"):
         kvevict.make_policy("momentkv", order=2)
-    with pytest.raises(ValueError, match="moment-nc\\+h2o: order must be 0"):
+    with pytest.raises(ValueError, match="moment-nc: parameter 'order' expects one of 0, 1, got 3"):
         kvevict.make_policy("moment-nc+h2o", **{"moment-nc": {"order": 3}})
-    with pytest.raises(ValueError, match="kernel must be a positive odd number"):
+    with pytest.raises(ValueError, match="momentkv: parameter 'kernel' expects an odd integer >= 1, got 4"):
         kvevict.make_policy("momentkv", kernel=4)
-    with pytest.raises(ValueError, match="pool_chunk and evict_chunk must be >= 1"):
+    with pytest.raises(ValueError, match="momentkv: parameter 'evict_chunk' expects an integer >= 1, got 0"):
         kvevict.make_policy("momentkv", evict_chunk=0)
-    with pytest.raises(ValueError, match="'momentkv' already corrects its attention output"):
+    with pytest.raises(ValueError, match="moment-nc and momentkv's own moment-nc are both correctors"):
         kvevict.make_policy("moment-nc+momentkv")
-    with pytest.raises(ValueError, match="bad parameters for policy 'moment-nc\\+h2o'.*'windw'"):
+    with pytest.raises(ValueError, match="h2o: unknown parameter 'windw'; its parameters: sinks, window"):
         kvevict.make_policy("moment-nc+h2o", windw=3)
-    with pytest.raises(ValueError, match="unknown policy 'moment-nc\\+h2'.*wrappers.*moment-nc"):
+    with pytest.raises(ValueError, match="unknown policy 'moment-nc\\+h2'.*prefixes.*moment-nc"):
         kvevict.make_policy("moment-nc+h2")
     with pytest.raises(
         ValueError, match="budget 20 is smaller than momentkv's sinks \\(1\\) \\+ recent window \\(32\\)"

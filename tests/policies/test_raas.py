@@ -31,10 +31,10 @@ def test_alpha_rule_follows_a_scripted_attention_stream() -> None:
         assert timestamp.tolist() == [[expected]] and timestamp.dtype == torch.int32
 
 
-def fake_layer(timestamps: list[int], prompt_length: int, num_kv_heads: int = 1, passes: int = 2):
+def fake_layer(policy, timestamps: list[int], prompt_length: int, num_kv_heads: int = 1, passes: int = 2):
     n = len(timestamps)
-    return SimpleNamespace(
-        state={TIMESTAMP: torch.tensor([[timestamps]], dtype=torch.int32)},
+    layer = SimpleNamespace(
+        state={},
         positions=torch.arange(n)[None, None],
         prompt_length=prompt_length,
         seen=n,
@@ -44,17 +44,20 @@ def fake_layer(timestamps: list[int], prompt_length: int, num_kv_heads: int = 1,
         valid=None,
         head_lengths=lambda: torch.tensor([[n]]),
     )
+    policy.scorer.state(layer)[TIMESTAMP] = torch.tensor([[timestamps]], dtype=torch.int32)
+    return layer
 
 
 def test_observe_reduces_the_group_by_max_and_takes_the_median_of_decode_tokens() -> None:
-    layer = fake_layer([-1, -1, 1, 2], prompt_length=2)
+    policy = kvevict.make_policy("raas")
+    layer = fake_layer(policy, [-1, -1, 1, 2], prompt_length=2)
     rows = torch.tensor([[[0.1, 0.6, 0.1, 0.2], [0.5, 0.1, 0.2, 0.2]]])  # Hq = 2 → Hkv = 1
     signals = Signals(phase="decode", num_new=1, query=torch.zeros(1, 2, 1, 4), scaling=1.0)
     signals.last_query_attention = rows
     # max [.5 .6 .2 .2], median of the decode entries .2 → all refreshed (the mean would
     # give [.3 .35 .15 .2], median .175, and leave entry 2 at 1)
-    kvevict.make_policy("raas").observe(layer, signals)
-    assert layer.state[TIMESTAMP].tolist() == [[[2, 2, 2, 2]]]
+    policy.observe(layer, signals)
+    assert policy.scorer.state(layer)[TIMESTAMP].tolist() == [[[2, 2, 2, 2]]]
 
 
 @pytest.mark.parametrize(
@@ -66,8 +69,8 @@ def test_observe_reduces_the_group_by_max_and_takes_the_median_of_decode_tokens(
     ],
 )
 def test_evicts_the_oldest_timestamp(timestamps: list[int], prompt_length: int, kept: list[int]) -> None:
-    layer = fake_layer(timestamps, prompt_length)
     policy = kvevict.make_policy("raas")  # reserve at budget 4: min(128, 1) = 1
+    layer = fake_layer(policy, timestamps, prompt_length)
     assert policy.select(layer, None, 4)[0, 0].nonzero().flatten().tolist() == kept
 
 
@@ -78,7 +81,7 @@ def test_evicts_the_oldest_timestamp(timestamps: list[int], prompt_length: int, 
 def test_prompt_is_protected_only_when_it_leaves_room_to_decode(
     prompt_length: int, budget: int, reserve: int | None, kept: bool
 ) -> None:
-    assert kvevict.make_policy("raas", reserve=reserve).keeps_prompt(prompt_length, budget) is kept
+    assert kvevict.make_policy("raas", reserve=reserve).protector.keeps_prompt(prompt_length, budget) is kept
 
 
 def test_timestamps_in_a_model_follow_the_rule_and_eviction_keeps_prompt_and_newest() -> None:
@@ -100,14 +103,16 @@ def test_timestamps_in_a_model_follow_the_rule_and_eviction_keeps_prompt_and_new
         rows = attention_rows(captured["query"][:, :, -1:], captured["keys"], captured["scaling"])[:, :, 0]
         reference = captured["positions"] >= 20
         timestamp = raas_update(timestamp, group_reduce(rows, 2, "max"), step, reference)
-    assert torch.equal(twin.layers[0].state[TIMESTAMP], timestamp)
+    assert torch.equal(twin.layers[0].policy.scorer.state(twin.layers[0])[TIMESTAMP], timestamp)
     assert timestamp.unique().numel() > 3  # the rule did refresh timestamps
     for layer, full in zip(cache.layers, twin.layers):
-        key = full.state[TIMESTAMP].double() * 32 + full.positions.double()
+        key = full.policy.scorer.state(full)[TIMESTAMP].double() * 32 + full.positions.double()
         key[..., :20] = float("inf")
         expected = key.topk(30, dim=-1).indices.sort(dim=-1).values
         assert torch.equal(layer.positions, full.positions.gather(2, expected))
-        assert torch.equal(layer.state[TIMESTAMP], full.state[TIMESTAMP].gather(2, expected))
+        assert torch.equal(
+            layer.policy.scorer.state(layer)[TIMESTAMP], full.policy.scorer.state(full)[TIMESTAMP].gather(2, expected)
+        )
         assert layer.positions[0, 0, :20].tolist() == list(range(20))
     assert cache.layer_lengths() == [30, 30]
 
@@ -118,7 +123,7 @@ def test_evicts_every_step_and_both_regime_compresses_the_prompt() -> None:
     with torch.no_grad():
         model(input_ids=prompt(96), past_key_values=cache)
         assert cache.layer_lengths() == [40, 40]
-        assert set(cache.layers[0].state[TIMESTAMP].unique().tolist()) <= {-1, 0}
+        assert set(cache.layers[0].policy.scorer.state(cache.layers[0])[TIMESTAMP].unique().tolist()) <= {-1, 0}
         for step in range(1, 4):
             model(input_ids=torch.tensor([[step + 2]]), past_key_values=cache)
             assert cache.layer_lengths() == [40, 40]
@@ -126,9 +131,9 @@ def test_evicts_every_step_and_both_regime_compresses_the_prompt() -> None:
 
 
 def test_bad_parameters_are_refused() -> None:
-    with pytest.raises(ValueError, match=r"raas: alpha must be in \(0, 1\)"):
+    with pytest.raises(ValueError, match=r"raas: parameter 'alpha' expects a number in \(0, 1\), or None"):
         kvevict.make_policy("raas", alpha=1.5)
-    with pytest.raises(ValueError, match="raas: reserve must be an integer >= 1"):
+    with pytest.raises(ValueError, match="raas: parameter 'reserve' expects an integer >= 1, or None"):
         kvevict.make_policy("raas", reserve=0)
-    with pytest.raises(ValueError, match="regime 'prefill' is not supported; allowed: decode, both"):
+    with pytest.raises(ValueError, match="raas: parameter 'regime' expects one of 'decode', 'both', got 'prefill'"):
         kvevict.make_policy("raas", regime="prefill")

@@ -22,12 +22,35 @@ def test_unknown_policy_lists_the_known_ones() -> None:
 
 
 def test_bad_parameters_name_the_policy() -> None:
-    with pytest.raises(ValueError, match=r"bad parameters for policy 'snapkv'.*'windw'"):
+    with pytest.raises(ValueError, match=r"snapkv: unknown parameter 'windw'; its parameters: window, kernel"):
         kvevict.make_policy("snapkv", windw=8)
-    with pytest.raises(ValueError, match="regime 'sometimes' is not supported; allowed: both, prefill, decode"):
+    with pytest.raises(
+        ValueError, match="streamingllm: parameter 'regime' expects one of 'both', 'prefill', 'decode', got 'sometimes'"
+    ):
         kvevict.make_policy("streamingllm", regime="sometimes")
-    with pytest.raises(ValueError, match="kernel must be a positive odd number"):
+    with pytest.raises(ValueError, match="snapkv: parameter 'kernel' expects an odd integer >= 1, got 4"):
         kvevict.make_policy("snapkv", kernel=4)
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("snapkv[window=abc]", "snapkv: parameter 'window' expects an integer >= 1, got 'abc'"),
+        ("snapkv[window=8.0]", "snapkv: parameter 'window' expects an integer >= 1, got 8.0"),
+        ("snapkv[window=true]", "snapkv: parameter 'window' expects an integer >= 1, got True"),
+        ("snapkv[pool=median]", "snapkv: parameter 'pool' expects one of 'max', 'avg', got 'median'"),
+        ("h2o[window=-1]", r"h2o: parameter 'window' expects an integer >= 0, or None \(min\(128, budget // 4\)\)"),
+        ("momentkv[mi=yes]", "momentkv: parameter 'mi' expects true or false, got 'yes'"),
+        ("lazyeviction[alpha=abc]", r"lazyeviction: parameter 'alpha' expects a number in \(0, 1\)"),
+        ("epikv[layers=3]", "epikv: parameter 'layers' expects 2 layer indices"),
+        ("critical+snapkv[critical.alpha=x]", r"critical: parameter 'alpha' expects a number in \[0, 1\], got 'x'"),
+        ("headkv[headkv.beta=1]", r"headkv: parameter 'beta' expects a number > 1, got 1"),
+        ("critical+snapkv[critical=5]", "parameters of critical go in a dict"),
+    ],
+)
+def test_every_stage_checks_its_parameters_when_built(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        kvevict.make_policy(spec)
 
 
 def test_budget_smaller_than_sinks_and_window_is_refused() -> None:
@@ -58,7 +81,7 @@ def test_a_spec_carries_parameters_for_the_policy_and_its_wrappers() -> None:
     )
     assert parse_spec("momentkv[mi=false,nc=True]") == ("momentkv", {"mi": False, "nc": True})
     policy = kvevict.make_policy("critical+adakv+snapkv[critical.alpha=0,adakv.safeguard=0.1,window=16]")
-    assert (policy.alpha, policy.inner.safeguard, policy.inner.inner.window) == (0, 0.1, 16)
+    assert (policy.selector.alpha, policy.allocator.safeguard, policy.method.window) == (0, 0.1, 16)
     assert (
         kvevict.make_policy("lazyeviction[window=22]").params()
         == kvevict.make_policy("lazyeviction", window=22).params()
@@ -80,7 +103,7 @@ def test_policy_lists_split_outside_brackets() -> None:
         ("h2o[window=8", r"bad policy spec 'h2o\[window=8': write name\[key=value,...\] with one pair"),
         ("h2o[window]", r"bad parameter 'window' in policy spec 'h2o\[window\]': write key=value"),
         ("h2o[window=8,window=9]", r"parameter 'window' given twice"),
-        ("h2o[windw=8]", r"bad parameters for policy 'h2o'.*'windw'"),
+        ("h2o[windw=8]", r"h2o: unknown parameter 'windw'; its parameters: sinks, window, group, regime"),
         ("snapkvv[window=8]", r"unknown policy 'snapkvv'"),
     ],
 )

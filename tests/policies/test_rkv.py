@@ -58,14 +58,15 @@ def test_select_keeps_the_window_and_evicts_the_most_redundant() -> None:
         positions=torch.arange(5)[None, None],
         seen=5,
         length=5,
-        memo={QUERIES: torch.zeros(1, 2, 1, 3)},
+        memo={},
         valid=None,
         head_lengths=lambda: torch.tensor([[5]]),
     )
     signals = Signals(phase="decode", num_new=1, query=torch.zeros(1, 2, 1, 3), scaling=1.0)
     policy = kvevict.make_policy("rkv", window=1)
+    policy.scorer.memo(layer)[QUERIES] = torch.zeros(1, 2, 1, 3)
     # column means over 5 rows: [.4, 0, .2, 0 | 0] → k0 (the oldest duplicate) goes
-    scores = policy.score(layer, signals)[0, 0]
+    scores = policy.scorer.score(layer, signals)[0, 0]
     r = softmax([0.4, 0.0, 0.2, 0.0, 0.0])
     torch.testing.assert_close(scores[:4], torch.tensor([0.1 / 4 - 0.9 * x for x in r[:4]]))
     assert scores[4] == float("inf")
@@ -84,9 +85,9 @@ def test_first_eviction_keeps_the_window_plus_the_top_scores() -> None:
                 model(input_ids=torch.tensor([[step + 2]]), past_key_values=c)
     scaling = passes[-1]["scaling"]
     queries = torch.cat([p["query"] for p in passes[-8:]], dim=2)
-    assert torch.equal(twin.layers[0].memo[QUERIES], queries)
+    assert torch.equal(twin.layers[0].policy.scorer.memo(twin.layers[0])[QUERIES], queries)
     for layer, full in zip(cache.layers, twin.layers):
-        importance = rkv_importance(full.memo[QUERIES], full.keys[:, :, :42], scaling)
+        importance = rkv_importance(full.policy.scorer.memo(full)[QUERIES], full.keys[:, :, :42], scaling)
         redundancy = rkv_redundancy(full.keys)[..., :42]
         scores = 0.1 * importance - 0.9 * redundancy
         expected = scores.topk(32, dim=-1).indices.sort(dim=-1).values
@@ -101,11 +102,11 @@ def test_schedule_evicts_every_w_steps_and_lives_between_b_and_b_plus_w() -> Non
     lengths, buffered = [], []
     with torch.no_grad():
         model(input_ids=prompt(30), past_key_values=cache)
-        buffered.append(cache.layers[0].memo[QUERIES].shape[2])
+        buffered.append(cache.layers[0].policy.scorer.memo(cache.layers[0])[QUERIES].shape[2])
         for step in range(1, 61):
             model(input_ids=torch.tensor([[step + 2]]), past_key_values=cache)
             lengths.append(cache.layer_lengths()[0])
-            buffered.append(cache.layers[0].memo[QUERIES].shape[2])
+            buffered.append(cache.layers[0].policy.scorer.memo(cache.layers[0])[QUERIES].shape[2])
     assert lengths[:20] == list(range(31, 50)) + [40]
     assert lengths[20:] == (list(range(41, 60)) + [40]) * 2
     assert cache.decode_peak() == 60
@@ -118,10 +119,12 @@ def test_query_buffer_holds_the_latest_queries_only() -> None:
     passes = capture_passes(cache.layers[0])
     with torch.no_grad():
         model(input_ids=prompt(5), past_key_values=cache)
-        assert torch.equal(cache.layers[0].memo[QUERIES], passes[0]["query"])  # 5 < 8 queries so far
+        assert torch.equal(
+            cache.layers[0].policy.scorer.memo(cache.layers[0])[QUERIES], passes[0]["query"]
+        )  # 5 < 8 queries so far
         for step in range(1, 12):
             model(input_ids=torch.tensor([[step + 2]]), past_key_values=cache)
-            memo = cache.layers[0].memo[QUERIES]
+            memo = cache.layers[0].policy.scorer.memo(cache.layers[0])[QUERIES]
             assert memo.shape[2] == min(8, 5 + step)
             latest = torch.cat([passes[0]["query"]] + [p["query"] for p in passes[1:]], dim=2)[:, :, -8:]
             assert torch.equal(memo, latest)
@@ -146,12 +149,12 @@ def test_both_regime_compresses_the_prompt_with_its_last_queries() -> None:
 @pytest.mark.parametrize(
     ("params", "message"),
     [
-        ({"window": 0}, "rkv: window must be an integer >= 1"),
-        ({"interval": 0}, "rkv: interval must be an integer >= 1"),
-        ({"kernel": 4}, "rkv: kernel must be a positive odd number"),
-        ({"mix_lambda": 1.5}, r"rkv: mix_lambda must be in \[0, 1\]"),
-        ({"threshold": 1.0}, r"rkv: threshold \(cosine similarity\) must be in \[-1, 1\)"),
-        ({"regime": "prefill"}, "regime 'prefill' is not supported; allowed: decode, both"),
+        ({"window": 0}, "rkv: parameter 'window' expects an integer >= 1, got 0"),
+        ({"interval": 0}, r"rkv: parameter 'interval' expects an integer >= 1, or None \(min\(128, budget // 2\)\)"),
+        ({"kernel": 4}, "rkv: parameter 'kernel' expects an odd integer >= 1, got 4"),
+        ({"mix_lambda": 1.5}, r"rkv: parameter 'mix_lambda' expects a number in \[0, 1\], got 1.5"),
+        ({"threshold": 1.0}, r"rkv: parameter 'threshold' expects a number in \[-1, 1\), got 1.0"),
+        ({"regime": "prefill"}, "rkv: parameter 'regime' expects one of 'decode', 'both', got 'prefill'"),
     ],
 )
 def test_bad_parameters_are_refused(params: dict, message: str) -> None:

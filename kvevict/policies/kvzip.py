@@ -1,0 +1,216 @@
+"""KVzip (Kim et al., 2025, "KVzip: Query-Agnostic KV Cache Compression with Context
+Reconstruction", arXiv 2505.23416).
+
+After the context is prefilled, the model is asked to repeat it, teacher-forced: the repeat
+input is a repeat instruction and the context itself, fed over the cache in chunks of at most
+``chunk`` context tokens (a later chunk's instruction asks to continue from the last
+``overlap`` tokens of the previous chunk). An entry ``i`` of a layer and KV head scores
+
+    s_i = max over repeat queries j and the query heads h of the group of  A_h(j, i)
+
+where ``A`` is the repeat query's attention probability (softmax over the context entries
+plus the repeat tokens, causal within the repeat). With ``plus=True`` the probability is
+weighted by ``‖W_O^h v_i‖₂ / ‖h_j‖₂`` (the value as head ``h`` writes it to the residual
+stream, over the norm of that stream at the repeat token: the decoder layer's input). The
+repeat pass's own entries are dropped afterwards (:meth:`EvictionCache.scoring_pass`), the
+sinks are kept, and the bottom entries of all layers and heads together are evicted (one
+pool of ``L·H·B``, no per-head floor, as the paper) or, with ``per_layer=True``, each head
+keeps its own budget.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvevict.models import tokenizer_of
+from kvevict.policies.allocation import GlobalBudget
+from kvevict.policies.base import Method, SinksAndWindow, Stage, Stages
+from kvevict.policies.params import Param, declare, flag, integer
+from kvevict.signals import COLUMN_SUM_CHUNK, attention_rows, group_reduce, projected_value_norms, query_chunks
+
+if TYPE_CHECKING:
+    from kvevict.cache import EvictionCache, EvictionLayer
+
+SCORES = "scores"
+"""Memo key (this stage's namespace): running max ``[B, Hkv, n_context]`` fp32 over the repeat chunks."""
+VALUE_WEIGHTS = "value_weights"
+"""Memo key (``plus``): ``‖W_O^h v_i‖₂`` of the context entries ``[B, Hq, n_context]``."""
+FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
+NEXT_INSTRUCTION = "\n\nRepeat the part of the previous context exactly, starting with"
+
+
+def reconstruction_scores(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    scaling: float,
+    context: int,
+    *,
+    value_weights: torch.Tensor | None = None,
+    query_weights: torch.Tensor | None = None,
+    chunk: int = COLUMN_SUM_CHUNK,
+) -> torch.Tensor:
+    """KVzip's score of the first ``context`` entries from one repeat pass, ``[B, Hkv, context]`` fp32.
+
+    ``query`` ``[B, Hq, r, d]`` are the repeat queries; ``keys`` ``[B, Hkv, context + r, d]``
+    the context entries followed by the repeat's own (causal within the repeat). For each
+    entry: the max over the repeat queries and the GQA group of its attention probability,
+    each probability first multiplied by ``value_weights[b, h, i]`` and ``query_weights[b, j]``
+    when given (KVzip+). Queries are taken ``chunk`` at a time: never an ``r × n`` matrix.
+    """
+    best = query.new_zeros(*query.shape[:2], context, dtype=torch.float32)
+    for start, stop, rows, visible, _ in query_chunks(query, keys, None, chunk):
+        probs = attention_rows(rows, visible, scaling)[..., :context]  # [B, Hq, rows, context]
+        if query_weights is not None:
+            probs = probs * query_weights[:, None, start:stop, None]
+        if value_weights is not None:
+            probs = probs * value_weights[:, :, None, :]
+        best = torch.maximum(best, probs.amax(dim=2))
+    return group_reduce(best, keys.shape[1], "max")
+
+
+def repeat_chunks(
+    context_ids: torch.Tensor,
+    first: torch.Tensor,
+    later: torch.Tensor,
+    suffix: torch.Tensor,
+    chunk: int = 2048,
+    overlap: int = 8,
+) -> list[torch.Tensor]:
+    """The teacher-forced repeat inputs ``[1, r]``: chunk ``c`` of the context (``chunk``
+    tokens) after ``first`` (the instruction) and ``suffix`` (what the chat template puts
+    before the answer); a later chunk is preceded by ``later`` and the last ``overlap``
+    tokens of the chunk before it, so it restarts where that one ended."""
+    pieces = list(context_ids.split(chunk, dim=-1))
+    inputs = []
+    for index, piece in enumerate(pieces):
+        lead = first if index == 0 else torch.cat([later, pieces[index - 1][:, -overlap:]], dim=-1)
+        inputs.append(torch.cat([lead, suffix, piece], dim=-1))
+    return inputs
+
+
+class KVzip(Method):
+    """KVzip: keep the entries the model reads to reconstruct the context (query-agnostic).
+
+    DESIGN §3: repeat instruction + the context in chunks of ``chunk = 2048`` tokens
+    (``overlap = 8`` tokens of the previous chunk restart a later one); score = max over
+    repeat queries and the GQA group of the attention probability; ``sinks = 4`` kept; the
+    repeat entries are discarded; global bottom-k across layers and heads (``per_layer=True``:
+    each head keeps ``B``). ``plus=True``: KVzip+ weighting ``‖W_O^h v_i‖₂ / ‖h_j‖₂``.
+    The repeat instruction is tokenised with the model's tokenizer (known for models from
+    :func:`kvevict.load_model`, or give ``tokenizer=``); without one the repeat is the bare
+    context (a warning says so). Prefill only; costs about one more prefill per context
+    (see the README).
+    """
+
+    name = "kvzip"
+    summary = "keep what the model reads to repeat the context (KVzip reconstruction, global budget; prefill)"
+    regimes = ("prefill",)
+    deferred_prefill = True
+    comparable_scores = True
+
+    PARAMS = declare(
+        chunk=integer(2048, low=1),
+        overlap=integer(8),
+        per_layer=flag(False),
+        plus=flag(False),
+        sinks=integer(4),
+        instruction=Param(FIRST_INSTRUCTION, "a string", lambda v: isinstance(v, str)),
+    )
+
+    def __init__(self, *, tokenizer: Any = None, **params: object):
+        """``tokenizer``: the one to write the repeat instruction with (default: the one
+        :func:`kvevict.load_model` loaded with the model). Not a recorded parameter."""
+        super().__init__(**params)
+        if not self.per_layer and self.sinks < 1:
+            raise ValueError("kvzip: a global budget needs sinks >= 1 (with no floor, a head could keep nothing)")
+        self._tokenizer = tokenizer
+
+    def stages(self) -> Stages:
+        # the paper's global bottom-k: one pool over every layer and head, no per-head floor
+        allocator = None if self.per_layer else GlobalBudget(safeguard=0.0)
+        return Stages(scorer=self, protector=SinksAndWindow(self.sinks, 0), allocator=allocator)
+
+    def clash_advice(self, stage: Stage) -> str:
+        return f"kvzip shares one budget across layers itself; use {stage.name}+kvzip[per_layer=true]"
+
+    def score(self, layer: EvictionLayer, signals: Any) -> torch.Tensor:
+        return self.memo(layer).pop(SCORES)
+
+    # -- the repeat pass --------------------------------------------------------------
+    def repeat_inputs(self, decoder: torch.nn.Module, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        """The repeat pass's chunks for a prefilled ``input_ids`` ``[1, n]``."""
+        tokenizer = self._tokenizer if self._tokenizer is not None else tokenizer_of(decoder)
+        empty = input_ids.new_zeros(1, 0)
+        if tokenizer is None:
+            if self.instruction:
+                warnings.warn(
+                    "kvzip: no tokenizer is known for this model, so the repeat pass feeds the bare context without "
+                    "its instruction; load the model with kvevict.load_model or give kvzip a tokenizer=",
+                    stacklevel=2,
+                )
+            return repeat_chunks(input_ids, empty, empty, empty, self.chunk, self.overlap)
+
+        def ids(text: str) -> torch.Tensor:
+            return torch.tensor([tokenizer.encode(text, add_special_tokens=False)], dtype=torch.long).reshape(1, -1)
+
+        prefix, suffix = "", ""
+        if getattr(tokenizer, "chat_template", None):  # the instruction ends the user turn, the answer repeats
+            marker = "\x00kvzip\x00"
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": marker}], add_generation_prompt=True, tokenize=False
+            )
+            prefix, suffix = text.split(marker)
+        start = ids(prefix).shape[-1] if prefix else 0
+        template = ids(prefix).to(input_ids.device)
+        context = input_ids[:, start:] if start and torch.equal(input_ids[:, :start], template) else input_ids
+        first = ids(self.instruction).to(input_ids.device) if self.instruction else empty
+        later = ids(NEXT_INSTRUCTION).to(input_ids.device) if self.instruction else empty
+        return repeat_chunks(context, first, later, ids(suffix).to(input_ids.device), self.chunk, self.overlap)
+
+    def rescore(self, cache: EvictionCache, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
+        """The repeat pass, chunk by chunk, each a scoring pass that leaves no trace: every
+        layer's running max of the reconstruction scores lands in its memo (read by :meth:`score`)."""
+        if input_ids is None:
+            raise ValueError("kvzip needs the prefill's input_ids (not inputs_embeds) to run its repeat pass")
+        norms: dict[int, torch.Tensor] = {}
+        hooks = []
+        if self.plus:  # ‖h_j‖ of the residual stream entering each decoder layer at the repeat tokens
+            for index, module in enumerate(decoder.layers):
+
+                def remember(module: torch.nn.Module, args: tuple, kwargs: dict, index: int = index) -> None:
+                    hidden = args[0] if args else kwargs["hidden_states"]
+                    norms[index] = hidden.float().norm(dim=-1)
+
+                hooks.append(module.register_forward_pre_hook(remember, with_kwargs=True))
+
+        def observe(layer: EvictionLayer, query: torch.Tensor, scaling: float, module: torch.nn.Module | None) -> None:
+            context = layer.keys.shape[-2] - query.shape[-2]
+            memo = self.memo(layer)
+            value_weights = query_weights = None
+            if self.plus:
+                if VALUE_WEIGHTS not in memo:
+                    if module is None or not hasattr(module, "o_proj"):
+                        raise ValueError("kvzip[plus=true] needs the attention module's output projection (o_proj)")
+                    memo[VALUE_WEIGHTS] = projected_value_norms(
+                        layer.values[:, :, :context], module.o_proj.weight, query.shape[1], ord=2, per_query_head=True
+                    )
+                value_weights = memo[VALUE_WEIGHTS]
+                query_weights = 1.0 / norms[layer.layer_idx].clamp(min=1e-6)
+            scores = reconstruction_scores(
+                query, layer.keys, scaling, context, value_weights=value_weights, query_weights=query_weights
+            )
+            old = memo.get(SCORES)
+            memo[SCORES] = scores if old is None else torch.maximum(old, scores)
+
+        try:
+            for ids in self.repeat_inputs(decoder, input_ids):
+                with cache.scoring_pass(observe):
+                    decoder(input_ids=ids, past_key_values=cache, use_cache=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        for layer in cache.eviction_layers:
+            self.memo(layer).pop(VALUE_WEIGHTS, None)

@@ -1,0 +1,248 @@
+"""A policy: a method and the stages named beside it, assembled into one pipeline.
+
+``critical+adakv+snapkv`` is SnapKV's scorer and protector, AdaKV's allocator and
+CriticalKV's selector. A named stage fills its slot (``critical`` the selector; ``adakv``,
+``pyramidkv``, ``headkv`` the allocator; ``moment-nc`` the corrector), so the order of the
+prefixes is irrelevant; a slot named twice, or a slot the method fills with its own stage
+(MomentKV's MI loop, ThinKV's quotas), is refused when the policy is built, with what is
+allowed (DESIGN §1.9). This is what the cache and the attention path talk to.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from functools import reduce
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvevict.policies.base import Corrector, Method, Ranking, Stage, TopK, Uniform
+from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from kvevict.cache import EvictionLayer
+
+NAMED_SLOTS = ("corrector", "selector", "allocator")
+"""Slots a prefix may fill, in the order they are spelled in a policy's name."""
+ROLES = {
+    "allocator": "set how many entries each head keeps",
+    "selector": "choose the entries to keep",
+    "corrector": "correct the attention output",
+}
+
+
+class Policy:
+    """An eviction policy: ``method`` plus the ``named`` stages (prefixes) over it.
+
+    Built by :func:`kvevict.make_policy`; refuses, with a ``ValueError``, any composition
+    whose stages clash. Holds no per-cache state: one policy object serves any number of
+    caches (each cache binds its own copy to its model, see :meth:`bound`).
+    """
+
+    def __init__(self, method: Method, named: Sequence[Stage] = ()):
+        self.method = method
+        spelled = "+".join([*(stage.name for stage in named), method.name])
+        brought = method.stages()
+        chosen: dict[str, Stage | None] = {
+            "allocator": brought.allocator,
+            "selector": brought.selector,
+            "corrector": brought.corrector,
+        }
+        prefixes: dict[str, Stage] = {}
+        for stage in named:
+            slot = stage.slot
+            if slot not in NAMED_SLOTS:
+                raise ValueError(f"{spelled}: {stage.name} is a {slot}, which cannot be named over a policy")
+            if not method.evicts:
+                raise ValueError(
+                    f"{spelled}: {method.name} never evicts, so {stage.name} would have nothing to do; "
+                    f"put {stage.name} over an evicting policy"
+                )
+            if slot in prefixes:
+                raise ValueError(
+                    f"{spelled}: {prefixes[slot].name} and {stage.name} are both {slot}s (they {ROLES[slot]}); "
+                    f"name one {slot}"
+                )
+            own = chosen[slot]
+            if own is not None and slot not in brought.replaceable:
+                raise ValueError(
+                    f"{spelled}: {stage.name} and {method.name}'s own {own.name} are both {slot}s "
+                    f"(they {ROLES[slot]}); {method.clash_advice(stage)}"
+                )
+            prefixes[slot] = chosen[slot] = stage
+        self.named = tuple(prefixes[slot] for slot in NAMED_SLOTS if slot in prefixes)
+        """The named stages, in the order of the policy's name."""
+        self.scorer = brought.scorer
+        self.protector = brought.protector
+        self.allocator = chosen["allocator"] or Uniform()
+        self.selector = chosen["selector"] or TopK()
+        self.corrector: Corrector | None = chosen["corrector"]  # type: ignore[assignment]
+        observers = [*brought.observers, *(companion for stage in self.named for companion in stage.companions())]
+        stages = [self.scorer, self.protector, self.allocator, self.selector, self.corrector, *observers]
+        self.stages: tuple[Stage, ...] = tuple(stage for stage in stages if stage is not None)
+        """Every stage, in the order their hooks run."""
+        taken: dict[str, int] = {}
+        for stage in self.stages:  # a unique namespace each, so no two stages share a key
+            taken[stage.name] = taken.get(stage.name, 0) + 1
+            stage.namespace = stage.name if taken[stage.name] == 1 else f"{stage.name}#{taken[stage.name]}"
+        for stage in self.stages:
+            try:
+                stage.check(self)
+            except ValueError as refusal:
+                raise ValueError(f"{spelled}: {refusal}") from None
+
+    def __repr__(self) -> str:
+        return f"Policy({self.name!r}, {self.params()!r})"
+
+    @property
+    def name(self) -> str:
+        """The canonical name: the named stages (corrector, selector, allocator) + the method."""
+        return "+".join([*(stage.name for stage in self.named), self.method.name])
+
+    @property
+    def summary(self) -> str:
+        return (self.named[0] if self.named else self.method).summary
+
+    def params(self) -> dict[str, object]:
+        """The method's parameters and, under each prefix, its stage's: what :func:`make_policy`
+        takes, ``make_policy(policy.name, **policy.params())`` builds the same policy."""
+        return {**self.method.params(), **{stage.name: stage.params() for stage in self.named}}
+
+    # -- when and how much ---------------------------------------------------------------
+    @property
+    def regime(self) -> Regime:
+        return self.method.regime
+
+    def evicts_in(self, phase: Phase) -> bool:
+        return self.method.evicts_in(phase)
+
+    def recent_window(self, budget: int) -> int:
+        """Recent tokens protected at this budget."""
+        return self.protector.recent_window(budget)
+
+    def min_budget(self, budget: int) -> int:
+        """Smallest budget this policy can honour: its sinks plus its recent window."""
+        return self.protector.min_budget(budget)
+
+    def check_budget(self, budget: int) -> None:
+        need = self.min_budget(budget)
+        if budget < need:
+            raise ValueError(
+                f"budget {budget} is smaller than {self.name}'s sinks ({self.protector.sinks}) + recent window "
+                f"({self.recent_window(budget)}) = {need}; use a budget >= {need} or make_policy({self.name!r}, "
+                "sinks=..., window=...) with smaller values"
+            )
+
+    def default_interval(self, budget: int) -> int | None:
+        """The decode-time eviction interval the method prescribes (None: every step)."""
+        return self.method.default_interval(budget)
+
+    # -- the model ---------------------------------------------------------------------------
+    def bind(self, config: PretrainedConfig) -> None:
+        """Adapt every stage to the decoder's config (only parameters the user left unset)."""
+        for stage in self.stages:
+            stage.bind(config)
+
+    def bound(self, config: PretrainedConfig) -> Policy:
+        """A copy of this policy bound to ``config``; this one is left as it is."""
+        twin = copy.deepcopy(self)
+        twin.bind(config)
+        return twin
+
+    @property
+    def selects_by_top_scores(self) -> bool:
+        """Whether this policy keeps each head's top scores (a scorer and a top-score selector)."""
+        return self.scorer is not None and self.selector.by_top_scores
+
+    # -- what the cache and the attention path call ---------------------------------------
+    @property
+    def corrects_output(self) -> bool:
+        """True when :meth:`correct_output` changes the attention output (NC): the reference is
+        then attention over the retained entries *plus* that correction."""
+        return self.corrector is not None
+
+    def requirements(self, phase: Phase, evicting: bool) -> Requirements:
+        """Every signal a stage reads in this pass."""
+        needs = (stage.requirements(phase, evicting, self.regime) for stage in self.stages)
+        return reduce(Requirements.__or__, needs, NOTHING)
+
+    def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
+        """Initial per-token state of appended entries, each stage's under its namespace."""
+        return {
+            f"{stage.namespace}/{key}": value
+            for stage in self.stages
+            for key, value in stage.new_tokens(layer, num_new).items()
+        }
+
+    def observe(self, layer: EvictionLayer, signals: Signals) -> None:
+        for stage in self.stages:
+            stage.observe(layer, signals)
+
+    def select(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
+        """The entries to keep, ``[B, Hkv, n]`` bool: scores (protected at ``+inf``, padding at
+        ``-inf``), then the allocator's counts per head, then the selector's choice."""
+        scores, protected = self.selection_scores(layer, signals, budget)
+        counts = self.allocator.counts(layer, scores, protected, budget)
+        return self.selector.keep(layer, signals, Ranking(scores, protected, counts))
+
+    @property
+    def deferred_prefill(self) -> bool:
+        """Whether the prefill eviction waits for the end of the prefill forward (the method
+        rescores the prompt, or the allocator shares one budget across layers)."""
+        return self.method.deferred_prefill or self.allocator.across_layers
+
+    def select_layers(self, deferred: Sequence[tuple[EvictionLayer, Signals]]) -> list[torch.Tensor]:
+        """A deferred prefill eviction: the keep mask of every layer (given with its prefill
+        signals), the allocator first seeing the selection scores of all of them."""
+        ranked = [self.selection_scores(layer, signals, layer.budget) for layer, signals in deferred]
+        layers = [layer for layer, _ in deferred]
+        comparable = self.scorer is not None and self.scorer.comparable_scores
+        self.allocator.allocate_layers(layers, [scores for scores, _ in ranked], comparable)
+        keeps = []
+        for (layer, signals), (scores, protected) in zip(deferred, ranked):
+            counts = self.allocator.counts(layer, scores, protected, layer.budget)
+            keeps.append(self.selector.keep(layer, signals, Ranking(scores, protected, counts)))
+        return keeps
+
+    def selection_scores(
+        self, layer: EvictionLayer, signals: Signals, budget: int
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The scorer's scores with the protected entries at ``+inf`` and padding at ``-inf``
+        (None without a scorer), and the real protected entries."""
+        protected = self.protector.protected(layer, budget)
+        scores = None
+        if self.scorer is not None:
+            scores = self.scorer.score(layer, signals)
+            scores = scores if scores.dtype == torch.float64 else scores.float()
+            scores = scores.masked_fill(protected, float("inf"))
+            if layer.valid is not None:
+                scores = scores.masked_fill(~layer.valid, float("-inf"))
+            protected = torch.isposinf(scores)  # the scorer's own +inf (e.g. SnapKV's window) included
+        elif layer.valid is not None:
+            protected = protected & layer.valid
+        return scores, protected
+
+    def on_evict(self, layer: EvictionLayer, evicted: torch.Tensor) -> None:
+        for stage in self.stages:
+            stage.on_evict(layer, evicted)
+
+    def correct_output(
+        self, layer: EvictionLayer, query: torch.Tensor, output: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        """The kernel's attention output ``[B, q, Hq, d]`` of a pass, corrected before the layer
+        evicts (unchanged without a corrector)."""
+        return output if self.corrector is None else self.corrector.correct(layer, query, output, scaling)
+
+    # -- hidden states: the method's ---------------------------------------------------------
+    @property
+    def hidden_context(self) -> int:
+        return self.method.hidden_context
+
+    def hidden_layers(self, num_layers: int) -> tuple[int, ...]:
+        return self.method.hidden_layers(num_layers)
+
+    def hidden_scores(self, changes: dict[int, torch.Tensor]) -> torch.Tensor:
+        return self.method.hidden_scores(changes)

@@ -1,0 +1,155 @@
+"""KVzip: hand-computed reconstruction scores, the repeat pass against the model's own
+attention, and a repeat pass that leaves no trace in the cache."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+
+import pytest
+import torch
+
+import kvevict
+from kvevict.policies.kvzip import reconstruction_scores, repeat_chunks
+from tests.conftest import greedy, prompt, reference_logits, tiny_model
+
+
+def test_score_is_the_max_over_repeat_queries_and_the_group_of_the_probability() -> None:
+    # context k0 = [0, 0], k1 = [1, 0]; two repeat entries at [0, 0]; scaling 1
+    keys = torch.tensor([[[[0.0, 0.0], [1.0, 0.0], [0.0, 0.0], [0.0, 0.0]]]])
+    # head 0: row 0 q = [ln 3, 0] sees k0..k2 → [1/5, 3/5, 1/5]; row 1 q = 0 → 1/4 each
+    # head 1: row 0 q = 0 → 1/3 each; row 1 → 1/4 each
+    query = torch.tensor([[[[math.log(3.0), 0.0], [0.0, 0.0]], [[0.0, 0.0], [0.0, 0.0]]]])
+    scores = reconstruction_scores(query, keys, 1.0, context=2)
+    torch.testing.assert_close(scores, torch.tensor([[[1 / 3, 3 / 5]]]))
+    one_at_a_time = reconstruction_scores(query, keys, 1.0, context=2, chunk=1)
+    torch.testing.assert_close(one_at_a_time, scores)
+    # KVzip+: weights per (query head, entry) and per repeat query multiply before the max
+    weighted = reconstruction_scores(
+        query,
+        keys,
+        1.0,
+        context=2,
+        value_weights=torch.tensor([[[1.0, 1.0], [3.0, 1.0]]]),
+        query_weights=torch.tensor([[1.0, 2.0]]),
+    )
+    # entry 0: max(1/5, 2/4, 3/3, 3·2/4) = 1.5; entry 1: max(3/5, 2/4, 1/3, 2/4) = 0.6
+    torch.testing.assert_close(weighted, torch.tensor([[[1.5, 0.6]]]))
+
+
+def test_repeat_chunks_restart_from_the_end_of_the_previous_chunk() -> None:
+    context = torch.tensor([[10, 11, 12, 13, 14]])
+    first, later, suffix = torch.tensor([[1]]), torch.tensor([[2]]), torch.tensor([[3]])
+    chunks = repeat_chunks(context, first, later, suffix, chunk=2, overlap=1)
+    assert [c.tolist()[0] for c in chunks] == [[1, 3, 10, 11], [2, 11, 3, 12, 13], [2, 13, 3, 14]]
+
+
+@pytest.mark.parametrize("plus", [False, True])
+def test_scores_match_the_models_attention_while_it_repeats_the_context(plus: bool) -> None:
+    """Per-layer budgets: each head keeps its sinks and the top reconstruction scores, taken
+    here from the eager attention weights of one plain forward over context + repeat."""
+    model = tiny_model(attn="eager")
+    ids, budget, n = prompt(48), 20, 48
+    cache = kvevict.EvictionCache(model, kvevict.make_policy("kvzip", per_layer=True, plus=plus), budget=budget)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no tokenizer for the tiny model: the bare context is repeated
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache)
+    inputs = {}
+    hooks = [
+        layer.register_forward_pre_hook(lambda m, a, k, i=i: inputs.update({i: a[0]}), with_kwargs=True)
+        for i, layer in enumerate(model.model.layers)
+    ]
+    with torch.no_grad():
+        out = model(input_ids=torch.cat([ids, ids], dim=-1), output_attentions=True)
+    for hook in hooks:
+        hook.remove()
+    for idx, layer in enumerate(cache.eviction_layers):
+        probs = out.attentions[idx][:, :, n:, :n].float()  # repeat queries over context entries
+        if plus:
+            full = kvevict.EvictionCache(model, "full")
+            with torch.no_grad():
+                model(input_ids=ids, past_key_values=full)
+            values = full.layers[idx].values.repeat_interleave(2, dim=1)  # [1, Hq, n, d]
+            o_proj = model.model.layers[idx].self_attn.o_proj.weight
+            norms = torch.stack([values[:, h] @ o_proj[:, h * 16 : (h + 1) * 16].T for h in range(4)], 1).norm(dim=-1)
+            probs = probs * norms[:, :, None, :] / inputs[idx][:, n:].norm(dim=-1)[:, None, :, None]
+        scores = probs.amax(dim=2).reshape(1, 2, 2, n).amax(dim=2)
+        scores[..., :4] = float("inf")  # sinks
+        expected = scores.topk(budget, dim=-1).indices.sort(dim=-1).values
+        assert torch.equal(layer.positions.sort(dim=-1).values, expected)  # slots are not in position order
+
+
+def test_the_repeat_pass_leaves_no_trace() -> None:
+    model = tiny_model()
+    ids = prompt(96)
+    cache = kvevict.EvictionCache(model, "kvzip", keep=0.25)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sequences, _ = greedy(model, ids, cache, new_tokens=5)
+    assert cache.get_seq_length() == 96 + 4  # the context and the generated tokens only
+    held = 0
+    for layer in cache.eviction_layers:
+        assert layer.passes == 5 and layer.prompt_length == 96
+        real = layer.valid if layer.valid is not None else torch.ones_like(layer.positions, dtype=torch.bool)
+        assert layer.positions[real].max() == 99  # the decode tokens came right after the context
+        assert int((real & (layer.positions >= 96)).sum()) == 2 * 4  # each head: its 4 decode tokens
+        held += int((real & (layer.positions < 96)).sum())
+    assert held == 2 * 2 * 24  # one global pool of context entries: L·H·B
+    token = sequences[:, -1:]
+    expected = reference_logits(model, cache, token)
+    with torch.no_grad():
+        logits = model(input_ids=token, past_key_values=cache).logits[:, -1]
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+
+
+def test_long_contexts_are_repeated_in_chunks_with_the_same_result_when_one_chunk_covers_them() -> None:
+    model = tiny_model()
+    ids = prompt(96)
+    kept = []
+    for chunk in (2048, 40):
+        cache = kvevict.EvictionCache(model, kvevict.make_policy("kvzip", chunk=chunk, overlap=4), budget=30)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.no_grad():
+                model(input_ids=ids, past_key_values=cache)
+        assert cache.get_seq_length() == 96
+        kept.append([layer.positions.clone() for layer in cache.eviction_layers])
+    # three chunks score differently (fewer repeat queries per entry) but still keep the sinks
+    assert all(bool((positions[..., :4] == torch.arange(4)).all()) for positions in kept[1])
+
+
+def test_prefill_cost_hook_is_removed_on_close_and_copies_do_not_rescore() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "kvzip", budget=30)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad():
+            model(input_ids=prompt(96), past_key_values=cache)
+    twin = copy.deepcopy(cache)
+    assert twin.layer_lengths() == cache.layer_lengths()
+    cache.close()
+    assert not model.model._forward_hooks
+
+
+def test_kvzip_uses_the_tokenizer_loaded_with_the_model(tokenizer) -> None:
+    from kvevict.policies.kvzip import KVzip
+
+    policy = KVzip(tokenizer=tokenizer)
+    model = tiny_model(vocab=len(tokenizer))
+    context = tokenizer.apply_chat_template([{"role": "user", "content": "alpha beta"}], tokenize=False)
+    head = context[: context.index("alpha beta") + len("alpha beta")]
+    ids = tokenizer(head, add_special_tokens=False, return_tensors="pt").input_ids
+    (repeat,) = policy.repeat_inputs(model.model, ids)
+    text = tokenizer.decode(repeat[0])
+    assert text.startswith("\n\nRepeat the previous context exactly.")
+    assert text.endswith("assistant\nalpha beta")  # the template's prefix is not repeated
+
+
+def test_bad_parameters_say_what_is_allowed() -> None:
+    with pytest.raises(ValueError, match="chunk"):
+        kvevict.make_policy("kvzip", chunk=0)
+    with pytest.raises(ValueError, match="sinks"):
+        kvevict.make_policy("kvzip", sinks=0)
+    kvevict.make_policy("kvzip", sinks=0, per_layer=True)
