@@ -403,12 +403,6 @@ class EvictionCache(Cache):
         the pass's queries to ``observer(layer, query, scaling, module)`` instead of its
         policy, and every entry the pass appended is dropped afterwards (``seen``, counters
         and positions as before it), so later tokens never see it."""
-        others = [layer for layer in self.layers if not isinstance(layer, EvictionLayer)]
-        if others:
-            raise ValueError(
-                f"policy {self.policy.name!r} runs a scoring pass over the cache, which needs every layer to be a "
-                f"full-attention eviction layer; this model has {len(others)} other (sliding-window) layers"
-            )
         snapshots = [(layer, layer.snapshot()) for layer in self.eviction_layers]
         self.side_pass = observer
         try:
@@ -433,17 +427,10 @@ class EvictionCache(Cache):
         return sum(allocated for allocated, _ in self.layer_bytes())
 
     def layer_bytes(self) -> list[tuple[int, int]]:
-        """Per layer: (bytes allocated, bytes of real entries). They differ only where
-        head-wise budgets pad heads to the longest one of their layer; other layer types
-        (e.g. sliding-window layers) hold only real entries."""
-        rows = []
-        for layer in self.layers:
-            if isinstance(layer, EvictionLayer):
-                rows.append((layer.kv_bytes(), layer.retained_bytes()))
-            else:
-                held = layer.keys.nbytes + layer.values.nbytes if layer.is_initialized else 0
-                rows.append((held, held))
-        return rows
+        """Per layer (full-attention and sliding alike): (bytes allocated, bytes of real
+        entries). They differ only where head-wise budgets pad heads to the longest one of
+        their layer."""
+        return [(layer.kv_bytes(), layer.retained_bytes()) for layer in self.layers]
 
     def decode_peak(self) -> int:
         """Most entries any KV head held while decoding (budget + interval for lagged eviction)."""
