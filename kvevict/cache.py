@@ -752,12 +752,6 @@ class EvictionCache(Cache):
         the pass's queries to ``observer(layer, query, scaling, module)`` instead of its
         policy, and every entry the pass appended is dropped afterwards (``seen``, counters
         and positions as before it), so later tokens never see it."""
-        others = [layer for layer in self.layers if not isinstance(layer, EvictionLayer)]
-        if others:
-            raise ValueError(
-                f"policy {self.policy.name!r} runs a scoring pass over the cache, which needs every layer to be a "
-                f"full-attention eviction layer; this model has {len(others)} other (sliding-window) layers"
-            )
         snapshots = [(layer, layer.snapshot()) for layer in self.eviction_layers]
         self.side_pass = observer
         try:
@@ -791,13 +785,7 @@ class EvictionCache(Cache):
         counts left padding nor the padding that lets rows of different lengths share storage."""
         totals: list[list[int]] = []
         for layer in self.layers:
-            if isinstance(layer, EvictionLayer):
-                rows = layer.row_bytes()
-            elif layer.is_initialized and layer.keys is not None:
-                held = (layer.keys.nbytes + layer.values.nbytes) // layer.keys.shape[0]
-                rows = [(held, held)] * layer.keys.shape[0]
-            else:
-                continue
+            rows = layer.row_bytes()
             totals += [[0, 0] for _ in range(len(rows) - len(totals))]
             for total, (allocated, real) in zip(totals, rows):
                 total[0] += allocated
@@ -805,17 +793,10 @@ class EvictionCache(Cache):
         return [(allocated, real) for allocated, real in totals]
 
     def layer_bytes(self) -> list[tuple[int, int]]:
-        """Per layer: (bytes allocated, bytes of real entries). They differ only where
-        head-wise budgets pad heads to the longest one of their layer, or rows of a batch keep
-        different numbers of entries."""
-        rows = []
-        for layer in self.layers:
-            if isinstance(layer, EvictionLayer):
-                rows.append((layer.kv_bytes(), layer.retained_bytes()))
-            else:
-                held = layer.keys.nbytes + layer.values.nbytes if layer.is_initialized and layer.keys is not None else 0
-                rows.append((held, held))
-        return rows
+        """Per layer (full-attention and sliding alike): (bytes allocated, bytes of real
+        entries). They differ only where head-wise budgets pad heads to the longest one of
+        their layer, or rows of a batch keep different numbers of entries."""
+        return [(layer.kv_bytes(), layer.retained_bytes()) for layer in self.layers]
 
     def decode_peak(self) -> int:
         """Most entries any KV head held while decoding (budget + interval for lagged eviction)."""
