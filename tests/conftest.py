@@ -306,3 +306,9 @@ def greedy_batch(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, 
     """Greedy generation of a left-padded batch: (new tokens ``[B, new]``, per-step logits ``[B, new, V]``)."""
     sequences, logits = greedy(model, ids, cache, new_tokens, mask)
     return sequences[:, ids.shape[1] :], logits
+
+
+def in_position_order(layer) -> torch.Tensor:
+    """A layer's retained positions ``[B, Hkv, n]`` sorted per head: eviction refills dropped
+    slots from the end of storage, so storage order is not position order."""
+    return layer.positions.sort(dim=-1).values

@@ -64,12 +64,10 @@ def test_headkv_uses_its_profile_and_needs_one() -> None:
 
 
 def test_flash_kernels_refuse_head_wise_budgets() -> None:
-    from kvevict.attention import _layer_mask
+    from kvevict.attention import check_flash
 
-    query, keys = torch.zeros(1, 4, 1, 8), torch.zeros(1, 2, 5, 8)
-    valid = torch.tensor([[[True] * 5, [True] * 3 + [False] * 2]])
     with pytest.raises(ValueError, match="sdpa"):
-        _layer_mask("flash_attention_2", None, query, keys, valid)
+        check_flash("flash_attention_2", ragged=True)
 
 
 def test_composition_errors_name_what_is_allowed() -> None:

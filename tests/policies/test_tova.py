@@ -27,4 +27,4 @@ def test_tova_evicts_the_least_attended_entry_every_step() -> None:
     for head in range(2):
         kept = step["positions"][0, head].tolist()
         del kept[dropped[0, head].item()]
-        assert layer.positions[0, head].tolist() == kept
+        assert sorted(layer.positions[0, head].tolist()) == sorted(kept)  # the new entry refills the dropped slot
