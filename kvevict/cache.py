@@ -241,12 +241,24 @@ class EvictionLayer(DynamicLayer):
         self._state = {name: grow(value) for name, value in self._state.items()}
         self._capacity = capacity
 
+    def _leave_inference_mode(self) -> None:
+        """Storage is written in place, which torch forbids on tensors made under ``inference_mode``
+        once that mode is left (e.g. ``kvevict.answer`` filled the cache and the caller goes on
+        under ``no_grad``): copy it once into ordinary tensors."""
+        if torch.is_inference_mode_enabled() or not self._keys.is_inference():
+            return
+        self._keys, self._values, self._positions = (x.clone() for x in (self._keys, self._values, self._positions))
+        self._valid = None if self._valid is None else self._valid.clone()
+        self._state = {name: value.clone() for name, value in self._state.items()}
+        self._refresh(self.n)
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, num_new = key_states.shape[0], key_states.shape[2]
+        self._leave_inference_mode()
         if b != len(self.rows):
             raise ValueError(f"batch size changed from {len(self.rows)} to {b}: an EvictionCache holds one batch")
         ends = [row.start + row.width for row in self.rows]

@@ -308,7 +308,9 @@ def greedy_batch(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, 
     return sequences[:, ids.shape[1] :], logits
 
 
-def in_position_order(layer) -> torch.Tensor:
-    """A layer's retained positions ``[B, Hkv, n]`` sorted per head: eviction refills dropped
-    slots from the end of storage, so storage order is not position order."""
-    return layer.positions.sort(dim=-1).values
+def in_position_order(layer, values: torch.Tensor | None = None) -> torch.Tensor:
+    """A layer's retained positions ``[B, Hkv, n]`` sorted per head, or ``values`` laid out like
+    them (per-token state) in that order: eviction refills dropped slots from the end of
+    storage, so storage order is not position order."""
+    order = layer.positions.argsort(dim=-1)
+    return (layer.positions if values is None else values).gather(-1, order)
