@@ -179,6 +179,18 @@ def reference_logits(model: PreTrainedModel, cache, token: torch.Tensor, correct
 
 
 REFERENCE = "kvevict_test_reference"
+
+
+def assert_next_logits_match_reference(model: PreTrainedModel, cache, token: torch.Tensor) -> None:
+    """The contract's exactness property: the logits of ``token`` through ``cache`` equal
+    attention recomputed over exactly the retained entries (:func:`reference_logits`), fp32,
+    within 1e-5."""
+    expected = reference_logits(model, cache, token)
+    with torch.no_grad():
+        logits = model(input_ids=token, past_key_values=cache).logits[:, -1]
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+
+
 _REFERENCE_STATE: dict[int, tuple] = {}
 """Layer index → (validity mask or None, moment statistics or None, entry positions, tokens
 seen) of the cache under test."""

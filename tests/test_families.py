@@ -16,6 +16,7 @@ from kvevict.models import TESTED_MODEL_TYPES
 from kvevict.signals import Requirements, compute_signals
 from tests.conftest import (
     CONFIGS,
+    assert_next_logits_match_reference,
     build_policy,
     capture_passes,
     greedy,
@@ -96,10 +97,7 @@ def test_eviction_matches_attention_over_the_retained_entries(models, arch: str,
             assert bool((layer.positions[real] > seen - layer.window).all())
     assert isinstance(cache.kv_bytes(), int) and cache.kv_bytes() > 0
     token = sequences[:, -1:]
-    expected = reference_logits(model, cache, token)
-    with torch.no_grad():
-        logits = model(input_ids=token, past_key_values=cache).logits[:, -1]
-    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    assert_next_logits_match_reference(model, cache, token)
 
 
 def pass_entries(layer, captured: dict, num_queries: int) -> SimpleNamespace:

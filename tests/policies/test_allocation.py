@@ -7,7 +7,14 @@ import torch
 
 import kvevict
 from kvevict.budgets import pyramid_budgets
-from tests.conftest import build_policy, greedy, prompt, reference_logits, tiny_head_profile, tiny_model
+from tests.conftest import (
+    assert_next_logits_match_reference,
+    build_policy,
+    greedy,
+    prompt,
+    tiny_head_profile,
+    tiny_model,
+)
 
 
 @pytest.mark.parametrize("policy", ["adakv+snapkv", "adakv+knorm", "headkv"])
@@ -24,10 +31,7 @@ def test_heads_keep_different_numbers_and_memory_shrinks(policy: str, attn: str)
     assert sum(real) == per_entry * sum(sum(heads) for heads in lengths)
     assert sum(real) <= sum(allocated) < per_entry * 2 * 2 * 163  # well under the full cache
     token = sequences[:, -1:]
-    expected = reference_logits(model, cache, token)  # the masked reference
-    with torch.no_grad():
-        logits = model(input_ids=token, past_key_values=cache).logits[:, -1]
-    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    assert_next_logits_match_reference(model, cache, token)  # the masked reference
 
 
 def test_adakv_keeps_the_layers_total_budget() -> None:
@@ -121,10 +125,7 @@ def test_global_budget_moves_entries_across_layers_and_memory_shrinks(policy: st
     assert sum(real) == 2 * 16 * 4 * sum(int(heads.sum()) for heads in lengths)
     assert sum(real) <= sum(allocated) < 2 * 16 * 4 * 2 * 2 * 163
     token = sequences[:, -1:]
-    expected = reference_logits(model, cache, token)
-    with torch.no_grad():
-        logits = model(input_ids=token, past_key_values=cache).logits[:, -1]
-    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    assert_next_logits_match_reference(model, cache, token)
 
 
 def test_scores_without_a_common_unit_are_standardised_per_layer() -> None:

@@ -9,7 +9,15 @@ import torch
 from transformers import DynamicCache
 
 import kvevict
-from tests.conftest import build_policy, greedy, greedy_batch, left_padded, prompt, reference_logits, tiny_model
+from tests.conftest import (
+    assert_next_logits_match_reference,
+    build_policy,
+    greedy,
+    greedy_batch,
+    left_padded,
+    prompt,
+    tiny_model,
+)
 
 POLICIES = [
     *kvevict.list_policies(),
@@ -47,10 +55,7 @@ def test_eviction_matches_attention_over_the_retained_entries(policy: str, attn:
     # evicted for real: layers × KV heads × (budget + new tokens), + 1 per head for HeadKV's rounding
     assert held <= 2 * 2 * (BUDGET + 6 + 1)
     token = sequences[:, -1:]
-    expected = reference_logits(model, cache, token)
-    with torch.no_grad():
-        logits = model(input_ids=token, past_key_values=cache).logits[:, -1]
-    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    assert_next_logits_match_reference(model, cache, token)
 
 
 @pytest.mark.parametrize("policy", POLICIES)

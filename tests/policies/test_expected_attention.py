@@ -16,7 +16,7 @@ from kvevict.policies.expected_attention import (
     query_statistics,
     rope_inverse,
 )
-from tests.conftest import greedy, prompt, reference_logits, tiny_model
+from tests.conftest import assert_next_logits_match_reference, greedy, prompt, tiny_model
 
 
 def test_expected_logits_with_known_mean_covariance_and_rotation() -> None:
@@ -101,10 +101,7 @@ def test_decode_regime_uses_recent_query_statistics_and_stays_exact() -> None:
     assert all(cache.policy.method.memo(layer)[RECENT_QUERIES].shape[2] == 16 for layer in cache.eviction_layers)
     assert cache.layer_lengths() == [40, 40]  # evicted at every decode step too
     token = sequences[:, -1:]
-    expected = reference_logits(model, cache, token)
-    with torch.no_grad():
-        logits = model(input_ids=token, past_key_values=cache).logits[:, -1]
-    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    assert_next_logits_match_reference(model, cache, token)
 
 
 def test_bad_parameters_say_what_is_allowed() -> None:

@@ -12,7 +12,7 @@ import torch
 
 import kvevict
 from kvevict.policies.kvzip import reconstruction_scores, repeat_chunks
-from tests.conftest import greedy, prompt, reference_logits, tiny_model
+from tests.conftest import assert_next_logits_match_reference, greedy, prompt, tiny_model
 
 
 def test_score_is_the_max_over_repeat_queries_and_the_group_of_the_probability() -> None:
@@ -98,10 +98,7 @@ def test_the_repeat_pass_leaves_no_trace() -> None:
         held += int((real & (layer.positions < 96)).sum())
     assert held == 2 * 2 * 24  # one global pool of context entries: L·H·B
     token = sequences[:, -1:]
-    expected = reference_logits(model, cache, token)
-    with torch.no_grad():
-        logits = model(input_ids=token, past_key_values=cache).logits[:, -1]
-    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    assert_next_logits_match_reference(model, cache, token)
 
 
 def test_long_contexts_are_repeated_in_chunks_with_the_same_result_when_one_chunk_covers_them() -> None:

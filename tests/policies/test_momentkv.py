@@ -12,7 +12,14 @@ from kvevict.policies.base import keep_top
 from kvevict.policies.momentkv import MomentKV, MomentNC, MomentStatistics, chunk_pool, moment_bytes
 from kvevict.policies.snapkv import snapkv_scores
 from kvevict.signals import Signals, attention_rows
-from tests.conftest import capture_passes, greedy, prompt, reference_logits, tiny_model
+from tests.conftest import (
+    assert_next_logits_match_reference,
+    capture_passes,
+    greedy,
+    prompt,
+    reference_logits,
+    tiny_model,
+)
 
 INF = float("inf")
 PROMPT, BUDGET = 96, 40
@@ -129,10 +136,7 @@ def test_momentkv_at_decode_time_matches_the_corrected_reference() -> None:
     sequences, _ = greedy(model, prompt(PROMPT), cache, new_tokens=6)
     assert [int(layer.head_lengths().sum()) for layer in cache.eviction_layers] == [2 * BUDGET] * 2  # AdaKV total
     token = sequences[:, -1:]
-    expected = reference_logits(model, cache, token)
-    with torch.no_grad():
-        logits = model(input_ids=token, past_key_values=cache).logits[:, -1]
-    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    assert_next_logits_match_reference(model, cache, token)
 
 
 def test_variants() -> None:
