@@ -892,3 +892,17 @@ class EvictionCache(Cache):
     def layer_lengths(self) -> list[int]:
         """Retained entries per KV head, per layer."""
         return [layer.keys.shape[-2] if layer.is_initialized else 0 for layer in self.layers]
+
+    def row_memory(self, row: int) -> dict[str, Any]:
+        """What one row of the batch holds, as the cache of that sequence alone reports it:
+        ``kv_bytes`` (allocated), ``real_bytes``, ``layer_bytes`` (allocated, real) per layer,
+        ``retained`` (entries of its longest layer and head) and ``decode_peak``."""
+        layers = [layer.row_bytes()[row] for layer in self.layers]
+        rows = [layer.rows[row] for layer in self.eviction_layers]
+        return {
+            "kv_bytes": sum(allocated for allocated, _ in layers),
+            "real_bytes": sum(real for _, real in layers),
+            "layer_bytes": layers,
+            "retained": max((info.width for info in rows), default=0),
+            "decode_peak": max((info.decode_peak for info in rows), default=0),
+        }

@@ -93,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--fidelity", action="store_true", help="also replay the full cache's answer: top-1, KL, perplexity"
     )
     bench.add_argument("--max-new-tokens", type=int, default=None, help="override every task's generation length")
+    bench.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N samples (of one task and setting) as one left-padded batch, each evicted on its own: the same "
+        "results as one by one (default: 1); fidelity replays stay one at a time",
+    )
     _model_args(bench)
     cluster = bench.add_argument_group(
         "Ray cluster",
@@ -371,6 +379,7 @@ def _bench(args: argparse.Namespace) -> int:
         interval=args.interval,
         fidelity=args.fidelity,
         max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
         dtype=args.dtype,
         device=args.device,
         attn=args.attn,
