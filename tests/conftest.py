@@ -23,7 +23,7 @@ from transformers import (
 )
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from kvevict.generation import left_padded, padded_positions  # noqa: F401 (the tests' batches)
+from kvevict.batching import left_padded, padded_positions  # noqa: F401 (the tests' batches)
 
 VOCAB = 96
 COMMON = {

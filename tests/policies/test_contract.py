@@ -65,10 +65,6 @@ def test_a_left_padded_batch_gives_each_row_what_it_gets_alone(policy: str, attn
     ids, mask = left_padded(prompts)
     budget = None if policy == "full" else BUDGET
     batch_cache = kvevict.EvictionCache(model, build_policy(policy), budget=budget)
-    if batch_cache.policy.deferred_prefill:  # evicts once the prefill ran through every layer: one prompt at a time
-        with pytest.raises(ValueError, match=r"pass one prompt \(batch size 1\)"):
-            greedy_batch(model, ids, mask, batch_cache, 7)
-        return
     batch_tokens, batch_logits = greedy_batch(model, ids, mask, batch_cache, 7)
     for row, ids_alone in enumerate(prompts):
         alone = kvevict.EvictionCache(model, build_policy(policy), budget=budget)
