@@ -240,6 +240,8 @@ def _repeat_batch(cache: EvictionCache, pieces: list[torch.Tensor | None]) -> di
     at positions that continue each row's own."""
     if len(pieces) == 1:
         return {"input_ids": pieces[0]}
+    if cache.eviction_layers[0].passes != 1:
+        raise ValueError("kvzip scores a batch whose prompts came in one pass (left-padded): do not split the prefill")
     device = next(piece for piece in pieces if piece is not None).device
     ids, mask = left_padded(
         [piece.cpu() if piece is not None else torch.zeros(1, 0, dtype=torch.long) for piece in pieces]
