@@ -76,7 +76,7 @@ class PrefillHook:
 class _Row:
     """Bookkeeping of one sequence (batch row) of a layer: what a batch-1 layer holds as ints."""
 
-    __slots__ = ("budget", "decode_peak", "interval", "memo", "prompt_length", "seen", "start", "width")
+    __slots__ = ("budget", "decode_peak", "interval", "memo", "peak", "prompt_length", "seen", "start", "width")
 
     def __init__(self) -> None:
         self.seen = 0
@@ -85,6 +85,8 @@ class _Row:
         self.budget: int | None = None
         self.interval = 1
         self.decode_peak = 0
+        self.peak = 0
+        """Most entries a head of this row held at any moment (after an append, before evicting)."""
         self.start = 0
         """First storage column of this row (its left padding, until the first eviction)."""
         self.width = 0
@@ -123,6 +125,10 @@ class EvictionLayer(DynamicLayer):
         self.tokens = 0
         """Columns of every pass so far, padding included (transformers' ``cache_position``)."""
         self.passes = 0
+        self.prompt_pass = False
+        """Whether the current pass is (a chunk of) the prompt: prefill-time policies score it."""
+        self.prompt_open = True
+        """Whether a later pass of several tokens may still be a chunk of the prompt."""
         self.rows: list[_Row] = [_Row()]
         self.compacted = False
         """Whether an eviction reordered the storage (until then it is the model's own layout)."""
@@ -261,6 +267,8 @@ class EvictionLayer(DynamicLayer):
         self._leave_inference_mode()
         if b != len(self.rows):
             raise ValueError(f"batch size changed from {len(self.rows)} to {b}: an EvictionCache holds one batch")
+        if self.owner.side_pass is None:  # a policy's own scoring pass is part of the pass it scores
+            self.prompt_pass = self._is_prompt_pass(num_new)
         ends = [row.start + row.width for row in self.rows]
         self._reserve(max(ends) + num_new)
         new = torch.arange(num_new, device=self.device)
@@ -287,6 +295,37 @@ class EvictionLayer(DynamicLayer):
         attention.mark_pending(self, self.keys)
         return self.keys, self.values
 
+    def _is_prompt_pass(self, num_new: int) -> bool:
+        """Whether a pass of ``num_new`` tokens (about to be appended) continues the prompt.
+
+        The first pass is the prompt. Later ones are chunks of it (``generate(...,
+        prefill_chunk_size=C)`` gives the cache no other sign) while the prompt is open: up to
+        the whole prompt's length when the cache was told it (``prompt_length=``), else every
+        pass of more than one token. The first pass that is not a chunk (a single decode
+        token, or :meth:`EvictionCache.end_prompt`) closes the prompt for good."""
+        if self.passes == 0:
+            return True
+        if self.prompt_open:
+            whole = self.owner.prompt_length
+            self.prompt_open = self.tokens < whole if whole is not None else num_new > 1
+        return self.prompt_open
+
+    def _continue_prompt(self) -> None:
+        """A later chunk of the prompt: its tokens are prompt tokens of every row (``decode_step`` stays 0)."""
+        if self.policy.deferred_prefill:
+            raise ValueError(
+                f"policy {self.policy.name!r} evicts the prefill once the whole prompt has run through every layer "
+                "(a scoring pass, or one budget across layers), so it cannot compress a prompt chunk by chunk: "
+                "prefill the prompt in one pass (no prefill_chunk_size / prefill_chunk)"
+            )
+        if self.owner.budget.keep is not None and self.owner.prompt_length is None:
+            raise ValueError(
+                "keep= is a fraction of the whole prompt, which a prompt prefilled in chunks does not tell the cache "
+                "up front: give EvictionCache(..., prompt_length=<prompt tokens>) or a token budget (budget=)"
+            )
+        for row in self.rows:
+            row.prompt_length = row.seen
+
     def begin_pass(self, attention_mask: torch.Tensor | None) -> None:
         """Called by the attention path before the kernel: on the first pass, learn each row's
         left padding from the model's mask; then give the policy the new entries' state.
@@ -298,6 +337,8 @@ class EvictionLayer(DynamicLayer):
         sum of the mask), so a row's positions start at 0 after its padding."""
         if self.passes == 1:
             self._start_rows(_real_columns(attention_mask, self._num_new, len(self.rows)))
+        elif self.prompt_pass and self.owner.side_pass is None:
+            self._continue_prompt()
         for i, row in enumerate(self.rows):
             view = RowView(self, i)
             for name, value in self.policy.new_tokens(view, view.num_new).items():
@@ -307,8 +348,9 @@ class EvictionLayer(DynamicLayer):
                     )
                 self._state[name][i : i + 1, :, row.start + row.width - view.num_new : row.start + row.width] = value
         self._refresh(self.n)
-        if self.passes > 1:
-            for row in self.rows:
+        for row in self.rows:
+            row.peak = max(row.peak, row.width)
+            if not self.prompt_pass:
                 row.decode_peak = max(row.decode_peak, row.width)
 
     def _start_rows(self, real: torch.Tensor | None) -> None:
@@ -331,7 +373,8 @@ class EvictionLayer(DynamicLayer):
         for row, pad in zip(self.rows, pads):
             row.start, row.width = pad, num_new - pad
             row.seen = row.prompt_length = num_new - pad
-            row.budget = self.owner.budget.resolve(row.prompt_length)
+            whole = self.owner.prompt_length  # columns of the whole prompt (chunked prefill), padding included
+            row.budget = self.owner.budget.resolve(row.prompt_length if whole is None else whole - pad)
             if self.owner.budget.keep is not None:  # a token budget was checked up front
                 self.policy.check_budget(row.budget)
             row.interval = self.owner.interval or (row.budget and self.policy.default_interval(row.budget)) or 1
@@ -363,7 +406,7 @@ class EvictionLayer(DynamicLayer):
 
     # -- eviction -----------------------------------------------------------------------
     def phase(self) -> Phase:
-        return "prefill" if self.passes == 1 else "decode"
+        return "prefill" if self.prompt_pass else "decode"
 
     def correct_output(self, query: torch.Tensor, output: torch.Tensor, scaling: float) -> torch.Tensor:
         """The policy's correction of the kernel's output ``[B, q, Hq, d]``, row by row."""
@@ -553,6 +596,7 @@ class RowView:
             info.budget,
             info.interval,
         )
+        self.prompt_pass = layer.prompt_pass
         self.passes, self.layer_idx, self.device, self.window = (
             layer.passes,
             layer.layer_idx,
@@ -670,6 +714,16 @@ class EvictionCache(Cache):
         interval: decode-time eviction runs every ``interval`` steps once over budget
             (1 = every step; larger lets the cache grow to ``budget + interval``). Default:
             the policy's own schedule (LazyEviction's and R-KV's window), else 1.
+        prompt_length: tokens of the whole prompt (its columns, left padding included), for a
+            prompt prefilled in chunks (``generate(..., prefill_chunk_size=C)``): ``keep=`` then
+            refers to it, and exactly the passes up to it are prompt chunks. Without it, every
+            pass of more than one token until the first single-token one is a prompt chunk.
+
+    Chunked prefill: each chunk attends to the retained entries plus itself, then the cache
+    evicts back to the budget (prefill-time policies score each chunk as they score a whole
+    prompt), so it never holds more than ``budget + C`` entries per KV head
+    (:meth:`peak_entries`). Call :meth:`end_prompt` before feeding more than one token that
+    is not prompt (a question after a context compressed on its own).
 
     Sliding-window layers (all-sliding or hybrid models) drop what left their window, then
     are evicted to the budget like full layers: one never holds more than
@@ -685,6 +739,7 @@ class EvictionCache(Cache):
         budget: int | None = None,
         keep: float | None = None,
         interval: int | None = None,
+        prompt_length: int | None = None,
     ):
         check_supported(model)
         policy = make_policy(policy) if isinstance(policy, str) else policy
@@ -701,6 +756,12 @@ class EvictionCache(Cache):
         if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 1):
             raise ValueError(f"interval must be an integer >= 1 (1 = evict every step), got {interval!r}")
         self.interval = interval
+        if prompt_length is not None and (
+            isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or prompt_length < 1
+        ):
+            raise ValueError(f"prompt_length must be a positive number of tokens, got {prompt_length!r}")
+        self.prompt_length = prompt_length
+        """Tokens of the whole prompt when it is prefilled in chunks (None: unknown)."""
         attention.install(model)
         config = model.config.get_text_config(decoder=True)
         self.policy = policy.bound(config)
@@ -813,6 +874,18 @@ class EvictionCache(Cache):
     def decode_peak(self) -> int:
         """Most entries any KV head held while decoding (budget + interval for lagged eviction)."""
         return max((layer.decode_peak for layer in self.eviction_layers), default=0)
+
+    def peak_entries(self) -> int:
+        """Most entries any KV head of any layer held at any moment of this cache's life,
+        prefill included (after a pass appended, before it evicted): at most ``budget + C``
+        with chunked prefill of chunk ``C``, the whole prompt when it is prefilled in one pass."""
+        return max((row.peak for layer in self.eviction_layers for row in layer.rows), default=0)
+
+    def end_prompt(self) -> None:
+        """The prompt is complete: the next passes are decode passes, however many tokens they
+        hold (a question fed after a context compressed on its own is not compressed with it)."""
+        for layer in self.eviction_layers:
+            layer.prompt_open = False
 
     def layer_lengths(self) -> list[int]:
         """Retained entries per KV head, per layer."""

@@ -38,9 +38,24 @@ def split_prompt(
 
 
 @torch.inference_mode()
-def prefill(model: PreTrainedModel, ids: torch.Tensor, cache: EvictionCache) -> None:
-    """Process ``ids`` into ``cache`` (the first pass compresses it under its policy)."""
-    model(input_ids=ids.to(model.device), past_key_values=cache, use_cache=True)
+def prefill(model: PreTrainedModel, ids: torch.Tensor, cache: EvictionCache, chunk: int | None = None) -> None:
+    """Process the prompt ``ids`` into ``cache``, compressed under its policy: in one pass, or
+    ``chunk`` tokens per pass (each chunk attends to the retained entries plus itself, then the
+    cache evicts back to its budget: never more than ``budget + chunk`` entries per KV head).
+    The prompt then ends: whatever is fed next is decoded, not compressed with it."""
+    check_chunk(chunk)
+    ids = ids.to(model.device)
+    if cache.prompt_length is None and cache.get_seq_length() == 0:
+        cache.prompt_length = ids.shape[-1]  # keep= refers to the whole prompt
+    for start in range(0, ids.shape[-1], chunk or ids.shape[-1]):
+        model(input_ids=ids[:, start : start + (chunk or ids.shape[-1])], past_key_values=cache, use_cache=True)
+    cache.end_prompt()
+
+
+def check_chunk(chunk: int | None) -> None:
+    """Refuse a prefill chunk that is not a positive number of tokens."""
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"the prefill chunk must be a positive number of tokens (or None: one pass), got {chunk!r}")
 
 
 @torch.inference_mode()
@@ -84,6 +99,7 @@ def answer(
     query_aware: bool = False,
     max_new_tokens: int = 64,
     cache: EvictionCache | None = None,
+    prefill_chunk: int | None = None,
 ) -> str:
     """Answer ``question`` about ``context`` with a KV cache compressed by ``policy``.
 
@@ -91,6 +107,8 @@ def answer(
     question is part of the compressed prompt (all of it but its last token). Question and answer prefix are then fed and
     the answer is decoded greedily; decode-time policies keep evicting while it is written.
     Pass ``cache`` to inspect the cache afterwards (its policy and budget are used).
+    ``prefill_chunk``: compress the prompt ``prefill_chunk`` tokens at a time (bounded memory:
+    at most ``budget + prefill_chunk`` entries per KV head, :meth:`EvictionCache.peak_entries`).
     """
     if cache is None:
         cache = EvictionCache(model, policy, budget=budget, keep=keep)
@@ -101,6 +119,6 @@ def answer(
         head, tail = head[:, :-1], head[:, -1:]
     ids = torch.cat([head, tail], dim=-1)
     # query-aware: everything but the last prompt token is compressed; that token starts decoding
-    prefill(model, ids[:, :-1] if query_aware else head, cache)
+    prefill(model, ids[:, :-1] if query_aware else head, cache, prefill_chunk)
     new_tokens = continue_greedy(model, tokenizer, ids, cache, max_new_tokens)
     return tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
