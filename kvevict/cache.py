@@ -23,7 +23,7 @@ passes, and its mask is built from positions (:mod:`kvevict.attention`).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Self
 
@@ -523,6 +523,69 @@ class EvictionLayer(DynamicLayer):
                 self._positions[i, :, row.start + row.width :] = -1
         self._refresh(self.n)
 
+    # -- rows of a batch that runs on (continuous batching) ---------------------------------
+    def splice(self, row: int, source: EvictionLayer) -> None:
+        """Make batch row ``row`` (``batch_size``: a new last row) hold the only row of
+        ``source``, the same layer of a batch-1 cache, exactly as ``source`` holds it: entries,
+        positions, per-token state, counters and policy memo. Each row keeps its own columns
+        from 0; columns past a row's width are invalid, so it attends exactly its own entries."""
+        if row == len(self.rows):
+            self._add_row()
+        width = source.rows[0].width
+        self._ensure_valid()
+        self._reserve(width)
+        columns = slice(source.rows[0].start, source.rows[0].start + width)
+        for name, value in source._state.items():
+            if name not in self._state:
+                self._state[name] = value.new_zeros(len(self.rows), value.shape[1], self._capacity, *value.shape[3:])
+        pairs = [(self._keys, source._keys), (self._values, source._values)]
+        pairs += [(self._state[name], value) for name, value in source._state.items()]
+        for mine, theirs in pairs:
+            mine[row, :, :width] = theirs[0, :, columns]
+        self._positions[row] = -1  # columns the row does not hold sit at a position no query has
+        self._positions[row, :, :width] = source._positions[0, :, columns]
+        self._valid[row] = False
+        self._valid[row, :, :width] = True if source._valid is None else source._valid[0, :, columns]
+        spliced = _Row()
+        for name in _Row.__slots__:
+            setattr(spliced, name, getattr(source.rows[0], name))
+        spliced.start = 0
+        self.rows[row] = spliced
+        self.tokens = max(self.tokens, source.tokens)
+        self.compacted = True  # rows no longer share the model's own column layout
+        self._refresh(max(r.start + r.width for r in self.rows))
+
+    def _add_row(self) -> None:
+        """One more batch row, holding nothing yet."""
+
+        def grow(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+
+        self._ensure_valid()
+        self._keys, self._values, self._positions, self._valid = (
+            grow(x) for x in (self._keys, self._values, self._positions, self._valid)
+        )
+        self._state = {name: grow(value) for name, value in self._state.items()}
+        self.rows.append(_Row())
+
+    def _ensure_valid(self) -> None:
+        """Materialise :attr:`valid` (each row's columns ``start .. start + width`` are real)."""
+        if self._valid is not None:
+            return
+        self._valid = torch.zeros(self._positions.shape, dtype=torch.bool, device=self.device)
+        for i, row in enumerate(self.rows):
+            self._valid[i, :, row.start : row.start + row.width] = True
+
+    def remove_rows(self, rows: list[int]) -> None:
+        """Drop batch rows ``rows`` (finished sequences); the others keep what they hold."""
+        kept = [i for i in range(len(self.rows)) if i not in set(rows)]
+        index = torch.tensor(kept, dtype=torch.long, device=self.device)
+        self._keys, self._values, self._positions = (x[index] for x in (self._keys, self._values, self._positions))
+        self._valid = None if self._valid is None else self._valid[index]
+        self._state = {name: value[index] for name, value in self._state.items()}
+        self.rows = [self.rows[i] for i in kept]
+        self._refresh(max(row.start + row.width for row in self.rows))
+
     def row_bytes(self) -> list[tuple[int, int]]:
         """Per row: (bytes allocated, bytes of real entries). Allocated counts the row's
         longest head for every head (head-wise budgets pad heads); neither counts the row's
@@ -886,6 +949,55 @@ class EvictionCache(Cache):
         hold (a question fed after a context compressed on its own is not compressed with it)."""
         for layer in self.eviction_layers:
             layer.prompt_open = False
+
+    # -- continuous batching ---------------------------------------------------------------
+    def splice(self, row: int, source: EvictionCache) -> None:
+        """Put the sequence ``source`` holds (a batch-1 cache of the same model, policy and
+        budget, its prompt done) into batch row ``row`` of this cache, replacing a finished
+        sequence, or as a new last row when ``row`` is the batch size: that row then goes on
+        exactly as ``source`` would alone. Decode such a batch with each row's own positions
+        (``position_ids=cache.next_positions()``): its rows have seen different numbers of tokens."""
+        if not isinstance(source, EvictionCache) or source is self:
+            raise ValueError("splice takes another EvictionCache holding the one sequence to put into this batch")
+        if repr(source.policy) != repr(self.policy) or source.budget != self.budget:
+            raise ValueError(
+                f"cannot splice a cache of {source.policy.name!r} ({source.budget}) into one of "
+                f"{self.policy.name!r} ({self.budget}): rows of a batch share the policy and the budget"
+            )
+        if self.hidden is not None or self.deferred or source.deferred:
+            raise ValueError(
+                f"policy {self.policy.name!r} reads hidden states recorded per column of the batch (or has a prefill "
+                "eviction pending), which cannot move between caches: it cannot be spliced"
+            )
+        layers = list(zip(self.eviction_layers, source.eviction_layers))
+        if any(not mine.is_initialized or not theirs.is_initialized for mine, theirs in layers):
+            raise ValueError("splice needs both caches to hold a prefilled sequence")
+        if source.eviction_layers[0].batch_size != 1:
+            raise ValueError(f"splice takes a batch-1 cache, got one of {source.eviction_layers[0].batch_size} rows")
+        if not 0 <= row <= self.eviction_layers[0].batch_size:
+            raise ValueError(f"row {row} is out of range: 0 .. {self.eviction_layers[0].batch_size} (a new last row)")
+        for mine, theirs in layers:
+            mine.splice(row, theirs)
+            mine.prompt_open = False
+        self._shared_rows[row] = source.shared
+        self.row_offsets[row : row + 1] = [0]
+
+    def remove_rows(self, rows: Sequence[int]) -> None:
+        """Drop the batch rows ``rows`` (finished sequences): the others go on as before, renumbered in order."""
+        size = self.eviction_layers[0].batch_size
+        if not rows or any(not 0 <= r < size for r in rows) or len(set(rows)) >= size:
+            raise ValueError(f"remove_rows takes distinct rows in 0 .. {size - 1}, leaving at least one; got {rows}")
+        for layer in self.eviction_layers:
+            layer.remove_rows(list(rows))
+        kept = [i for i in range(size) if i not in set(rows)]
+        self._shared_rows = {new: self.row_shared(old) for new, old in enumerate(kept)}
+        self.shared = self._shared_rows[0]
+        self.row_offsets = [self.row_offsets[i] for i in kept]
+
+    def next_positions(self) -> torch.Tensor:
+        """``[B, 1]``: the absolute position of each row's next token (the tokens it has seen)."""
+        layer = self.eviction_layers[0]
+        return torch.tensor([[row.seen] for row in layer.rows], device=layer.device)
 
     def layer_lengths(self) -> list[int]:
         """Retained entries per KV head, per layer."""

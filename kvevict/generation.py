@@ -38,18 +38,22 @@ def split_prompt(
 
 
 @torch.inference_mode()
-def prefill(model: PreTrainedModel, ids: torch.Tensor, cache: EvictionCache, chunk: int | None = None) -> None:
+def prefill(model: PreTrainedModel, ids: torch.Tensor, cache: EvictionCache, chunk: int | None = None) -> torch.Tensor:
     """Process the prompt ``ids`` into ``cache``, compressed under its policy: in one pass, or
     ``chunk`` tokens per pass (each chunk attends to the retained entries plus itself, then the
     cache evicts back to its budget: never more than ``budget + chunk`` entries per KV head).
-    The prompt then ends: whatever is fed next is decoded, not compressed with it."""
+    The prompt then ends: whatever is fed next is decoded, not compressed with it. Returns the
+    logits after the prompt's last token, ``[B, V]``."""
     check_chunk(chunk)
     ids = ids.to(model.device)
     if cache.prompt_length is None and cache.get_seq_length() == 0:
         cache.prompt_length = ids.shape[-1]  # keep= refers to the whole prompt
-    for start in range(0, ids.shape[-1], chunk or ids.shape[-1]):
-        model(input_ids=ids[:, start : start + (chunk or ids.shape[-1])], past_key_values=cache, use_cache=True)
+    step = chunk or ids.shape[-1]
+    for start in range(0, ids.shape[-1], step):
+        chunk_ids = ids[:, start : start + step]
+        logits = model(input_ids=chunk_ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     cache.end_prompt()
+    return logits[:, -1]
 
 
 def check_chunk(chunk: int | None) -> None:
