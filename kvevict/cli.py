@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run every task × policy × budget; one JSON line per sample in OUT/results.jsonl. "
         "Resumable: finished samples are skipped when the same command runs again. "
         "`kvevict bench memory --help`: the prefill peak-memory microbenchmark; "
-        "`kvevict bench decode-speed --help`: the cost of a decode step under eviction.",
+        "`kvevict bench decode-speed --help`: the cost of a decode step under eviction; "
+        "`kvevict bench throughput --help`: sequences served per second under a KV memory cap.",
     )
     bench.add_argument("tasks", type=_names, help="comma-separated task names (see `kvevict tasks`)")
     bench.add_argument(
@@ -563,6 +564,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return memory.main(argv[2:])
         except (ValueError, OSError) as err:  # bad input, missing files, an unknown hub id
             print(f"kvevict bench memory: error: {err}", file=sys.stderr)
+            return EXIT_USAGE
+    if argv[:2] == ["bench", "throughput"]:
+        from kvevict.bench import throughput
+
+        try:
+            return throughput.main(argv[2:])
+        except (ValueError, OSError) as err:
+            print(f"kvevict bench throughput: error: {err}", file=sys.stderr)
             return EXIT_USAGE
     if argv[:2] == ["bench", "decode-speed"]:
         from kvevict.bench import speed
