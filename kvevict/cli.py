@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--fidelity", action="store_true", help="also replay the full cache's answer: top-1, KL, perplexity"
     )
     bench.add_argument("--max-new-tokens", type=int, default=None, help="override every task's generation length")
+    bench.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="C",
+        help="compress each prompt C tokens per pass: at most budget + C entries per KV head (default: one pass)",
+    )
     _model_args(bench)
     cluster = bench.add_argument_group(
         "Ray cluster",
@@ -362,6 +369,7 @@ def _bench(args: argparse.Namespace) -> int:
         interval=args.interval,
         fidelity=args.fidelity,
         max_new_tokens=args.max_new_tokens,
+        prefill_chunk=args.prefill_chunk,
         dtype=args.dtype,
         device=args.device,
         attn=args.attn,
