@@ -8,9 +8,10 @@ reference) ``N`` prompts are served by one loop of continuous batching:
   layer for each token it still has to feed), plus the new prompt's prefill transient and
   its own decode growth, fits in ``--memory-cap``. The prefill transient is the whole
   prompt when it is prefilled in one pass, and the most entries a head held while an
-  earlier prompt of the setting was prefilled in chunks (``EvictionCache.peak_entries``);
-  chunked prefill (``--prefill-chunk``) is used wherever the policy can score a prompt
-  chunk by chunk and that holds less than the whole prompt.
+  earlier prompt of the setting was prefilled in chunks (``EvictionCache.peak_entries``;
+  ``budget + chunk`` under a uniform allocation). A prompt is prefilled in one pass (the
+  fastest) when that fits, else in chunks of ``--prefill-chunk`` where the policy can score
+  a prompt chunk by chunk and that admits it.
 * **Compression.** Each admitted prompt is prefilled alone into a batch-1
   :class:`~kvevict.cache.EvictionCache` (compressed under the policy), then spliced into the
   running batch (``EvictionCache.splice``): into the slot of a finished sequence, or as a
@@ -118,13 +119,24 @@ def token_bytes(model: PreTrainedModel) -> int:
 
 
 def _chunk_for(setting: Setting, chunk: int | None, cache: EvictionCache, length: int) -> int | None:
-    """The prefill chunk of ``setting``: chunked where the policy scores a prompt chunk by chunk
-    and its budget plus a chunk holds less than the whole prompt."""
+    """The prefill chunk ``setting`` may use: where the policy scores a prompt chunk by chunk and
+    its budget plus a chunk holds less than the whole prompt (None: one pass only)."""
     policy = cache.policy
     if chunk is None or setting.policy == "full" or policy.deferred_prefill or not policy.evicts_in("prefill"):
         return None
     budget = cache.budget.resolve(length)
     return chunk if budget is not None and budget + chunk < length else None
+
+
+def _chunk_peak(cache: EvictionCache, length: int, chunk: int, measured: int) -> int:
+    """Entries per head a chunked prefill will hold at most: ``budget + chunk`` under a uniform
+    allocation; else the most an earlier chunked prefill of the setting held (the whole prompt
+    before any was measured: layer- and head-wise budgets exceed the budget on some heads)."""
+    if measured:
+        return measured
+    if cache.policy.allocator.name == "uniform":
+        return min(length, cache.budget.resolve(length) + chunk)
+    return length
 
 
 @dataclass
@@ -157,7 +169,7 @@ def serve(
     outputs: list[list[int]] = [[] for _ in prompts]
     batch: EvictionCache | None = None
     slots: list[int | None] = []  # the sequence each batch row serves (None: finished, free)
-    served, chunks = _Served(), set()
+    served, chunks = _Served(), [None] * len(prompts)
     start = time.perf_counter()
 
     def held() -> int:
@@ -180,8 +192,10 @@ def serve(
         while pending:  # admit while the cap holds the running batch, the prefill transient and the newcomer's growth
             ids = prompts[pending[0]]
             cache = EvictionCache(model, setting.policy, prompt_length=ids.shape[-1], **budget)
-            chunk_used = _chunk_for(setting, chunk, cache, ids.shape[-1])
-            transient = served.prefill_peak if chunk_used is not None and served.prefill_peak else ids.shape[-1]
+            chunk_used, transient = None, ids.shape[-1]  # one pass (fastest) while the whole prompt fits
+            chunkable = _chunk_for(setting, chunk, cache, ids.shape[-1])
+            if reserved() + (transient + new_tokens) * per_token > cap_bytes and chunkable is not None:
+                chunk_used, transient = chunkable, _chunk_peak(cache, ids.shape[-1], chunkable, served.prefill_peak)
             if reserved() + (transient + new_tokens) * per_token > cap_bytes:
                 cache.close()
                 if any(seq is not None for seq in slots):
@@ -199,7 +213,7 @@ def serve(
             served.peak_bytes = max(served.peak_bytes, before + cache.peak_entries() * per_token)
             if chunk_used is not None:
                 served.prefill_peak = max(served.prefill_peak, cache.peak_entries())
-            chunks.add(chunk_used)
+            chunks[seq] = chunk_used
             outputs[seq].append(int(logits[0].argmax()))
             if batch is None:
                 batch, slots = cache, [seq]
@@ -230,6 +244,7 @@ def serve(
         "max_batch": served.max_batch,
         "peak_kv_bytes": served.peak_bytes,
         "prefill_chunk": max((c for c in chunks if c is not None), default=None),
+        "prefill_chunks": chunks,  # per sequence: None where it was prefilled in one pass
         "prompt_tokens": served.prompt_tokens,
         "prefill_tokens_per_s": served.prompt_tokens / served.prefill_s,
         "decode_tokens_per_s": (generated - len(prompts)) / served.decode_s if served.decode_s else None,
