@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from kvevict.bench.memory import MIB
 from kvevict.bench.report import text_table
 from kvevict.cache import EvictionCache
 from kvevict.figures import pyplot, save_figure
@@ -52,7 +53,6 @@ from kvevict.generation import prefill
 from kvevict.policies import make_policy
 
 RESULTS_FILE = "throughput.jsonl"
-MIB = 2**20
 
 
 @dataclass(frozen=True)
