@@ -39,10 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser(
         "generate",
-        help="answer a prompt with a compressed cache",
-        description="Compress the prompt under a policy, then decode greedily (decode-time policies keep evicting).",
+        help="answer prompts with a compressed cache",
+        description="Compress the prompt under a policy, then decode greedily (decode-time policies keep evicting). "
+        "Several prompts are answered as one left-padded batch, each row evicted on its own (each gets what it gets "
+        "alone); their answers are printed in order, each as '[i] answer'.",
     )
-    generate.add_argument("prompt", help="the prompt text, or '-' to read it from standard input")
+    generate.add_argument(
+        "prompt",
+        nargs="+",
+        help="the prompt text, or '-' to read it from standard input; several prompts: generated as one batch",
+    )
     generate.add_argument(
         "--policy",
         default="full",
@@ -94,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="C",
         help="compress each prompt C tokens per pass: at most budget + C entries per KV head (default: one pass)",
+    )
+    bench.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N samples (of one task and setting) as one left-padded batch, each evicted on its own: the same "
+        "results as one by one (default: 1); fidelity replays stay one at a time",
     )
     _model_args(bench)
     cluster = bench.add_argument_group(
@@ -329,10 +343,14 @@ def _generate(args: argparse.Namespace) -> int:
     if args.budget is not None:
         Budget(args.budget, args.keep)
         policy.check_budget(args.budget)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.prompt.count("-") > 1:
+        raise ValueError("'-' (read the prompt from standard input) can stand for one prompt only")
+    prompts = [sys.stdin.read() if prompt == "-" else prompt for prompt in args.prompt]
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
     cache = EvictionCache(model, policy, budget=args.budget, keep=args.keep, interval=args.interval)
-    print(answer(model, tokenizer, prompt, max_new_tokens=args.max_new_tokens, cache=cache))
+    replies = answer(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens, cache=cache)
+    for i, reply in enumerate(replies, start=1):
+        print(reply if len(replies) == 1 else f"[{i}] {reply}")
     lengths = cache.layer_lengths()
     print(
         f"[{args.policy}, {cache.budget}] tokens seen {cache.get_seq_length()}, retained {max(lengths)} per KV head, "
@@ -370,6 +388,7 @@ def _bench(args: argparse.Namespace) -> int:
         fidelity=args.fidelity,
         max_new_tokens=args.max_new_tokens,
         prefill_chunk=args.prefill_chunk,
+        batch_size=args.batch_size,
         dtype=args.dtype,
         device=args.device,
         attn=args.attn,

@@ -148,7 +148,7 @@ def _run_path(model: PreTrainedModel, path: str, ids: torch.Tensor, budget: int,
     _use_kernel(model, "sdpa")
     if path in CHUNKED:
         with EvictionCache(model, CHUNKED[path], budget=budget) as cache:
-            prefill(model, ids, cache, chunk)
+            prefill(model, ids, cache, chunk=chunk)
         return
     # both keep the whole prompt, so they differ only by what scoring costs during the pass
     policy = make_policy("epikv") if path == "attention-free" else make_policy("h2o", regime="decode")

@@ -207,7 +207,7 @@ def serve(
                 )
             seq = pending.pop(0)
             before, tick = held(), time.perf_counter()
-            logits = prefill(model, ids, cache, chunk_used)
+            logits = prefill(model, ids, cache, chunk=chunk_used)
             served.prefill_s += time.perf_counter() - tick
             served.prompt_tokens += ids.shape[-1]
             served.peak_bytes = max(served.peak_bytes, before + cache.peak_entries() * per_token)

@@ -25,7 +25,7 @@ def alone(model, ids: torch.Tensor, setting: Setting, chunk: int | None) -> list
     """Greedy tokens of one prompt served on its own."""
     size = {} if setting.policy == "full" else {"budget": setting.budget}
     cache = kvevict.EvictionCache(model, setting.policy, **size)
-    tokens = [int(prefill(model, ids, cache, chunk)[0].argmax())]
+    tokens = [int(prefill(model, ids, cache, chunk=chunk)[0].argmax())]
     with torch.inference_mode():
         for _ in range(NEW - 1):
             logits = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache).logits
