@@ -23,7 +23,7 @@ passes, and its mask is built from positions (:mod:`kvevict.attention`).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Self
 
@@ -83,6 +83,7 @@ class _Row:
         "memo",
         "new",
         "passes",
+        "peak",
         "prompt_length",
         "seen",
         "start",
@@ -100,6 +101,8 @@ class _Row:
         self.budget: int | None = None
         self.interval = 1
         self.decode_peak = 0
+        self.peak = 0
+        """Most entries a head of this row held at any moment (after an append, before evicting)."""
         self.start = 0
         """First storage column of this row (its left padding, until the first eviction)."""
         self.width = 0
@@ -138,6 +141,10 @@ class EvictionLayer(DynamicLayer):
         self.tokens = 0
         """Columns of every pass so far, padding included (transformers' ``cache_position``)."""
         self.passes = 0
+        self.prompt_pass = False
+        """Whether the current pass is (a chunk of) the prompt: prefill-time policies score it."""
+        self.prompt_open = True
+        """Whether a later pass of several tokens may still be a chunk of the prompt."""
         self.rows: list[_Row] = [_Row()]
         self.compacted = False
         """Whether an eviction reordered the storage (until then it is the model's own layout)."""
@@ -276,6 +283,8 @@ class EvictionLayer(DynamicLayer):
         self._leave_inference_mode()
         if b != len(self.rows):
             raise ValueError(f"batch size changed from {len(self.rows)} to {b}: an EvictionCache holds one batch")
+        if self.owner.side_pass is None:  # a policy's own scoring pass is part of the pass it scores
+            self.prompt_pass = self._is_prompt_pass(num_new)
         ends = [row.start + row.width for row in self.rows]
         self._reserve(max(ends) + num_new)
         new = torch.arange(num_new, device=self.device)
@@ -303,6 +312,36 @@ class EvictionLayer(DynamicLayer):
         attention.mark_pending(self, self.keys)
         return self.keys, self.values
 
+    def _is_prompt_pass(self, num_new: int) -> bool:
+        """Whether a pass of ``num_new`` tokens (about to be appended) continues the prompt.
+
+        The first pass is the prompt. Later ones are chunks of it (``generate(...,
+        prefill_chunk_size=C)`` gives the cache no other sign) while the prompt is open: up to
+        the whole prompt's length when the cache was told it (``prompt_length=``), else every
+        pass of more than one token. The first pass that is not a chunk (a single decode
+        token, or :meth:`EvictionCache.end_prompt`) closes the prompt for good."""
+        if self.passes == 0:
+            return True
+        if self.prompt_open:
+            whole = self.owner.prompt_length
+            self.prompt_open = self.tokens < whole if whole is not None else num_new > 1
+        return self.prompt_open
+
+    def _continue_prompt(self, row: _Row) -> None:
+        """A later chunk of the prompt: its tokens are prompt tokens of ``row`` (``decode_step`` stays 0)."""
+        if self.policy.deferred_prefill:
+            raise ValueError(
+                f"policy {self.policy.name!r} evicts the prefill once the whole prompt has run through every layer "
+                "(a scoring pass, or one budget across layers), so it cannot compress a prompt chunk by chunk: "
+                "prefill the prompt in one pass (no prefill_chunk_size / prefill_chunk)"
+            )
+        if self.owner.budget.keep is not None and self.owner.prompt_length is None:
+            raise ValueError(
+                "keep= is a fraction of the whole prompt, which a prompt prefilled in chunks does not tell the cache "
+                "up front: give EvictionCache(..., prompt_length=<prompt tokens>) or a token budget (budget=)"
+            )
+        row.prompt_length = row.seen
+
     def begin_pass(self, attention_mask: torch.Tensor | None) -> None:
         """Called by the attention path before the kernel: learn each row's padding in this pass
         from the model's mask (any pass: :meth:`_drop_padding`); start the rows that got their
@@ -324,6 +363,8 @@ class EvictionLayer(DynamicLayer):
             row.passes += 1
             if row.passes == 1:
                 self._start_row(row)
+            elif self.prompt_pass and self.owner.side_pass is None:
+                self._continue_prompt(row)
             view = RowView(self, i)
             for name, value in self.policy.new_tokens(view, view.num_new).items():
                 if name not in self._state:
@@ -333,7 +374,8 @@ class EvictionLayer(DynamicLayer):
                 self._state[name][i : i + 1, :, row.start + row.width - view.num_new : row.start + row.width] = value
         self._refresh(self.n)
         for row in self.rows:
-            if row.passes > 1:
+            row.peak = max(row.peak, row.width)
+            if row.passes > 1 and not self.prompt_pass:
                 row.decode_peak = max(row.decode_peak, row.width)
 
     def _drop_padding(self, pads: list[int]) -> None:
@@ -380,7 +422,8 @@ class EvictionLayer(DynamicLayer):
     def _start_row(self, row: _Row) -> None:
         """A row's first real tokens are its prompt: resolve its budget (``keep=``) and interval."""
         row.prompt_length = row.new
-        row.budget = self.owner.budget.resolve(row.prompt_length)
+        whole = self.owner.prompt_length  # columns of the whole prompt (chunked prefill), padding included
+        row.budget = self.owner.budget.resolve(row.new if whole is None else whole - (self.tokens - row.new))
         if self.owner.budget.keep is not None:  # a token budget was checked up front
             self.policy.check_budget(row.budget)
         row.interval = self.owner.interval or (row.budget and self.policy.default_interval(row.budget)) or 1
@@ -424,8 +467,9 @@ class EvictionLayer(DynamicLayer):
 
     # -- eviction -----------------------------------------------------------------------
     def phase(self) -> Phase:
-        """``prefill`` during the first pass (a :class:`RowView` counts only its row's passes with real tokens)."""
-        return "prefill" if self.passes == 1 else "decode"
+        """``prefill`` during the first pass and the later chunks of the prompt (a :class:`RowView`
+        counts only its row's passes with real tokens)."""
+        return "prefill" if self.passes == 1 or self.prompt_pass else "decode"
 
     def correct_output(self, query: torch.Tensor, output: torch.Tensor, scaling: float) -> torch.Tensor:
         """The policy's correction of the kernel's output ``[B, q, Hq, d]``, row by row."""
@@ -550,6 +594,69 @@ class EvictionLayer(DynamicLayer):
                 self._positions[i, :, row.start + row.width :] = -1
         self._refresh(self.n)
 
+    # -- rows of a batch that runs on (continuous batching) ---------------------------------
+    def splice(self, row: int, source: EvictionLayer) -> None:
+        """Make batch row ``row`` (``batch_size``: a new last row) hold the only row of
+        ``source``, the same layer of a batch-1 cache, exactly as ``source`` holds it: entries,
+        positions, per-token state, counters and policy memo. Each row keeps its own columns
+        from 0; columns past a row's width are invalid, so it attends exactly its own entries."""
+        if row == len(self.rows):
+            self._add_row()
+        width = source.rows[0].width
+        self._ensure_valid()
+        self._reserve(width)
+        columns = slice(source.rows[0].start, source.rows[0].start + width)
+        for name, value in source._state.items():
+            if name not in self._state:
+                self._state[name] = value.new_zeros(len(self.rows), value.shape[1], self._capacity, *value.shape[3:])
+        pairs = [(self._keys, source._keys), (self._values, source._values)]
+        pairs += [(self._state[name], value) for name, value in source._state.items()]
+        for mine, theirs in pairs:
+            mine[row, :, :width] = theirs[0, :, columns]
+        self._positions[row] = -1  # columns the row does not hold sit at a position no query has
+        self._positions[row, :, :width] = source._positions[0, :, columns]
+        self._valid[row] = False
+        self._valid[row, :, :width] = True if source._valid is None else source._valid[0, :, columns]
+        spliced = _Row()
+        for name in _Row.__slots__:
+            setattr(spliced, name, getattr(source.rows[0], name))
+        spliced.start = 0
+        self.rows[row] = spliced
+        self.tokens = max(self.tokens, source.tokens)
+        self.compacted = True  # rows no longer share the model's own column layout
+        self._refresh(max(r.start + r.width for r in self.rows))
+
+    def _add_row(self) -> None:
+        """One more batch row, holding nothing yet."""
+
+        def grow(x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+
+        self._ensure_valid()
+        self._keys, self._values, self._positions, self._valid = (
+            grow(x) for x in (self._keys, self._values, self._positions, self._valid)
+        )
+        self._state = {name: grow(value) for name, value in self._state.items()}
+        self.rows.append(_Row())
+
+    def _ensure_valid(self) -> None:
+        """Materialise :attr:`valid` (each row's columns ``start .. start + width`` are real)."""
+        if self._valid is not None:
+            return
+        self._valid = torch.zeros(self._positions.shape, dtype=torch.bool, device=self.device)
+        for i, row in enumerate(self.rows):
+            self._valid[i, :, row.start : row.start + row.width] = True
+
+    def remove_rows(self, rows: list[int]) -> None:
+        """Drop batch rows ``rows`` (finished sequences); the others keep what they hold."""
+        kept = [i for i in range(len(self.rows)) if i not in set(rows)]
+        index = torch.tensor(kept, dtype=torch.long, device=self.device)
+        self._keys, self._values, self._positions = (x[index] for x in (self._keys, self._values, self._positions))
+        self._valid = None if self._valid is None else self._valid[index]
+        self._state = {name: value[index] for name, value in self._state.items()}
+        self.rows = [self.rows[i] for i in kept]
+        self._refresh(max(row.start + row.width for row in self.rows))
+
     def row_bytes(self) -> list[tuple[int, int]]:
         """Per row: (bytes allocated, bytes of real entries). Allocated counts the row's
         longest head for every head (head-wise budgets pad heads); neither counts the row's
@@ -623,6 +730,7 @@ class RowView:
             info.budget,
             info.interval,
         )
+        self.prompt_pass = layer.prompt_pass
         self.passes, self.layer_idx, self.device, self.window = (
             info.passes,
             layer.layer_idx,
@@ -736,6 +844,16 @@ class EvictionCache(Cache):
         interval: decode-time eviction runs every ``interval`` steps once over budget
             (1 = every step; larger lets the cache grow to ``budget + interval``). Default:
             the policy's own schedule (LazyEviction's and R-KV's window), else 1.
+        prompt_length: tokens of the whole prompt (its columns, left padding included), for a
+            prompt prefilled in chunks (``generate(..., prefill_chunk_size=C)``): ``keep=`` then
+            refers to it, and exactly the passes up to it are prompt chunks. Without it, every
+            pass of more than one token until the first single-token one is a prompt chunk.
+
+    Chunked prefill: each chunk attends to the retained entries plus itself, then the cache
+    evicts back to the budget (prefill-time policies score each chunk as they score a whole
+    prompt), so it never holds more than ``budget + C`` entries per KV head
+    (:meth:`peak_entries`). Call :meth:`end_prompt` before feeding more than one token that
+    is not prompt (a question after a context compressed on its own).
 
     Sliding-window layers (all-sliding or hybrid models) drop what left their window, then
     are evicted to the budget like full layers: one never holds more than
@@ -751,6 +869,7 @@ class EvictionCache(Cache):
         budget: int | None = None,
         keep: float | None = None,
         interval: int | None = None,
+        prompt_length: int | None = None,
     ):
         check_supported(model)
         policy = make_policy(policy) if isinstance(policy, str) else policy
@@ -767,6 +886,12 @@ class EvictionCache(Cache):
         if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 1):
             raise ValueError(f"interval must be an integer >= 1 (1 = evict every step), got {interval!r}")
         self.interval = interval
+        if prompt_length is not None and (
+            isinstance(prompt_length, bool) or not isinstance(prompt_length, int) or prompt_length < 1
+        ):
+            raise ValueError(f"prompt_length must be a positive number of tokens, got {prompt_length!r}")
+        self.prompt_length = prompt_length
+        """Tokens of the whole prompt when it is prefilled in chunks (None: unknown)."""
         attention.install(model)
         config = model.config.get_text_config(decoder=True)
         self.policy = policy.bound(config)
@@ -888,6 +1013,67 @@ class EvictionCache(Cache):
         """Most entries any KV head held while decoding (budget + interval for lagged eviction)."""
         return max((layer.decode_peak for layer in self.eviction_layers), default=0)
 
+    def peak_entries(self) -> int:
+        """Most entries any KV head of any layer held at any moment of this cache's life,
+        prefill included (after a pass appended, before it evicted): at most ``budget + C``
+        with chunked prefill of chunk ``C``, the whole prompt when it is prefilled in one pass."""
+        return max((row.peak for layer in self.eviction_layers for row in layer.rows), default=0)
+
+    def end_prompt(self) -> None:
+        """The prompt is complete: the next passes are decode passes, however many tokens they
+        hold (a question fed after a context compressed on its own is not compressed with it)."""
+        for layer in self.eviction_layers:
+            layer.prompt_open = False
+
+    # -- continuous batching ---------------------------------------------------------------
+    def splice(self, row: int, source: EvictionCache) -> None:
+        """Put the sequence ``source`` holds (a batch-1 cache of the same model, policy and
+        budget, its prompt done) into batch row ``row`` of this cache, replacing a finished
+        sequence, or as a new last row when ``row`` is the batch size: that row then goes on
+        exactly as ``source`` would alone. Decode such a batch with each row's own positions
+        (``position_ids=cache.next_positions()``): its rows have seen different numbers of tokens."""
+        if not isinstance(source, EvictionCache) or source is self:
+            raise ValueError("splice takes another EvictionCache holding the one sequence to put into this batch")
+        if repr(source.policy) != repr(self.policy) or source.budget != self.budget:
+            raise ValueError(
+                f"cannot splice a cache of {source.policy.name!r} ({source.budget}) into one of "
+                f"{self.policy.name!r} ({self.budget}): rows of a batch share the policy and the budget"
+            )
+        if self.hidden is not None or self.deferred or source.deferred:
+            raise ValueError(
+                f"policy {self.policy.name!r} reads hidden states recorded per column of the batch (or has a prefill "
+                "eviction pending), which cannot move between caches: it cannot be spliced"
+            )
+        layers = list(zip(self.eviction_layers, source.eviction_layers))
+        if any(not mine.is_initialized or not theirs.is_initialized for mine, theirs in layers):
+            raise ValueError("splice needs both caches to hold a prefilled sequence")
+        if source.eviction_layers[0].batch_size != 1:
+            raise ValueError(f"splice takes a batch-1 cache, got one of {source.eviction_layers[0].batch_size} rows")
+        if not 0 <= row <= self.eviction_layers[0].batch_size:
+            raise ValueError(f"row {row} is out of range: 0 .. {self.eviction_layers[0].batch_size} (a new last row)")
+        for mine, theirs in layers:
+            mine.splice(row, theirs)
+            mine.prompt_open = False
+        self._shared_rows[row] = source.shared
+        self.row_offsets[row : row + 1] = [0]
+
+    def remove_rows(self, rows: Sequence[int]) -> None:
+        """Drop the batch rows ``rows`` (finished sequences): the others go on as before, renumbered in order."""
+        size = self.eviction_layers[0].batch_size
+        if not rows or any(not 0 <= r < size for r in rows) or len(set(rows)) >= size:
+            raise ValueError(f"remove_rows takes distinct rows in 0 .. {size - 1}, leaving at least one; got {rows}")
+        for layer in self.eviction_layers:
+            layer.remove_rows(list(rows))
+        kept = [i for i in range(size) if i not in set(rows)]
+        self._shared_rows = {new: self.row_shared(old) for new, old in enumerate(kept)}
+        self.shared = self._shared_rows[0]
+        self.row_offsets = [self.row_offsets[i] for i in kept]
+
+    def next_positions(self) -> torch.Tensor:
+        """``[B, 1]``: the absolute position of each row's next token (the tokens it has seen)."""
+        layer = self.eviction_layers[0]
+        return torch.tensor([[row.seen] for row in layer.rows], device=layer.device)
+
     def layer_lengths(self) -> list[int]:
         """Retained entries per KV head, per layer."""
         return [layer.keys.shape[-2] if layer.is_initialized else 0 for layer in self.layers]
@@ -895,7 +1081,7 @@ class EvictionCache(Cache):
     def row_memory(self, row: int) -> dict[str, Any]:
         """What one row of the batch holds, as the cache of that sequence alone reports it:
         ``kv_bytes`` (allocated), ``real_bytes``, ``layer_bytes`` (allocated, real) per layer,
-        ``retained`` (entries of its longest layer and head) and ``decode_peak``."""
+        ``retained`` (entries of its longest layer and head), ``decode_peak`` and ``peak`` (prefill included)."""
         layers = [layer.row_bytes()[row] for layer in self.layers]
         rows = [layer.rows[row] for layer in self.eviction_layers]
         return {
@@ -904,4 +1090,5 @@ class EvictionCache(Cache):
             "layer_bytes": layers,
             "retained": max((info.width for info in rows), default=0),
             "decode_peak": max((info.decode_peak for info in rows), default=0),
+            "peak": max((info.peak for info in rows), default=0),
         }

@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run every task × policy × budget; one JSON line per sample in OUT/results.jsonl. "
         "Resumable: finished samples are skipped when the same command runs again. "
         "`kvevict bench memory --help`: the prefill peak-memory microbenchmark; "
-        "`kvevict bench decode-speed --help`: the cost of a decode step under eviction.",
+        "`kvevict bench decode-speed --help`: the cost of a decode step under eviction; "
+        "`kvevict bench throughput --help`: sequences served per second under a KV memory cap.",
     )
     bench.add_argument("tasks", type=_names, help="comma-separated task names (see `kvevict tasks`)")
     bench.add_argument(
@@ -93,6 +94,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--fidelity", action="store_true", help="also replay the full cache's answer: top-1, KL, perplexity"
     )
     bench.add_argument("--max-new-tokens", type=int, default=None, help="override every task's generation length")
+    bench.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="C",
+        help="compress each prompt C tokens per pass: at most budget + C entries per KV head (default: one pass)",
+    )
     bench.add_argument(
         "--batch-size",
         type=int,
@@ -379,6 +387,7 @@ def _bench(args: argparse.Namespace) -> int:
         interval=args.interval,
         fidelity=args.fidelity,
         max_new_tokens=args.max_new_tokens,
+        prefill_chunk=args.prefill_chunk,
         batch_size=args.batch_size,
         dtype=args.dtype,
         device=args.device,
@@ -582,6 +591,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return memory.main(argv[2:])
         except (ValueError, OSError) as err:  # bad input, missing files, an unknown hub id
             print(f"kvevict bench memory: error: {err}", file=sys.stderr)
+            return EXIT_USAGE
+    if argv[:2] == ["bench", "throughput"]:
+        from kvevict.bench import throughput
+
+        try:
+            return throughput.main(argv[2:])
+        except (ValueError, OSError) as err:
+            print(f"kvevict bench throughput: error: {err}", file=sys.stderr)
             return EXIT_USAGE
     if argv[:2] == ["bench", "decode-speed"]:
         from kvevict.bench import speed

@@ -45,14 +45,39 @@ def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
 
 
 @torch.inference_mode()
-def prefill(model: PreTrainedModel, ids: torch.Tensor, cache: EvictionCache, mask: torch.Tensor | None = None) -> None:
-    """Process ``ids`` into ``cache`` (the first pass compresses it under its policy). ``mask``:
-    the attention mask of a left-padded batch; real tokens get positions from 0, as in ``generate``."""
-    extra = {}
+def prefill(
+    model: PreTrainedModel,
+    ids: torch.Tensor,
+    cache: EvictionCache,
+    mask: torch.Tensor | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """Process the prompt ``ids`` into ``cache``, compressed under its policy: in one pass, or
+    ``chunk`` tokens per pass (each chunk attends to the retained entries plus itself, then the
+    cache evicts back to its budget: never more than ``budget + chunk`` entries per KV head).
+    ``mask``: the attention mask of a left-padded batch; real tokens get positions from 0, as in
+    ``generate``. The prompt then ends: whatever is fed next is decoded, not compressed with it.
+    Returns the logits after the prompt's last token, ``[B, V]``."""
+    check_chunk(chunk)
+    ids = ids.to(model.device)
+    if cache.prompt_length is None and cache.get_seq_length() == 0:
+        cache.prompt_length = ids.shape[-1]  # keep= refers to the whole prompt
     if mask is not None:
         mask = mask.to(model.device)
-        extra = {"attention_mask": mask, "position_ids": padded_positions(mask)}
-    model(input_ids=ids.to(model.device), past_key_values=cache, use_cache=True, **extra)
+        positions = padded_positions(mask)
+    step = chunk or ids.shape[-1]
+    for start in range(0, ids.shape[-1], step):
+        end = start + step
+        extra = {} if mask is None else {"attention_mask": mask[:, :end], "position_ids": positions[:, start:end]}
+        output = model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
+    cache.end_prompt()
+    return output.logits[:, -1]
+
+
+def check_chunk(chunk: int | None) -> None:
+    """Refuse a prefill chunk that is not a positive number of tokens."""
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"the prefill chunk must be a positive number of tokens (or None: one pass), got {chunk!r}")
 
 
 @torch.inference_mode()
@@ -101,6 +126,7 @@ def compress(
     cache: EvictionCache,
     *,
     query_aware: bool,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prefill ``cache`` with one batch of prompts (contexts ``heads``, the rest ``tails``,
     ``[1, n]`` each, left-padded into one batch): the contexts alone, or (``query_aware``) each
@@ -110,10 +136,10 @@ def compress(
     pad = pad_token_id(tokenizer)
     if query_aware:
         ids, mask = left_padded([torch.cat([head, tail], dim=-1) for head, tail in zip(heads, tails)], pad)
-        prefill(model, ids[:, :-1], cache, mask[:, :-1])
+        prefill(model, ids[:, :-1], cache, mask[:, :-1], chunk)
         return ids, mask
     head_ids, head_mask = left_padded(heads, pad)
-    prefill(model, head_ids, cache, head_mask)
+    prefill(model, head_ids, cache, head_mask, chunk)
     tail_ids, tail_mask = left_padded(tails, pad)
     return torch.cat([head_ids, tail_ids], dim=-1), torch.cat([head_mask, tail_mask], dim=-1)
 
@@ -131,6 +157,7 @@ def answer(
     query_aware: bool = False,
     max_new_tokens: int = 64,
     cache: EvictionCache | None = None,
+    prefill_chunk: int | None = None,
 ) -> str | list[str]:
     """Answer ``question`` about ``context`` with a KV cache compressed by ``policy``.
 
@@ -142,6 +169,8 @@ def answer(
     Lists of contexts and/or questions (a single string goes with every item of the other
     list) are answered as one left-padded batch, each row evicted on its own: returns a list
     with, for each, what it gets alone.
+    ``prefill_chunk``: compress the prompts ``prefill_chunk`` tokens at a time (bounded memory:
+    at most ``budget + prefill_chunk`` entries per KV head, :meth:`EvictionCache.peak_entries`).
     """
     batched = not isinstance(context, str) or not isinstance(question, str)
     contexts = [context] if isinstance(context, str) else list(context)
@@ -165,7 +194,7 @@ def answer(
             head, tail = head[:, :-1], head[:, -1:]
         heads.append(head)
         tails.append(tail)
-    ids, mask = compress(model, tokenizer, heads, tails, cache, query_aware=query_aware)
+    ids, mask = compress(model, tokenizer, heads, tails, cache, query_aware=query_aware, chunk=prefill_chunk)
     new_tokens = continue_greedy(model, tokenizer, ids, cache, max_new_tokens, mask)
     replies = [tokenizer.decode(tokens, skip_special_tokens=True).strip() for tokens in new_tokens]
     return replies if batched else replies[0]

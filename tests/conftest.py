@@ -137,8 +137,9 @@ def prompt(length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (1, length), generator=generator)
 
 
-def greedy(model: PreTrainedModel, ids: torch.Tensor, cache=None, new_tokens: int = 8, mask=None):
-    """Greedy generation returning (sequences, per-step logits)."""
+def greedy(model: PreTrainedModel, ids: torch.Tensor, cache=None, new_tokens: int = 8, mask=None, chunk=None):
+    """Greedy generation returning (sequences, per-step logits); ``chunk``: transformers' own
+    chunked prefill (``prefill_chunk_size``)."""
     out = model.generate(
         ids,
         attention_mask=torch.ones_like(ids) if mask is None else mask,
@@ -149,6 +150,7 @@ def greedy(model: PreTrainedModel, ids: torch.Tensor, cache=None, new_tokens: in
         output_logits=True,
         return_dict_in_generate=True,
         pad_token_id=0,
+        **({} if chunk is None else {"prefill_chunk_size": chunk}),
     )
     return out.sequences, torch.stack(out.logits, dim=1)
 

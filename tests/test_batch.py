@@ -197,7 +197,7 @@ def test_a_chunk_that_is_all_padding_for_a_row_is_skipped_by_it() -> None:
             )
     for layer in cache.eviction_layers:
         assert layer.seen.flatten().tolist() == [11, 39]
-        assert layer.prompt_length.flatten().tolist() == [4, 16]  # each row's first pass with real tokens
+        assert layer.prompt_length.flatten().tolist() == [11, 39]  # passes of several tokens continue the prompt
         assert layer.head_lengths()[:, 0].tolist() == [11, 39]
     per_entry = 2 * layer.keys.shape[-1] * layer.keys.element_size()
     assert [real for _, real in cache.row_bytes()] == [2 * 2 * n * per_entry for n in (11, 39)]

@@ -137,6 +137,7 @@ def run_directional(
         cache = EvictionCache(model, policy, budget=budget)
         passes = {layer.layer_idx: _record_passes(layer) for layer in cache.eviction_layers}
         model(input_ids=context.to(model.device), past_key_values=cache)
+        cache.end_prompt()  # the question probes the compressed context
         model(input_ids=question.to(model.device), past_key_values=cache)
         if any(layer.valid is not None for layer in cache.eviction_layers):
             raise ValueError(

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass
 import torch
 from transformers import Cache, PreTrainedModel
 
+from kvevict.cache import EvictionCache
+
 
 @dataclass(frozen=True)
 class Fidelity:
@@ -51,6 +53,8 @@ def replay(
     decode-time eviction happens at the same steps; otherwise it is fed in one pass."""
     ids, answer = ids.to(model.device), answer.to(model.device)
     logits = [model(input_ids=ids[:, cache.get_seq_length() :], past_key_values=cache).logits[0, -1:]]
+    if isinstance(cache, EvictionCache):  # the answer is decoded, not a chunk of the prompt
+        cache.end_prompt()
     forced = answer[:-1]
     if step_by_step:
         logits += [model(input_ids=token.view(1, 1), past_key_values=cache).logits[0, -1:] for token in forced]

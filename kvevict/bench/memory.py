@@ -10,7 +10,16 @@ Three paths over the same model and the same random prompt of each length:
   computed in query chunks (``chunk × n`` per head, never ``n × n``).
 
 Both kvevict paths keep the whole prompt (decode-time eviction), so they differ only by what
-scoring costs during the pass.
+scoring costs during the pass. Two more paths prefill in chunks with eviction (DESIGN §1.10):
+
+* ``chunked-snapkv`` and ``chunked-h2o``: the prompt goes in ``--chunk`` tokens per pass, each
+  chunk attends to the retained entries plus itself and the cache evicts back to ``--budget``
+  (SnapKV scores each chunk by its last window queries, H2O by chunked column sums), so the
+  cache never holds more than ``budget + chunk`` entries per KV head and peak memory stops
+  growing with the context (only the token ids do).
+
+The EpiKV family evicts at decode time only (its scores are not defined on a prompt chunk), so
+its chunked prefill would hold the whole prompt: it has no chunked path here.
 
 Every pass computes the logits of the last token only (``logits_to_keep=1``, as ``generate``
 does at prefill), so the vocabulary-sized logits of every position do not mask the difference.
@@ -53,7 +62,11 @@ from transformers import PreTrainedModel
 from kvevict.bench.report import text_table
 from kvevict.figures import pyplot, save_figure
 
-PATHS = ("eager-attentions", "attention-free", "attention-requiring")
+PATHS = ("eager-attentions", "attention-free", "attention-requiring", "chunked-snapkv", "chunked-h2o")
+CHUNKED = {"chunked-snapkv": "snapkv", "chunked-h2o": "h2o"}
+"""Chunked paths and the policy each evicts under."""
+BUDGET, CHUNK = 256, 256
+"""Default budget (entries per KV head) and prefill chunk of the chunked paths."""
 RESULTS_FILE = "memory.jsonl"
 MIB = 2**20
 
@@ -107,6 +120,9 @@ class MemoryResult:
     seconds: float
     device: str
     measure: str
+    budget: int | None = None
+    chunk: int | None = None
+    """Budget and prefill chunk of a chunked path (None for the others)."""
 
     @property
     def peak_mib(self) -> float:
@@ -119,8 +135,9 @@ def _use_kernel(model: PreTrainedModel, kernel: str) -> None:
 
 
 @torch.inference_mode()
-def _run_path(model: PreTrainedModel, path: str, ids: torch.Tensor) -> None:
+def _run_path(model: PreTrainedModel, path: str, ids: torch.Tensor, budget: int, chunk: int) -> None:
     from kvevict.cache import EvictionCache
+    from kvevict.generation import prefill
     from kvevict.policies import make_policy
 
     if path == "eager-attentions":
@@ -129,13 +146,19 @@ def _run_path(model: PreTrainedModel, path: str, ids: torch.Tensor) -> None:
         assert output.attentions is not None and output.attentions[0].shape[-1] == ids.shape[-1]
         return
     _use_kernel(model, "sdpa")
+    if path in CHUNKED:
+        with EvictionCache(model, CHUNKED[path], budget=budget) as cache:
+            prefill(model, ids, cache, chunk=chunk)
+        return
     # both keep the whole prompt, so they differ only by what scoring costs during the pass
     policy = make_policy("epikv") if path == "attention-free" else make_policy("h2o", regime="decode")
     with EvictionCache(model, policy, budget=ids.shape[-1]) as cache:
         model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
 
 
-def measure_peak(model: PreTrainedModel, path: str, length: int, seed: int = 0) -> tuple[int, float, str]:
+def measure_peak(
+    model: PreTrainedModel, path: str, length: int, seed: int = 0, budget: int = BUDGET, chunk: int = CHUNK
+) -> tuple[int, float, str]:
     """Peak bytes of one prefill pass of ``length`` tokens on ``path``, its seconds and the
     measure used."""
     if path not in PATHS:
@@ -147,11 +170,11 @@ def measure_peak(model: PreTrainedModel, path: str, length: int, seed: int = 0) 
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        _run_path(model, path, ids)
+        _run_path(model, path, ids, budget, chunk)
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before, time.perf_counter() - start, "cuda.max_memory_allocated"
     with LiveTensorBytes() as tracker:
-        _run_path(model, path, ids)
+        _run_path(model, path, ids, budget, chunk)
     return tracker.peak, time.perf_counter() - start, "live tensor bytes (TorchDispatchMode)"
 
 
@@ -193,8 +216,9 @@ class MemoryStore:
             return []
         return [line for line in self.path.read_text(encoding="utf-8").splitlines() if line.strip().endswith("}")]
 
-    def get(self, model: str, path: str, length: int) -> MemoryResult | None:
-        return next((r for r in self.results if (r.model, r.path, r.length) == (model, path, length)), None)
+    def get(self, model: str, path: str, length: int, budget: int | None, chunk: int | None) -> MemoryResult | None:
+        key = (model, path, length, budget, chunk)
+        return next((r for r in self.results if (r.model, r.path, r.length, r.budget, r.chunk) == key), None)
 
     def add(self, result: MemoryResult) -> None:
         with self.path.open("a", encoding="utf-8") as out:
@@ -212,6 +236,8 @@ def run_memory(
     cap_bytes: int,
     paths: Sequence[str] = PATHS,
     progress: bool = True,
+    budget: int = BUDGET,
+    chunk: int = CHUNK,
 ) -> dict[str, Any]:
     """Measure every path at every length (shortest first) into ``out``; returns the summary."""
     from tqdm import tqdm
@@ -219,10 +245,15 @@ def run_memory(
     store = MemoryStore(out)
     skipped: dict[str, list[int]] = {path: [] for path in paths}
     jobs = [(path, length) for path in paths for length in sorted(lengths)]
+    sizes = {path: (budget, chunk) if path in CHUNKED else (None, None) for path in paths}
     for path, length in tqdm(jobs, desc="bench memory", unit="pass", disable=not progress):
-        if store.get(model_name, path, length) is not None:
+        if store.get(model_name, path, length, *sizes[path]) is not None:
             continue
-        measured = [(r.length, r.peak_bytes) for r in store.results if (r.model, r.path) == (model_name, path)]
+        measured = [
+            (r.length, r.peak_bytes)
+            for r in store.results
+            if (r.model, r.path, r.budget, r.chunk) == (model_name, path, *sizes[path])
+        ]
         if (
             skipped[path]
             or any(peak > cap_bytes for _, peak in measured)
@@ -230,9 +261,12 @@ def run_memory(
         ):
             skipped[path].append(length)
             continue
-        peak, seconds, measure = measure_peak(model, path, length)
-        store.add(MemoryResult(model_name, path, length, peak, round(seconds, 3), str(model.device), measure))
-    return summarize(store.results, model_name, lengths, cap_bytes, skipped)
+        peak, seconds, measure = measure_peak(model, path, length, budget=budget, chunk=chunk)
+        result = MemoryResult(model_name, path, length, peak, round(seconds, 3), str(model.device), measure)
+        result.budget, result.chunk = sizes[path]
+        store.add(result)
+    current = [r for r in store.results if (r.budget, r.chunk) == sizes.get(r.path, (None, None))]
+    return summarize(current, model_name, lengths, cap_bytes, skipped)
 
 
 def summarize(
@@ -289,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvevict bench memory",
         description="Peak memory of one prefill pass per context length: eager with output_attentions against "
-        "kvevict's attention-free (epikv) and attention-requiring (h2o column sums) paths (EpiKV, Fig. 1). "
+        "kvevict's attention-free (epikv) and attention-requiring (h2o column sums) paths (EpiKV, Fig. 1), and "
+        "chunked prefill with eviction (snapkv, h2o: at most budget + chunk entries per KV head). "
         "Results in OUT/memory.jsonl (resumable), table printed, plot in OUT/memory.png.",
     )
     parser.add_argument(
@@ -300,6 +335,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lengths", type=_lengths, default=(512, 1024, 2048, 4096), help="comma-separated lengths")
     parser.add_argument("--memory-cap", type=float, default=4096, help="memory cap in MiB (default: 4096)")
     parser.add_argument("--paths", type=_paths, default=PATHS, help=f"comma-separated subset of {', '.join(PATHS)}")
+    parser.add_argument("--budget", type=int, default=BUDGET, help=f"chunked paths: entries per KV head ({BUDGET})")
+    parser.add_argument("--chunk", type=int, default=CHUNK, help=f"chunked paths: prefill chunk in tokens ({CHUNK})")
     parser.add_argument("--out", type=Path, default=Path("results/memory"), help="results directory")
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where the model loads)")
@@ -328,7 +365,11 @@ def main(argv: Sequence[str]) -> int:
     if not math.isfinite(args.memory_cap) or args.memory_cap <= 0:
         raise ValueError(f"--memory-cap must be a positive number of MiB, got {args.memory_cap}")
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation="sdpa")
-    summary = run_memory(model, args.model, args.lengths, args.out, int(args.memory_cap * MIB), args.paths)
+    if args.budget < 1 or args.chunk < 1:
+        raise ValueError(f"--budget and --chunk must be positive, got {args.budget} and {args.chunk}")
+    summary = run_memory(
+        model, args.model, args.lengths, args.out, int(args.memory_cap * MIB), args.paths, True, args.budget, args.chunk
+    )
     print(format_summary(summary))
     (args.out / "memory.json").write_text(json.dumps(summary, indent=2), encoding="utf-8")
     print(f"results: {args.out / RESULTS_FILE}\nplot: {plot_summary(summary, args.out / 'memory.png')}", flush=True)

@@ -29,7 +29,7 @@ from kvevict.bench.store import ResultStore
 from kvevict.bench.tasks import Sample, Task, get_task
 from kvevict.budgets import Budget
 from kvevict.cache import EvictionCache
-from kvevict.generation import compress, continue_greedy, prefill, split_prompt
+from kvevict.generation import check_chunk, compress, continue_greedy, prefill, split_prompt
 from kvevict.models import load_model
 from kvevict.policies import make_policy
 
@@ -66,6 +66,8 @@ class BenchConfig:
     fidelity: bool = False
     max_new_tokens: int | None = None
     """Overrides every task's own generation length when set."""
+    prefill_chunk: int | None = None
+    """Compress prompts this many tokens per pass (bounded memory: budget + chunk); None: one pass."""
     dtype: str | None = None
     device: str | None = None
     attn: str | None = None
@@ -95,6 +97,14 @@ class BenchConfig:
         keeps = [Setting(name, keep=k) for name in evicting for k in self.keeps]
         for setting in budgets:
             make_policy(setting.policy).check_budget(setting.budget)
+        check_chunk(self.prefill_chunk)
+        if self.prefill_chunk is not None:
+            for name in evicting:
+                if make_policy(name).deferred_prefill:
+                    raise ValueError(
+                        f"policy {name!r} evicts the prefill once the whole prompt ran through every layer, so it "
+                        "cannot compress a prompt chunk by chunk: run it without --prefill-chunk"
+                    )
         # full first: it is the reference for "% of full" and for fidelity
         needs_reference = self.fidelity or any(get_task(name).scored_by_fidelity for name in self.tasks)
         reference = [Setting("full")] if "full" in self.policies or needs_reference else []
@@ -146,6 +156,7 @@ def identity(config: BenchConfig, sample: Sample, setting: Setting) -> dict[str,
         "interval": None if setting.policy == "full" else config.interval,  # the reference never evicts
         "query_aware": config.query_aware,
         "max_new_tokens": config.max_new_tokens or sample.max_new_tokens,
+        "prefill_chunk": config.prefill_chunk,
     }
 
 
@@ -265,11 +276,13 @@ class UnitRunner:
         shared_seconds = 0.0
         if not self.config.query_aware:  # compress the common context once
             shared = self._cache(setting)
-            shared_seconds = _timed(prefill, self.model, prompts[0].head, shared)
+            shared_seconds = _timed(prefill, self.model, prompts[0].head, shared, None, self.config.prefill_chunk)
         for sample, prompt in zip(samples, prompts):
             if shared is None:  # query-aware: compress the prompt but its last token, which starts decoding
                 cache = self._cache(setting)
-                prefill_seconds = _timed(prefill, self.model, prompt.ids[:, :-1], cache)
+                prefill_seconds = _timed(
+                    prefill, self.model, prompt.ids[:, :-1], cache, None, self.config.prefill_chunk
+                )
             else:
                 cache, prefill_seconds = copy.deepcopy(shared), shared_seconds
             at_prefill = cache.row_memory(0)
@@ -327,7 +340,15 @@ class UnitRunner:
         start = time.perf_counter()
         tails = [prompt.ids[:, prompt.head.shape[-1] :] for prompt in prompts]
         heads = [prompt.head for prompt in prompts]
-        ids, mask = compress(self.model, self.tokenizer, heads, tails, cache, query_aware=self.config.query_aware)
+        ids, mask = compress(
+            self.model,
+            self.tokenizer,
+            heads,
+            tails,
+            cache,
+            query_aware=self.config.query_aware,
+            chunk=self.config.prefill_chunk,
+        )
         prefill_seconds = time.perf_counter() - start
         at_prefill = [cache.row_memory(row) for row in range(len(samples))]
         ends = _RowEnds(cache, self.model.generation_config.eos_token_id, ids.shape[-1])
@@ -379,6 +400,7 @@ class UnitRunner:
             "kv_bytes_real_final": final["real_bytes"],
             "retained_tokens": final["retained"],
             "decode_peak_tokens": final["decode_peak"],
+            "peak_tokens": final["peak"],  # prefill included: budget + chunk with --prefill-chunk
             "prefill_s": round(timing["prefill_s"], 4),
             "decode_s": round(timing["decode_s"], 4),
             "shared_prefill": timing["shared"],

@@ -27,6 +27,7 @@ KEY_FIELDS = (
     "interval",
     "query_aware",
     "max_new_tokens",
+    "prefill_chunk",  # absent from records written before it: None, one pass
 )
 
 

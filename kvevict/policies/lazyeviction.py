@@ -94,7 +94,7 @@ class LazyEviction(Method):
     def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
         b, h = layer.positions.shape[:2]
         device = layer.positions.device
-        if layer.passes == 1:  # prompt tokens
+        if layer.phase() == "prefill":  # prompt tokens
             timestamp = torch.zeros(num_new, dtype=torch.int32, device=device)
         else:  # a token fed at decode step t was produced at step t - 1
             last = layer.decode_step

@@ -90,7 +90,7 @@ class RaaS(Method):
     def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
         b, h = layer.positions.shape[:2]
         device = layer.positions.device
-        if layer.passes == 1:
+        if layer.phase() == "prefill":
             timestamp = torch.full((num_new,), PROMPT_TIMESTAMP, dtype=torch.int32, device=device)
         else:  # decode tokens are numbered 1, 2, ... after the prompt
             last = layer.decode_step
@@ -135,6 +135,6 @@ class PromptWhileRoom(Protector):
         return prompt_length + self.decode_reserve(budget) <= budget
 
     def protected(self, layer: EvictionLayer, budget: int) -> torch.Tensor:
-        if layer.passes > 1 and self.keeps_prompt(layer.prompt_length, budget):
+        if layer.phase() == "decode" and self.keeps_prompt(layer.prompt_length, budget):
             return layer.positions < layer.prompt_length
         return torch.zeros_like(layer.positions, dtype=torch.bool)

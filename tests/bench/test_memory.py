@@ -33,7 +33,8 @@ def test_feasibility_from_the_cap() -> None:
 def test_eager_attentions_grow_faster_than_the_attention_free_path(tmp_path) -> None:
     model = tiny_model()
     lengths = (64, 128, 256)
-    summary = run_memory(model, "tiny", lengths, tmp_path, cap_bytes=2**30, progress=False)
+    paths = ("eager-attentions", "attention-free", "attention-requiring")
+    summary = run_memory(model, "tiny", lengths, tmp_path, cap_bytes=2**30, paths=paths, progress=False)
     peak = {(r["path"], r["length"]): r["peak_bytes"] for r in summary["results"]}
     assert len(peak) == 9
     eager_growth = peak[("eager-attentions", 256)] / peak[("eager-attentions", 64)]
@@ -53,6 +54,19 @@ def test_eager_attentions_grow_faster_than_the_attention_free_path(tmp_path) -> 
     text = memory.format_summary(summary)
     assert "over cap" in text and "eager-attentions: longest measured under the cap 64" in text
     assert memory.plot_summary(summary, tmp_path / "memory.png").is_file()
+
+
+def test_chunked_prefill_peak_stops_growing_with_the_context(tmp_path) -> None:
+    model = tiny_model()
+    paths = ("eager-attentions", "chunked-snapkv", "chunked-h2o")
+    summary = run_memory(model, "tiny", (128, 512), tmp_path, 2**30, paths, False, budget=40, chunk=32)
+    peak = {(r["path"], r["length"]): r["peak_bytes"] for r in summary["results"]}
+    for path in ("chunked-snapkv", "chunked-h2o"):
+        assert peak[(path, 512)] < 1.2 * peak[(path, 128)]  # budget + chunk entries, whatever the length
+        assert peak[(path, 512)] < peak[("eager-attentions", 512)] / 4
+    assert {(r["budget"], r["chunk"]) for r in summary["results"] if r["path"] != "eager-attentions"} == {(40, 32)}
+    again = run_memory(model, "tiny", (128, 512), tmp_path, 2**30, paths[1:], False, budget=48, chunk=32)
+    assert {r["budget"] for r in again["results"] if r["path"] != "eager-attentions"} == {48}  # measured anew
 
 
 def test_bench_memory_command_line(capsys) -> None:

@@ -120,7 +120,7 @@ def test_prompts_sharing_a_context_are_prefilled_once(tmp_path, model, tokenizer
     calls = []
     original = runner_module.prefill
     monkeypatch.setattr(
-        runner_module, "prefill", lambda m, ids, cache: calls.append(ids.shape[-1]) or original(m, ids, cache)
+        runner_module, "prefill", lambda m, ids, *rest: calls.append(ids.shape[-1]) or original(m, ids, *rest)
     )
     store = BenchRunner(config(), tmp_path, model, tokenizer).run(progress=False)
     assert len(calls) == 2 * 5  # two contexts × five settings, not three samples × five
@@ -180,6 +180,17 @@ def test_query_aware_compresses_the_question_too(tmp_path, model, tokenizer) -> 
         assert record["kv_bytes_prefill_by_layer"] == [[2 * 2 * 16 * 4 * 40] * 2] * 2  # (allocated, real) per layer
 
 
+def test_prefill_chunk_bounds_the_cache_and_is_recorded(tmp_path, model, tokenizer) -> None:
+    chunked = config(policies=("full", "snapkv"), budgets=(40,), prefill_chunk=32)
+    records = list(BenchRunner(chunked, tmp_path, model, tokenizer).run(progress=False))
+    assert {r["prefill_chunk"] for r in records} == {32}
+    for record in records:
+        if record["policy"] == "snapkv":
+            assert record["peak_tokens"] <= 40 + 32 < record["context_tokens"]
+        else:
+            assert record["peak_tokens"] == record["prompt_tokens"] + record["new_tokens"] - 1
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -189,6 +200,8 @@ def test_query_aware_compresses_the_question_too(tmp_path, model, tokenizer) -> 
         ({"budgets": (16,)}, "budget 16 is smaller than snapkv's"),
         ({"policies": ("h2oo",)}, "unknown policy 'h2oo'"),
         ({"samples": 0}, "samples and length must be positive"),
+        ({"prefill_chunk": 0}, "prefill chunk must be a positive number"),
+        ({"policies": ("kvzip",), "prefill_chunk": 32}, "cannot compress a prompt chunk by chunk"),
     ],
 )
 def test_bad_configurations_are_refused_before_any_work(overrides, message) -> None:

@@ -40,6 +40,7 @@ def fake_layer(policy, timestamps: list[int], prompt_length: int, num_kv_heads: 
         seen=n,
         decode_step=n - prompt_length,
         passes=passes,
+        phase=lambda: "prefill" if passes == 1 else "decode",
         num_kv_heads=num_kv_heads,
         valid=None,
         head_lengths=lambda: torch.tensor([[n]]),

@@ -1,0 +1,129 @@
+"""Chunked prefill (DESIGN §1.10): each chunk attends to the retained entries plus itself,
+then the cache evicts back to its budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvevict
+from kvevict.generation import prefill
+from tests.conftest import build_policy, greedy, greedy_batch, left_padded, prompt, tiny_model
+from tests.policies.test_contract import POLICIES
+
+PROMPT = 128
+CHUNK = 16
+BUDGET = 40
+LENGTHS = (BUDGET + 30, BUDGET + 40, BUDGET + 33)  # left padding < CHUNK: every row has real tokens in chunk 1
+
+
+def chunked_greedy(model, ids, cache, chunk: int, new_tokens: int = 8, mask=None):
+    return greedy(model, ids, cache, new_tokens, mask, chunk)
+
+
+def refuses_chunks(cache: kvevict.EvictionCache):
+    """Policies that evict the prefill once across layers (KVzip, global+X) refuse a chunked prompt."""
+    return pytest.raises(ValueError, match="cannot compress a prompt chunk by chunk")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_chunked_prefill_at_ample_budget_is_unchunked_prefill(policy: str) -> None:
+    model = tiny_model()
+    ids = prompt(PROMPT)
+    budget = None if policy == "full" else PROMPT + 16
+    expected, expected_logits = greedy(model, ids, kvevict.EvictionCache(model, build_policy(policy), budget=budget))
+    cache = kvevict.EvictionCache(model, build_policy(policy), budget=budget)
+    if cache.policy.deferred_prefill:
+        with refuses_chunks(cache):
+            chunked_greedy(model, ids, cache, CHUNK)
+        return
+    sequences, logits = chunked_greedy(model, ids, cache, CHUNK)
+    assert torch.equal(sequences, expected)
+    assert torch.equal(logits, expected_logits)
+    assert cache.peak_entries() == PROMPT + 7
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_chunked_prefill_of_a_left_padded_batch_at_ample_budget_is_unchunked(policy: str) -> None:
+    model = tiny_model()
+    ids, mask = left_padded([prompt(length, seed=seed) for seed, length in enumerate(LENGTHS)])
+    budget = None if policy == "full" else max(LENGTHS) + 16
+    cache = kvevict.EvictionCache(model, build_policy(policy), budget=budget)
+    if cache.policy.deferred_prefill:  # refused batched in any case
+        return
+    expected = greedy_batch(model, ids, mask, kvevict.EvictionCache(model, build_policy(policy), budget=budget), 6)
+    sequences, logits = chunked_greedy(model, ids, cache, CHUNK, new_tokens=6, mask=mask)
+    assert torch.equal(sequences[:, ids.shape[1] :], expected[0])
+    assert torch.equal(logits, expected[1])
+
+
+PREFILL_EVICTING = [name for name in POLICIES if name != "full" and kvevict.make_policy(name).evicts_in("prefill")]
+
+
+@pytest.mark.parametrize("policy", PREFILL_EVICTING)
+def test_chunked_prefill_holds_at_most_budget_plus_chunk(policy: str) -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, build_policy(policy), budget=BUDGET)
+    if cache.policy.deferred_prefill:
+        with refuses_chunks(cache):
+            chunked_greedy(model, prompt(PROMPT), cache, CHUNK, new_tokens=2)
+        return
+    chunked_greedy(model, prompt(PROMPT), cache, CHUNK, new_tokens=1)
+    if cache.policy.allocator.name == "uniform":
+        assert cache.peak_entries() <= BUDGET + CHUNK
+    else:  # head- or layer-wise budgets: BUDGET per head on average (HeadKV rounds up to one more), a chunk on top
+        held = [layer.head_lengths() for layer in cache.eviction_layers]
+        assert sum(int(heads.sum()) for heads in held) <= sum(heads.numel() for heads in held) * (BUDGET + 1)
+        assert cache.peak_entries() <= max(int(heads.max()) for heads in held) + CHUNK
+    whole = kvevict.EvictionCache(model, build_policy(policy), budget=BUDGET)
+    greedy(model, prompt(PROMPT), whole, new_tokens=2)
+    assert whole.peak_entries() == PROMPT  # one pass: the whole prompt exists before the first eviction
+
+
+@pytest.mark.parametrize(
+    "policy", [name for name in PREFILL_EVICTING if not kvevict.make_policy(name).deferred_prefill]
+)
+def test_chunked_prefill_of_a_left_padded_batch_gives_each_row_what_it_gets_alone(policy: str) -> None:
+    model = tiny_model()
+    prompts = [prompt(length, seed=seed) for seed, length in enumerate(LENGTHS)]
+    ids, mask = left_padded(prompts)
+    cache = kvevict.EvictionCache(model, build_policy(policy), budget=BUDGET, prompt_length=ids.shape[1])
+    batch_tokens, batch_logits = chunked_greedy(model, ids, cache, CHUNK, new_tokens=6, mask=mask)
+    for row, alone_ids in enumerate(prompts):
+        pad = ids.shape[1] - alone_ids.shape[1]
+        alone = kvevict.EvictionCache(model, build_policy(policy), budget=BUDGET, prompt_length=alone_ids.shape[1])
+        with torch.no_grad():  # the row's first chunk lost its padding columns: the same chunk boundaries
+            model(input_ids=alone_ids[:, : CHUNK - pad], past_key_values=alone)
+        tokens, logits = chunked_greedy(model, alone_ids, alone, CHUNK, new_tokens=6)
+        assert torch.equal(batch_tokens[row, ids.shape[1] :], tokens[0, alone_ids.shape[1] :])
+        torch.testing.assert_close(batch_logits[row], logits[0], rtol=0, atol=1e-4)
+
+
+def test_keep_with_chunks_needs_the_whole_prompt_length() -> None:
+    model = tiny_model()
+    ids = prompt(PROMPT)
+    with pytest.raises(ValueError, match="keep= is a fraction of the whole prompt"):  # refused at the second chunk
+        chunked_greedy(model, ids, kvevict.EvictionCache(model, "snapkv", keep=0.5), PROMPT // 2, new_tokens=1)
+    cache = kvevict.EvictionCache(model, "snapkv", keep=0.5, prompt_length=PROMPT)
+    chunked_greedy(model, ids, cache, CHUNK, new_tokens=1)
+    assert cache.layer_lengths() == [PROMPT // 2] * 2
+    assert cache.peak_entries() <= PROMPT // 2 + CHUNK
+
+
+def test_prefill_helper_chunks_and_ends_the_prompt() -> None:
+    model = tiny_model()
+    ids = prompt(PROMPT)
+    cache = kvevict.EvictionCache(model, "snapkv", keep=0.5)
+    prefill(model, ids[:, :112], cache, chunk=CHUNK)  # keep= resolves against the prompt given to prefill
+    assert cache.layer_lengths() == [56] * 2
+    assert cache.peak_entries() <= 56 + CHUNK
+    with torch.no_grad():  # after the prompt: a question of several tokens is decoded, not compressed
+        model(input_ids=ids[:, 112:], past_key_values=cache)
+    assert cache.layer_lengths() == [56 + 16] * 2
+    with pytest.raises(ValueError, match="prefill chunk must be a positive number"):
+        prefill(model, ids, kvevict.EvictionCache(model, "snapkv", budget=40), chunk=0)
+
+
+def test_prompt_length_is_checked() -> None:
+    with pytest.raises(ValueError, match="prompt_length must be a positive number"):
+        kvevict.EvictionCache(tiny_model(), "snapkv", budget=40, prompt_length=0)

@@ -1,0 +1,79 @@
+"""Continuous batching: a sequence compressed alone is spliced into a running batch (and
+finished rows removed); every row goes on exactly as it would alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvevict
+from kvevict.generation import prefill
+from tests.conftest import prompt, tiny_model
+
+BUDGET = 40
+STEPS = 4
+
+
+def alone(model, ids: torch.Tensor, policy: str, steps: int) -> tuple[kvevict.EvictionCache, list[torch.Tensor]]:
+    """A batch-1 cache holding ``ids`` (compressed in chunks) and the logits of ``steps`` greedy steps after it."""
+    cache = kvevict.EvictionCache(model, policy, budget=BUDGET)
+    logits = [prefill(model, ids, cache, chunk=16)]
+    with torch.no_grad():
+        for _ in range(steps):
+            token = logits[-1].argmax(-1, keepdim=True)
+            logits.append(model(input_ids=token, past_key_values=cache).logits[:, -1])
+    return cache, logits
+
+
+def batch_step(model, cache: kvevict.EvictionCache, tokens: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=tokens, position_ids=cache.next_positions(), past_key_values=cache).logits[:, -1]
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "tova", "adakv+snapkv", "lazyeviction", "streamingllm"])
+def test_spliced_rows_go_on_exactly_as_alone(policy: str) -> None:
+    model = tiny_model()
+    prompts = [prompt(n, seed=seed) for seed, n in enumerate((90, 75, 101))]
+    references = [alone(model, ids, policy, 2 * STEPS)[1] for ids in prompts]
+    batch, logits = alone(model, prompts[0], policy, STEPS)  # row 0 decoded STEPS tokens on its own
+    rows = {0: (0, STEPS)}  # batch row -> (prompt, logits produced so far)
+    newcomer = kvevict.EvictionCache(model, policy, budget=BUDGET)
+    first = prefill(model, prompts[1], newcomer, chunk=16)
+    batch.splice(1, newcomer)  # appended as a new row
+    last = torch.cat([logits[-1], first])
+    rows[1] = (1, 0)
+    for _ in range(STEPS):
+        last = batch_step(model, batch, last.argmax(-1, keepdim=True))
+        for row, (index, done) in rows.items():
+            torch.testing.assert_close(last[row], references[index][done + 1][0], rtol=0, atol=1e-5)
+            rows[row] = (index, done + 1)
+    replacement = kvevict.EvictionCache(model, policy, budget=BUDGET)
+    first = prefill(model, prompts[2], replacement, chunk=16)
+    batch.splice(0, replacement)  # row 0 finished: the newcomer takes its slot
+    rows[0] = (2, 0)
+    last = torch.cat([first, last[1:]])
+    for step in range(STEPS):
+        if step == 1:  # row 1 finished: dropped, row 0 goes on alone
+            batch.remove_rows([1])
+            last, rows = last[:1], {0: rows[0]}
+        last = batch_step(model, batch, last.argmax(-1, keepdim=True))
+        for row, (index, done) in rows.items():
+            torch.testing.assert_close(last[row], references[index][done + 1][0], rtol=0, atol=1e-5)
+            rows[row] = (index, done + 1)
+
+
+def test_splice_refuses_what_cannot_join_the_batch() -> None:
+    model = tiny_model()
+    batch, _ = alone(model, prompt(40), "snapkv", 1)
+    other, _ = alone(model, prompt(40, seed=1), "h2o", 1)
+    with pytest.raises(ValueError, match="rows of a batch share the policy and the budget"):
+        batch.splice(1, other)
+    same, _ = alone(model, prompt(40, seed=1), "snapkv", 1)
+    with pytest.raises(ValueError, match="out of range"):
+        batch.splice(3, same)
+    with pytest.raises(ValueError, match="leaving at least one"):
+        batch.remove_rows([0])
+    epikv = kvevict.EvictionCache(model, "epikv", budget=BUDGET)
+    prefill(model, prompt(40), epikv)
+    with pytest.raises(ValueError, match="cannot be spliced"):
+        epikv.splice(1, epikv.__class__(model, "epikv", budget=BUDGET))
