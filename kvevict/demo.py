@@ -21,9 +21,8 @@ from pathlib import Path
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvevict.bench.report import AVERAGE, ReportRow, plot_report, summarize, text_table
-from kvevict.bench.runner import BenchConfig, BenchRunner, prompt_ids
-from kvevict.bench.tasks import get_task
-from kvevict.bench.throughput import Setting, ThroughputConfig, format_table, run_throughput
+from kvevict.bench.runner import BenchConfig, BenchRunner
+from kvevict.bench.throughput import Setting, ThroughputConfig, format_table, run_throughput, task_prompts
 from kvevict.figures import pyplot, save_figure
 from kvevict.models import load_model
 
@@ -106,11 +105,8 @@ def run_demo(
     )
     best_prefill, best_decode = _best(act1), _best(act2)
     payoff = plan.payoff
-    task = get_task(payoff.task)
-    samples = task.samples(tokenizer, length=payoff.length, count=payoff.prompts, seed=payoff.seed)
-    prompts = [prompt_ids(tokenizer, sample) for sample in samples]
     runs = [Setting(best_prefill.policy, budget=best_prefill.budget, keep=best_prefill.keep)]
-    act3 = run_throughput(model, prompts, payoff, runs, out / "payoff")
+    act3 = run_throughput(model, task_prompts(payoff, tokenizer), payoff, runs, out / "payoff")
     _show(
         "Act 3 · The payoff",
         "the full cache against act 1's best policy, continuous batching under one KV memory cap",

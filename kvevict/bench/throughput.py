@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvevict.bench.memory import MIB
 from kvevict.bench.report import text_table
@@ -286,6 +286,15 @@ def identity(config: ThroughputConfig, setting: Setting) -> dict[str, Any]:
     return {"prefill_chunk_option" if k == "prefill_chunk" else k: v for k, v in fields.items()}
 
 
+def task_prompts(config: ThroughputConfig, tokenizer: PreTrainedTokenizerBase) -> list[torch.Tensor]:
+    """The token ids of ``config.prompts`` samples of ``config.task`` (context, question and answer prefix)."""
+    from kvevict.bench.runner import _Prompt
+    from kvevict.bench.tasks import get_task
+
+    samples = get_task(config.task).samples(tokenizer, length=config.length, count=config.prompts, seed=config.seed)
+    return [_Prompt.of(tokenizer, sample).ids for sample in samples]
+
+
 def run_throughput(
     model: PreTrainedModel,
     prompts: Sequence[torch.Tensor],
@@ -397,8 +406,6 @@ def _numbers(text: str, kind: type) -> tuple:
 
 
 def main(argv: Sequence[str]) -> int:
-    from kvevict.bench.runner import _Prompt
-    from kvevict.bench.tasks import get_task
     from kvevict.models import load_model
     from kvevict.policies import split_names
 
@@ -414,11 +421,8 @@ def main(argv: Sequence[str]) -> int:
         prefill_chunk=args.prefill_chunk or None,
         seed=args.seed,
     )
-    task = get_task(args.task)
     model, tokenizer = load_model(args.model, dtype=args.dtype)
-    samples = task.samples(tokenizer, length=args.length, count=args.prompts, seed=args.seed)
-    prompts = [_Prompt.of(tokenizer, sample).ids for sample in samples]
-    records = run_throughput(model, prompts, config, runs, args.out)
+    records = run_throughput(model, task_prompts(config, tokenizer), config, runs, args.out)
     print(format_table(records))
     print(f"results: {args.out / RESULTS_FILE}\nplot: {plot(records, args.out / 'throughput.png')}", flush=True)
     return 0
