@@ -84,6 +84,12 @@ class Stage:
     slot: ClassVar[Slot]
     summary: ClassVar[str] = ""
     PARAMS: ClassVar[Mapping[str, Param]] = {}
+    batched: ClassVar[bool] = False
+    """The stage's hooks treat the rows of a layer (dim 0) independently, read ``seen`` and
+    ``prompt_length`` as ints or ``[B, 1, 1]`` tensors, and keep no ``memo`` or ``shared``
+    data, so rows in lockstep can run through them at once (:meth:`EvictionLayer.views`).
+    Only the class's own declaration counts (a subclass re-declares it), see
+    :attr:`~kvevict.policies.Policy.batched`."""
 
     def __init__(self, **params: object):
         unknown = [key for key in params if key not in self.PARAMS]
@@ -296,6 +302,7 @@ class SinksAndWindow(Protector):
     ``min(cap, budget // 4)``)."""
 
     name = "sinks-and-window"
+    batched = True
 
     def __init__(self, sinks: int = 0, window: int | None = 0, cap: int = 128):
         super().__init__()
@@ -313,6 +320,7 @@ class Uniform(Allocator):
     """``budget`` entries per KV head (or all it holds)."""
 
     name = "uniform"
+    batched = True
 
     def counts(
         self, layer: EvictionLayer, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
@@ -325,6 +333,7 @@ class TopK(Selector):
 
     name = "top-k"
     by_top_scores = True
+    batched = True
 
     def check(self, policy: Policy) -> None:
         if policy.scorer is None and policy.method.evicts:

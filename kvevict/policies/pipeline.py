@@ -189,6 +189,13 @@ class Policy:
         return self.selector.keep(layer, signals, Ranking(scores, protected, counts))
 
     @property
+    def batched(self) -> bool:
+        """Whether rows in lockstep may run through the hooks at once: every stage's own class
+        declares :attr:`~kvevict.policies.base.Stage.batched` (a subclass that inherits the
+        flag has hooks nobody checked for it, so it does not count)."""
+        return all(vars(type(stage)).get("batched", False) for stage in self.stages)
+
+    @property
     def deferred_prefill(self) -> bool:
         """Whether the prefill eviction waits for the end of the prefill forward (the method
         rescores the prompt, or the allocator shares one budget across layers)."""
