@@ -288,8 +288,28 @@ class Observer(Stage):
 # -- the default stages -----------------------------------------------------------------------
 def keep_top(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Mask ``[B, H, n]`` of the ``counts[b, h]`` highest scores of each head (ties: the
-    earlier entry)."""
-    return descending_ranks(scores) < counts[..., None]
+    earlier entry).
+
+    Why two ways: a decode step drops a few entries of hundreds, and finding the few lowest
+    (``topk``, O(n)) is much cheaper than ranking all of them (a stable sort); both keep
+    exactly the same entries. The few are dropped by value, then among the entries tied
+    with the highest dropped value the latest go (what the stable descending sort ranks last)."""
+    n = scores.shape[-1]
+    drop = (n - counts).clamp(min=0, max=n)
+    most = int(drop.max()) if drop.numel() else 0
+    if most == 0:
+        return torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
+    if 4 * most > n:
+        return descending_ranks(scores) < counts[..., None]
+    lowest = scores.topk(most, dim=-1, largest=False, sorted=True).values  # [B, H, most] ascending
+    last = lowest.gather(-1, (drop - 1).clamp(min=0)[..., None])  # the highest dropped value
+    last = last.masked_fill(drop[..., None] == 0, float("-inf"))  # a head that drops nothing
+    if bool(last.isnan().any()):  # NaN scores: the sort's order of them is the reference
+        return descending_ranks(scores) < counts[..., None]
+    below, tied = scores < last, scores == last
+    needed = drop - below.sum(dim=-1)  # tied entries to drop, the latest first
+    from_end = tied.flip(-1).cumsum(dim=-1).flip(-1)  # tied entries at or after each one
+    return ~(below | (tied & (from_end <= needed[..., None])))
 
 
 def window_size(window: int | None, budget: int, cap: int = 128) -> int:
