@@ -283,8 +283,9 @@ class EvictionLayer(DynamicLayer):
         if all(end == self.n for end in ends):  # rows end together: one slice
             self._keys[:, :, self.n : self.n + num_new] = key_states
             self._values[:, :, self.n : self.n + num_new] = value_states
-            seen = torch.tensor([row.seen for row in self.rows], device=self.device)
-            self._positions[:, :, self.n : self.n + num_new] = (seen[:, None] + new)[:, None, :]
+            self._positions[:, :, self.n : self.n + num_new] = (
+                _uniform([row.seen for row in self.rows], self.device) + new
+            )
             if self._valid is not None:
                 self._valid[:, :, self.n : self.n + num_new] = True
         else:  # each row appends at its own end
@@ -431,13 +432,23 @@ class EvictionLayer(DynamicLayer):
         that row (the same as alone). When only entries that left a sliding window go, the
         rest keep their position order instead (as transformers' own sliding layer)."""
         width = max(row.width for row in self.rows)
-        relative = torch.zeros(len(self.rows), self.num_kv_heads, width, dtype=torch.bool, device=self.device)
+        kept = []
         for view, keep in rows:
-            held = view.valid if view.valid is not None else torch.ones_like(view.positions, dtype=torch.bool)
-            keep = held if keep is None else keep & held
-            self.policy.on_evict(view, held & ~keep)
+            held = view.valid
+            if keep is None:
+                keep = held if held is not None else torch.ones_like(view.positions, dtype=torch.bool)
+            elif held is not None:
+                keep = keep & held
+            if self.policy.watches_evictions:
+                self.policy.on_evict(view, ~keep if held is None else held & ~keep)
             view.write_back()
-            relative[view.rows, :, : view.length] = keep
+            kept.append(keep)
+        if len(rows) == 1 and kept[0].shape == (len(self.rows), self.num_kv_heads, width):  # one view of every row
+            relative = kept[0]
+        else:
+            relative = torch.zeros(len(self.rows), self.num_kv_heads, width, dtype=torch.bool, device=self.device)
+            for (view, _), keep in zip(rows, kept):
+                relative[view.rows, :, : view.length] = keep
         counts = relative.sum(dim=-1)  # [B, Hkv]
         index = torch.arange(width, device=self.device)
         prefix = index < counts[..., None]
