@@ -134,13 +134,13 @@ def _layer_mask(base: str, mask: torch.Tensor | None, query: torch.Tensor, layer
                 f"positions, which {base} does not take; load the model with attn_implementation='sdpa' or 'eager'"
             )
         return None
-    if q == 1:
+    if q == 1 and not layer.padded:
         if valid is None:
             return None
         allowed = heads_mask(valid, query.shape[1])[:, :, None, :]
     else:
         positions = layer.positions[:, :, None, :]  # [B, Hkv, 1, n]
-        queries = _row_query_positions(layer, q)
+        queries = layer.query_positions(q)
         allowed = positions <= queries
         if layer.window is not None:
             allowed &= window_mask(layer.positions, queries[..., 0], layer.window)
@@ -152,12 +152,6 @@ def _layer_mask(base: str, mask: torch.Tensor | None, query: torch.Tensor, layer
     return torch.zeros(allowed.shape, dtype=query.dtype, device=query.device).masked_fill(
         ~allowed, torch.finfo(query.dtype).min
     )
-
-
-def _row_query_positions(layer: EvictionLayer, q: int) -> torch.Tensor:
-    """Positions of the pass's queries, ``[B, 1, q, 1]``: each row's ``q`` newest tokens."""
-    seen = torch.tensor([row.seen for row in layer.rows], device=layer.device)
-    return (seen[:, None] - q + torch.arange(q, device=layer.device))[:, None, :, None]
 
 
 def install(model: PreTrainedModel) -> None:

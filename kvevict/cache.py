@@ -76,11 +76,26 @@ class PrefillHook:
 class _Row:
     """Bookkeeping of one sequence (batch row) of a layer: what a batch-1 layer holds as ints."""
 
-    __slots__ = ("budget", "decode_peak", "interval", "memo", "prompt_length", "seen", "start", "width")
+    __slots__ = (
+        "budget",
+        "decode_peak",
+        "interval",
+        "memo",
+        "new",
+        "passes",
+        "prompt_length",
+        "seen",
+        "start",
+        "width",
+    )
 
     def __init__(self) -> None:
         self.seen = 0
         """Real tokens of this row seen so far (its next absolute position)."""
+        self.new = 0
+        """Real tokens of this row in the current pass (the pass's padding excluded)."""
+        self.passes = 0
+        """Passes that brought this row real tokens (its first one is its prefill)."""
         self.prompt_length = 0
         self.budget: int | None = None
         self.interval = 1
@@ -220,10 +235,16 @@ class EvictionLayer(DynamicLayer):
         stages treat rows independently, so each row still gets what it gets alone), else a
         view per row. Lockstep: every row holds the same storage columns, all real (no
         padding, no head-wise ragged rows), under the same budget and interval, on a full
-        layer (a sliding window drops per row); prompt lengths may differ."""
+        layer (a sliding window drops per row), has as many real tokens in this pass, passes
+        and tokens after its prompt; prompt lengths may differ."""
         rows, first = self.rows, self.rows[0]
+        step = first.seen - first.prompt_length
         lockstep = all(
-            row.start == 0 and row.width == self.n and row.budget == first.budget and row.interval == first.interval
+            row.start == 0
+            and row.width == self.n
+            and (row.budget, row.interval, row.new, row.passes)
+            == (first.budget, first.interval, first.new, first.passes)
+            and row.seen - row.prompt_length == step
             for row in rows
         )
         if len(rows) > 1 and self.policy.batched and self.window is None and self.valid is None and lockstep:
@@ -297,6 +318,7 @@ class EvictionLayer(DynamicLayer):
         for row in self.rows:
             row.width += num_new
             row.seen += num_new
+            row.new = num_new
         self.tokens += num_new
         self.passes += 1
         self._num_new = num_new
@@ -305,17 +327,28 @@ class EvictionLayer(DynamicLayer):
         return self.keys, self.values
 
     def begin_pass(self, attention_mask: torch.Tensor | None) -> None:
-        """Called by the attention path before the kernel: on the first pass, learn each row's
-        left padding from the model's mask; then give the policy the new entries' state.
+        """Called by the attention path before the kernel: learn each row's padding in this pass
+        from the model's mask (any pass: :meth:`_drop_padding`); start the rows that got their
+        first real tokens; then give the policy the new entries' state.
 
         Why the mask: transformers hands a cache layer only keys and values, but passes the
         attention function the mask it built from the 2-D ``attention_mask``, in which a real
         token sees its own key (even in a sliding window) and a padding one does not.
         ``generate`` gives real token ``i`` of a row the RoPE position ``i`` (the cumulative
-        sum of the mask), so a row's positions start at 0 after its padding."""
+        sum of the mask), so a row's positions count its real tokens only."""
+        real = _real_columns(attention_mask, self._num_new, len(self.rows))
+        if real is not None:
+            self._drop_padding((self._num_new - real.sum(dim=-1)).tolist())
         if self.passes == 1:
-            self._start_rows(_real_columns(attention_mask, self._num_new, len(self.rows)))
+            self.owner.row_offsets = [row.start for row in self.rows]
+        for row in self.rows:
+            if row.new:  # a row whose pass is only padding does not take part in it, as alone
+                row.passes += 1
+                if row.passes == 1:
+                    self._start_row(row)
         for view in self.views():
+            if not view.num_new:
+                continue
             for name, value in self.policy.new_tokens(view, view.num_new).items():
                 if name not in self._state:
                     self._state[name] = value.new_zeros(
@@ -324,35 +357,76 @@ class EvictionLayer(DynamicLayer):
                 end = view.columns.stop
                 self._state[name][view.rows, :, end - view.num_new : end] = value
         self._refresh(self.n)
-        if self.passes > 1:
-            for row in self.rows:
+        for row in self.rows:
+            if row.passes > 1:
                 row.decode_peak = max(row.decode_peak, row.width)
 
-    def _start_rows(self, real: torch.Tensor | None) -> None:
+    def _drop_padding(self, pads: list[int]) -> None:
+        """Take this pass's left padding (``pads[b]`` columns of row ``b``) out of the rows, in
+        any pass: the prompt's, or a later one (a question of another length, a chunk that is
+        still padding for a short row). A row with no real token yet just starts after it (its
+        left padding); otherwise the pass's real entries move onto the padding, right after
+        the row's older entries, as they lie alone. The columns this frees are masked out and
+        given the padding queries' positions (``−pad .. −1``): a padding query sees only that
+        column (:func:`kvevict.attention`), so it stays finite and no real query sees it.
+        Real entries get consecutive positions, as ``generate`` gives them (cumulative mask)."""
         num_new = self._num_new
-        pads = [0] * len(self.rows) if real is None else (num_new - real.sum(dim=-1)).tolist()
-        if any(pad >= num_new for pad in pads):
-            raise ValueError("a row of the batch has no real token: every prompt needs at least one token")
+        if self.owner.hidden is not None and (self.passes > 1 or num_new in pads):
+            raise ValueError(
+                f"policy {self.policy.name!r} reads hidden states by column, which allows padding only on the left "
+                "of the first pass, with a real token in every row: pad the whole prompt on the left and feed it in "
+                "one pass, then decode (or batch prompts of equal length)"
+            )
+        if self._valid is None:
+            self._valid = torch.zeros(self._positions.shape, dtype=torch.bool, device=self.device)
+            self._valid[:, :, : self.n] = True
+        for i, (row, pad) in enumerate(zip(self.rows, pads)):
+            if not pad:
+                continue
+            first, real = row.start + row.width - num_new, num_new - pad
+            positions = row.seen - num_new + torch.arange(real, device=self.device)
+            if not row.passes:  # nothing real before: the padding is the row's left padding
+                row.start += pad
+                self._positions[i, :, first + pad : first + num_new] = positions
+                freed = slice(first, first + pad)
+            else:  # the model's layout no longer holds: masks are built from positions from now on
+                for storage in (self._keys, self._values):
+                    storage[i, :, first : first + real] = storage[i, :, first + pad : first + num_new].clone()
+                self._positions[i, :, first : first + real] = positions
+                freed = slice(first + real, first + num_new)
+                self.compacted = True
+            self._positions[i, :, freed] = torch.arange(-pad, 0, device=self.device)
+            self._valid[i, :, freed] = False
+            row.width -= pad
+            row.seen -= pad
+            row.new = real
+        self._refresh(self.n)
+
+    def _start_row(self, row: _Row) -> None:
+        """A row's first real tokens are its prompt: resolve its budget (``keep=``) and interval."""
         if len(self.rows) > 1 and self.policy.deferred_prefill:
             raise ValueError(
                 f"policy {self.policy.name!r} evicts the prefill once it has run through every layer (a scoring pass, "
                 "or one budget across layers), which is done for one sequence at a time: pass one prompt (batch size 1)"
             )
-        if any(pads):
-            columns = torch.arange(num_new, device=self.device)
-            pad = torch.tensor(pads, device=self.device)[:, None]
-            self._positions[:, :, :num_new] = (columns - pad)[:, None, :]
-            self._valid = torch.zeros(self._positions.shape, dtype=torch.bool, device=self.device)
-            self._valid[:, :, :num_new] = (columns >= pad)[:, None, :]
-        self.owner.row_offsets = pads
-        for row, pad in zip(self.rows, pads):
-            row.start, row.width = pad, num_new - pad
-            row.seen = row.prompt_length = num_new - pad
-            row.budget = self.owner.budget.resolve(row.prompt_length)
-            if self.owner.budget.keep is not None:  # a token budget was checked up front
-                self.policy.check_budget(row.budget)
-            row.interval = self.owner.interval or (row.budget and self.policy.default_interval(row.budget)) or 1
-        self._refresh(self.n)
+        row.prompt_length = row.new
+        row.budget = self.owner.budget.resolve(row.prompt_length)
+        if self.owner.budget.keep is not None:  # a token budget was checked up front
+            self.policy.check_budget(row.budget)
+        row.interval = self.owner.interval or (row.budget and self.policy.default_interval(row.budget)) or 1
+
+    def query_positions(self, q: int) -> torch.Tensor:
+        """Positions of the pass's ``q`` queries, ``[B, 1, q, 1]``: each row's newest real
+        tokens, after its padding queries at ``−pad .. −1`` (see :meth:`_drop_padding`)."""
+        seen = torch.tensor([row.seen for row in self.rows], device=self.device)[:, None]
+        pad = torch.tensor([q - row.new for row in self.rows], device=self.device)[:, None]
+        column = torch.arange(q, device=self.device)
+        return torch.where(column >= pad, seen - q + column, column - pad)[:, None, :, None]
+
+    @property
+    def padded(self) -> bool:
+        """Whether this pass holds padding (a row with fewer real tokens than the pass's columns)."""
+        return any(row.new < self._num_new for row in self.rows)
 
     def get_seq_length(self) -> int:
         return self.tokens
@@ -380,12 +454,16 @@ class EvictionLayer(DynamicLayer):
 
     # -- eviction -----------------------------------------------------------------------
     def phase(self) -> Phase:
+        """``prefill`` during the first pass (a :class:`RowView` counts only its row's passes with real tokens)."""
         return "prefill" if self.passes == 1 else "decode"
 
     def correct_output(self, query: torch.Tensor, output: torch.Tensor, scaling: float) -> torch.Tensor:
         """The policy's correction of the kernel's output ``[B, q, Hq, d]``, row by row."""
         rows = []
         for view in self.views():
+            if not view.num_new:
+                rows.append(output[view.rows])
+                continue
             real = slice(query.shape[2] - view.num_new, None)
             corrected = self.policy.correct_output(view, query[view.rows, :, real], output[view.rows, real], scaling)
             rows.append(torch.cat([output[view.rows, : real.start], corrected], dim=1))
@@ -402,8 +480,12 @@ class EvictionLayer(DynamicLayer):
         if self.owner.side_pass is not None:  # a scoring pass of the policy's own (KVzip's repeat)
             self.owner.side_pass(self, query, scaling, module)
             return
-        phase, rows, changed = self.phase(), [], False
+        rows, changed = [], False
         for view in self.views():
+            if not view.num_new:  # only padding in this pass: nothing to observe or evict
+                rows.append((view, None))
+                continue
+            phase = view.phase()
             due = view.eviction_due(phase, view.num_new)
             requirements = self.policy.requirements(phase, due)
             signals = compute_signals(requirements, view, phase, query[view.rows, :, -view.num_new :], scaling, module)
@@ -486,19 +568,20 @@ class EvictionLayer(DynamicLayer):
         self.compacted = self.compacted or not (ordered and aligned and uniform)
         self._refresh(new_n)
 
-    def snapshot(self) -> tuple[int, int, int, list[tuple[int, int, int]]]:
+    def snapshot(self) -> tuple[int, int, int, list[tuple[int, ...]]]:
         """What :meth:`restore` needs to drop entries appended after this point."""
-        return self.n, self.tokens, self.passes, [(row.seen, row.width, row.decode_peak) for row in self.rows]
+        rows = [(row.seen, row.start, row.width, row.passes, row.decode_peak) for row in self.rows]
+        return self.n, self.tokens, self.passes, rows
 
-    def restore(self, snapshot: tuple[int, int, int, list[tuple[int, int, int]]]) -> None:
+    def restore(self, snapshot: tuple[int, int, int, list[tuple[int, ...]]]) -> None:
         """Drop every entry appended since :meth:`snapshot` (nothing was evicted in between),
         as if the passes since then never ran: a side pass leaves no trace. Appends only
         ever write past each row's end, so restoring the rows' widths and the logical length
         removes them; a row shorter than the storage also gets its padding columns back
         (hidden, at a position no query has), as it appended inside the shared length."""
         self.n, self.tokens, self.passes, rows = snapshot
-        for i, (row, (seen, width, decode_peak)) in enumerate(zip(self.rows, rows)):
-            row.seen, row.width, row.decode_peak = seen, width, decode_peak
+        for i, (row, (seen, start, width, passes, decode_peak)) in enumerate(zip(self.rows, rows)):
+            row.seen, row.start, row.width, row.passes, row.decode_peak = seen, start, width, passes, decode_peak
             if self._valid is not None:
                 self._valid[i, :, row.start + row.width :] = False
                 self._positions[i, :, row.start + row.width :] = -1
@@ -524,8 +607,8 @@ class EvictionLayer(DynamicLayer):
 
 
 def _real_columns(mask: torch.Tensor | None, num_new: int, batch: int) -> torch.Tensor | None:
-    """The real (not padding) columns ``[B, n]`` of a first pass, from the mask the model
-    built (None: no padding). Refuses padding anywhere but on the left."""
+    """The real (not padding) columns ``[B, n]`` of a pass, from the mask the model built
+    (None: no padding). Refuses padding anywhere but on the left of the pass."""
     if mask is None:
         return None
     if mask.dim() == 2:  # flash kernels receive the 2-D padding mask itself
@@ -585,12 +668,12 @@ class RowView:
             self.budget = info.budget
             self.owner = _SpanOwner(layer.owner, rows)
         self.passes, self.layer_idx, self.device, self.window = (
-            layer.passes,
+            info.passes,
             layer.layer_idx,
             layer.device,
             layer.window,
         )
-        self.num_new = min(layer._num_new, info.width)
+        self.num_new = info.new
         self.columns = columns
 
     @property

@@ -314,6 +314,11 @@ def left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor
     return ids, mask
 
 
+def padded_positions(mask: torch.Tensor) -> torch.Tensor:
+    """RoPE positions of a left-padded batch as ``generate`` derives them: real tokens count from 0."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def greedy_batch(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, cache=None, new_tokens: int = 8):
     """Greedy generation of a left-padded batch: (new tokens ``[B, new]``, per-step logits ``[B, new, V]``)."""
     sequences, logits = greedy(model, ids, cache, new_tokens, mask)

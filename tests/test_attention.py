@@ -190,8 +190,8 @@ def test_sliding_window_mask_is_built_from_positions() -> None:
         length=6,
         compacted=True,
         window=4,
-        rows=[SimpleNamespace(seen=12)],
-        device=torch.device("cpu"),
+        padded=False,
+        query_positions=lambda q: torch.arange(12 - q, 12)[None, None, :, None],
     )
     query = torch.zeros(1, 2, 2, 8)
     mask = _layer_mask("sdpa", None, query, layer)

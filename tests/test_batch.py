@@ -7,9 +7,14 @@ import torch
 
 import kvevict
 from kvevict.attention import check_flash
-from tests.conftest import build_policy, greedy, greedy_batch, left_padded, prompt, tiny_model
+from tests.conftest import build_policy, greedy, greedy_batch, left_padded, padded_positions, prompt, tiny_model
 
 LENGTHS = (30, 50, 41)
+
+
+def small(policy: str):
+    """``policy`` with a recent window that fits the small budgets here (SnapKV's default is 32)."""
+    return build_policy(policy, **({"window": 8} if "snapkv" in policy else {}))
 
 
 def batch() -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
@@ -21,7 +26,7 @@ def batch() -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
 def test_keep_resolves_per_row(policy: str) -> None:
     model = tiny_model()
     prompts, ids, mask = batch()
-    cache = kvevict.EvictionCache(model, build_policy(policy, window=8) if "snapkv" in policy else policy, keep=0.5)
+    cache = kvevict.EvictionCache(model, small(policy), keep=0.5)
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask, past_key_values=cache)
     for layer in cache.eviction_layers:
@@ -32,17 +37,9 @@ def test_keep_resolves_per_row(policy: str) -> None:
             assert held.sum(dim=1).tolist() == [2 * 15, 2 * 25, 2 * 21]
         else:
             assert held.tolist() == [[15, 15], [25, 25], [21, 21]]
-    tokens, _ = greedy_batch(
-        model,
-        ids,
-        mask,
-        kvevict.EvictionCache(model, build_policy(policy, **({"window": 8} if "snapkv" in policy else {})), keep=0.5),
-        4,
-    )
+    tokens, _ = greedy_batch(model, ids, mask, kvevict.EvictionCache(model, small(policy), keep=0.5), 4)
     for row, alone in enumerate(prompts):
-        single = kvevict.EvictionCache(
-            model, build_policy(policy, **({"window": 8} if "snapkv" in policy else {})), keep=0.5
-        )
+        single = kvevict.EvictionCache(model, small(policy), keep=0.5)
         expected, _ = greedy(model, alone, single, new_tokens=4)
         assert torch.equal(tokens[row], expected[0, alone.shape[1] :])
 
@@ -151,3 +148,84 @@ def test_rows_that_stop_early_do_not_disturb_the_others() -> None:
         cut = (expected == stop).nonzero()
         end = int(cut[0]) + 1 if len(cut) else len(expected)
         assert torch.equal(got[:end], expected[:end])
+
+
+def contexts_then_questions(
+    model, policy: str, contexts: list[torch.Tensor], questions: list[torch.Tensor], budget: int
+) -> tuple[kvevict.EvictionCache, torch.Tensor, torch.Tensor]:
+    """Contexts (left-padded) compressed in one pass, then questions (left-padded after them,
+    padding in the middle of each row) fed in a second pass and answered greedily."""
+    cache = kvevict.EvictionCache(model, small(policy), budget=budget)
+    context_ids, context_mask = left_padded(contexts)
+    with torch.no_grad():
+        model(
+            input_ids=context_ids,
+            attention_mask=context_mask,
+            position_ids=padded_positions(context_mask),
+            past_key_values=cache,
+        )
+    question_ids, question_mask = left_padded(questions)
+    ids, mask = torch.cat([context_ids, question_ids], dim=1), torch.cat([context_mask, question_mask], dim=1)
+    return (cache, *greedy_batch(model, ids, mask, cache, 5))
+
+
+@pytest.mark.parametrize(
+    ("arch", "policy"),
+    [
+        ("llama", "snapkv"),
+        ("llama", "h2o"),
+        ("llama", "streamingllm"),
+        ("llama", "tova"),
+        ("llama", "adakv+snapkv"),
+        ("llama", "moment-nc+snapkv"),
+        ("qwen2_hybrid", "h2o"),
+    ],
+)
+def test_padding_in_a_later_pass_gives_each_row_what_it_gets_alone(arch: str, policy: str, attn: str) -> None:
+    model = tiny_model(arch, attn=attn)
+    contexts = [prompt(length, seed=seed) for seed, length in enumerate(LENGTHS)]
+    questions = [prompt(length, seed=10 + seed) for seed, length in enumerate((9, 4, 13))]
+    cache, tokens, logits = contexts_then_questions(model, policy, contexts, questions, budget=20)
+    for layer in cache.eviction_layers:  # each row's real tokens only, at consecutive positions
+        assert layer.seen.flatten().tolist() == [c.shape[1] + q.shape[1] + 4 for c, q in zip(contexts, questions)]
+        held = layer.valid if layer.valid is not None else torch.ones_like(layer.positions, dtype=torch.bool)
+        assert bool((layer.positions[held] >= 0).all())
+    for row, (context, question) in enumerate(zip(contexts, questions)):
+        _, expected, expected_logits = contexts_then_questions(model, policy, [context], [question], budget=20)
+        assert torch.equal(tokens[row], expected[0])
+        torch.testing.assert_close(logits[row], expected_logits[0], rtol=0, atol=1e-4)
+
+
+def test_a_chunk_that_is_all_padding_for_a_row_is_skipped_by_it() -> None:
+    model = tiny_model()
+    prompts = [prompt(12, seed=1), prompt(40, seed=2)]
+    ids, mask = left_padded(prompts)
+    cache = kvevict.EvictionCache(model, "h2o", budget=64)
+    positions = padded_positions(mask)
+    with torch.no_grad():
+        for start in range(0, ids.shape[1] - 1, 16):  # the short row's first chunk is all padding
+            chunk = slice(start, min(start + 16, ids.shape[1] - 1))
+            model(
+                input_ids=ids[:, chunk],
+                attention_mask=mask[:, : chunk.stop],
+                position_ids=positions[:, chunk],
+                past_key_values=cache,
+            )
+    for layer in cache.eviction_layers:
+        assert layer.seen.flatten().tolist() == [11, 39]
+        assert layer.prompt_length.flatten().tolist() == [4, 16]  # each row's first pass with real tokens
+        assert layer.head_lengths()[:, 0].tolist() == [11, 39]
+    per_entry = 2 * layer.keys.shape[-1] * layer.keys.element_size()
+    assert [real for _, real in cache.row_bytes()] == [2 * 2 * n * per_entry for n in (11, 39)]
+    tokens, logits = greedy_batch(model, ids, mask, cache, 4)
+    for row, alone in enumerate(prompts):
+        expected, expected_logits = greedy(model, alone, kvevict.EvictionCache(model, "h2o", budget=64), new_tokens=4)
+        assert torch.equal(tokens[row], expected[0, alone.shape[1] :])
+        torch.testing.assert_close(logits[row], expected_logits[0], rtol=0, atol=1e-4)
+
+
+def test_policies_reading_hidden_states_refuse_padding_after_the_first_pass() -> None:
+    model = tiny_model()
+    contexts = [prompt(length, seed=seed) for seed, length in enumerate(LENGTHS)]
+    with pytest.raises(ValueError, match="reads hidden states by column.*left of the first pass"):
+        contexts_then_questions(model, "epikv", contexts, [prompt(3), prompt(5), prompt(4)], budget=20)
