@@ -404,11 +404,6 @@ class EvictionLayer(DynamicLayer):
 
     def _start_row(self, row: _Row) -> None:
         """A row's first real tokens are its prompt: resolve its budget (``keep=``) and interval."""
-        if len(self.rows) > 1 and self.policy.deferred_prefill:
-            raise ValueError(
-                f"policy {self.policy.name!r} evicts the prefill once it has run through every layer (a scoring pass, "
-                "or one budget across layers), which is done for one sequence at a time: pass one prompt (batch size 1)"
-            )
         row.prompt_length = row.new
         row.budget = self.owner.budget.resolve(row.prompt_length)
         if self.owner.budget.keep is not None:  # a token budget was checked up front
@@ -721,10 +716,6 @@ class RowView:
         held = ~outside if self.valid is None else self.valid & ~outside
         return int(held.sum(dim=-1).max())
 
-    def keep(self, mask: torch.Tensor) -> None:
-        """Retain this row's entries where ``mask`` ``[1, Hkv, n]`` is true (a layer of one row)."""
-        self.layer._keep_rows([(self, mask)])
-
     def eviction_due(self, phase: Phase, num_new: int) -> bool:
         """Over budget (counting, on a sliding layer, only the entries still in the window
         after this pass), and (decode) the step counter crossed a multiple of ``interval``."""
@@ -884,7 +875,7 @@ class EvictionCache(Cache):
         self.side_pass: SidePassObserver | None = None
         """Set while a policy runs a scoring pass of its own through this cache (KVzip)."""
         self.deferred: list[tuple[RowView, Signals]] = []
-        """Layers (of the only row) whose prefill eviction waits for the end of the prefill forward, with their signals."""
+        """Row views whose prefill eviction waits for the end of the prefill forward, with their signals."""
         self._prefill_hook = PrefillHook(model, self) if self.policy.deferred_prefill else None
         _, layer_kwargs = get_layer_types_and_kwargs(config)  # check_supported: full or sliding layers only
         layers = [EvictionLayer(self, i, kwargs.get("sliding_window")) for i, kwargs in enumerate(layer_kwargs)]
@@ -904,18 +895,26 @@ class EvictionCache(Cache):
     def finish_prefill(self, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
         """Evict the layers that deferred their prefill eviction, all at once: the policy
         may first run passes of its own (KVzip's repeat pass), then allocate across layers
-        (``global+``), then each layer keeps its selection. Called by the decoder's forward
-        hook after the prefill forward returned; a no-op inside a side pass (re-entry)."""
+        (``global+``), then each layer keeps its selection. Each row of a batch is allocated
+        on its own, as alone. Called by the decoder's forward hook after the prefill forward
+        returned; a no-op inside a side pass (re-entry)."""
         if self.side_pass is not None or not self.deferred:
             return
-        deferred, self.deferred = self.deferred, []
-        self.policy.method.rescore(self, decoder, input_ids)
-        views = []  # afresh: the scoring passes may have moved the storage
-        for view, signals in deferred:
-            views.append((view.layer.row_view(view.row), signals))
-            views[-1][0].drop_outside_window()
-        for (view, _), keep in zip(views, self.policy.select_layers(views)):
-            view.keep(keep)
+        try:  # the scoring passes read which rows deferred (KVzip repeats only those)
+            self.policy.method.rescore(self, decoder, input_ids)
+        finally:
+            deferred, self.deferred = self.deferred, []
+        chosen: dict[EvictionLayer, dict[int, tuple[RowView, torch.Tensor | None]]] = {}
+        for row in dict.fromkeys(view.row for view, _ in deferred):
+            views = []  # afresh: the scoring passes may have moved the storage
+            for view, signals in deferred:
+                if view.row == row:
+                    views.append((view.layer.row_view(row), signals))
+                    views[-1][0].drop_outside_window()
+            for (view, _), keep in zip(views, self.policy.select_layers(views)):
+                chosen.setdefault(view.layer, {})[row] = (view, keep)
+        for layer, rows in chosen.items():  # rows that did not defer in a layer keep what they hold
+            layer._keep_rows([rows.get(i) or (layer.row_view(i), None) for i in range(layer.batch_size)])
 
     @contextmanager
     def scoring_pass(self, observer: SidePassObserver) -> Iterator[None]:
@@ -976,3 +975,17 @@ class EvictionCache(Cache):
     def layer_lengths(self) -> list[int]:
         """Retained entries per KV head, per layer."""
         return [layer.keys.shape[-2] if layer.is_initialized else 0 for layer in self.layers]
+
+    def row_memory(self, row: int) -> dict[str, Any]:
+        """What one row of the batch holds, as the cache of that sequence alone reports it:
+        ``kv_bytes`` (allocated), ``real_bytes``, ``layer_bytes`` (allocated, real) per layer,
+        ``retained`` (entries of its longest layer and head) and ``decode_peak``."""
+        layers = [layer.row_bytes()[row] for layer in self.layers]
+        rows = [layer.rows[row] for layer in self.eviction_layers]
+        return {
+            "kv_bytes": sum(allocated for allocated, _ in layers),
+            "real_bytes": sum(real for _, real in layers),
+            "layer_bytes": layers,
+            "retained": max((info.width for info in rows), default=0),
+            "decode_peak": max((info.decode_peak for info in rows), default=0),
+        }

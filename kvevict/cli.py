@@ -39,10 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser(
         "generate",
-        help="answer a prompt with a compressed cache",
-        description="Compress the prompt under a policy, then decode greedily (decode-time policies keep evicting).",
+        help="answer prompts with a compressed cache",
+        description="Compress the prompt under a policy, then decode greedily (decode-time policies keep evicting). "
+        "Several prompts are answered as one left-padded batch, each row evicted on its own (each gets what it gets "
+        "alone); their answers are printed in order, each as '[i] answer'.",
     )
-    generate.add_argument("prompt", help="the prompt text, or '-' to read it from standard input")
+    generate.add_argument(
+        "prompt",
+        nargs="+",
+        help="the prompt text, or '-' to read it from standard input; several prompts: generated as one batch",
+    )
     generate.add_argument(
         "--policy",
         default="full",
@@ -87,6 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--fidelity", action="store_true", help="also replay the full cache's answer: top-1, KL, perplexity"
     )
     bench.add_argument("--max-new-tokens", type=int, default=None, help="override every task's generation length")
+    bench.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N samples (of one task and setting) as one left-padded batch, each evicted on its own: the same "
+        "results as one by one (default: 1); fidelity replays stay one at a time",
+    )
     _model_args(bench)
     cluster = bench.add_argument_group(
         "Ray cluster",
@@ -321,10 +335,14 @@ def _generate(args: argparse.Namespace) -> int:
     if args.budget is not None:
         Budget(args.budget, args.keep)
         policy.check_budget(args.budget)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.prompt.count("-") > 1:
+        raise ValueError("'-' (read the prompt from standard input) can stand for one prompt only")
+    prompts = [sys.stdin.read() if prompt == "-" else prompt for prompt in args.prompt]
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
     cache = EvictionCache(model, policy, budget=args.budget, keep=args.keep, interval=args.interval)
-    print(answer(model, tokenizer, prompt, max_new_tokens=args.max_new_tokens, cache=cache))
+    replies = answer(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens, cache=cache)
+    for i, reply in enumerate(replies, start=1):
+        print(reply if len(replies) == 1 else f"[{i}] {reply}")
     lengths = cache.layer_lengths()
     print(
         f"[{args.policy}, {cache.budget}] tokens seen {cache.get_seq_length()}, retained {max(lengths)} per KV head, "
@@ -361,6 +379,7 @@ def _bench(args: argparse.Namespace) -> int:
         interval=args.interval,
         fidelity=args.fidelity,
         max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
         dtype=args.dtype,
         device=args.device,
         attn=args.attn,

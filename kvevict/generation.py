@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from kvevict.batching import left_padded, padded_positions
 from kvevict.cache import EvictionCache
 from kvevict.policies import Policy
 
@@ -37,10 +40,19 @@ def split_prompt(
     return head, tail
 
 
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 @torch.inference_mode()
-def prefill(model: PreTrainedModel, ids: torch.Tensor, cache: EvictionCache) -> None:
-    """Process ``ids`` into ``cache`` (the first pass compresses it under its policy)."""
-    model(input_ids=ids.to(model.device), past_key_values=cache, use_cache=True)
+def prefill(model: PreTrainedModel, ids: torch.Tensor, cache: EvictionCache, mask: torch.Tensor | None = None) -> None:
+    """Process ``ids`` into ``cache`` (the first pass compresses it under its policy). ``mask``:
+    the attention mask of a left-padded batch; real tokens get positions from 0, as in ``generate``."""
+    extra = {}
+    if mask is not None:
+        mask = mask.to(model.device)
+        extra = {"attention_mask": mask, "position_ids": padded_positions(mask)}
+    model(input_ids=ids.to(model.device), past_key_values=cache, use_cache=True, **extra)
 
 
 @torch.inference_mode()
@@ -48,34 +60,69 @@ def continue_greedy(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     ids: torch.Tensor,
-    cache: EvictionCache,
+    cache: EvictionCache | None,
     max_new_tokens: int,
+    mask: torch.Tensor | None = None,
     **constraints: object,
-) -> torch.Tensor:
+) -> torch.Tensor | list[torch.Tensor]:
     """Greedy generation after ``ids``, of which ``cache`` may already hold a prefix; returns
-    the new token ids ``[n]`` (decode-time policies keep evicting). ``constraints`` are
-    deterministic generation options such as ``no_repeat_ngram_size``."""
+    the new token ids ``[n]`` (decode-time policies keep evicting). With ``mask`` (a left-padded
+    batch ``[B, n]``): a list of each row's new tokens, up to its end of sequence, as alone.
+    ``constraints`` are deterministic generation options such as ``no_repeat_ngram_size``."""
     ids = ids.to(model.device)
     output = model.generate(
         input_ids=ids,
-        attention_mask=torch.ones_like(ids),
+        attention_mask=torch.ones_like(ids) if mask is None else mask.to(model.device),
         past_key_values=cache,
         max_new_tokens=max_new_tokens,
         do_sample=False,
         temperature=None,
         top_p=None,
         top_k=None,
-        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        pad_token_id=pad_token_id(tokenizer),
         **constraints,
     )
-    return output[0, ids.shape[-1] :]
+    new = output[:, ids.shape[-1] :]
+    if mask is None:
+        return new[0]
+    eos = model.generation_config.eos_token_id
+    ends = torch.isin(
+        new, torch.tensor(eos if isinstance(eos, list) else [] if eos is None else [eos], device=new.device)
+    )
+    # a row that ended is padded while the others go on: cut it after its end, as generated alone
+    return [row[: int(end.nonzero()[0]) + 1] if bool(end.any()) else row for row, end in zip(new, ends)]
+
+
+def compress(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    heads: Sequence[torch.Tensor],
+    tails: Sequence[torch.Tensor],
+    cache: EvictionCache,
+    *,
+    query_aware: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill ``cache`` with one batch of prompts (contexts ``heads``, the rest ``tails``,
+    ``[1, n]`` each, left-padded into one batch): the contexts alone, or (``query_aware``) each
+    whole prompt but its last token, which starts decoding. Returns the whole prompts' batch
+    ``(input_ids, attention_mask)`` to continue from (context-only: the rest is padded on its
+    own, after the contexts)."""
+    pad = pad_token_id(tokenizer)
+    if query_aware:
+        ids, mask = left_padded([torch.cat([head, tail], dim=-1) for head, tail in zip(heads, tails)], pad)
+        prefill(model, ids[:, :-1], cache, mask[:, :-1])
+        return ids, mask
+    head_ids, head_mask = left_padded(heads, pad)
+    prefill(model, head_ids, cache, head_mask)
+    tail_ids, tail_mask = left_padded(tails, pad)
+    return torch.cat([head_ids, tail_ids], dim=-1), torch.cat([head_mask, tail_mask], dim=-1)
 
 
 def answer(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    context: str,
-    question: str = "",
+    context: str | Sequence[str],
+    question: str | Sequence[str] = "",
     *,
     answer_prefix: str = "",
     policy: str | Policy = "full",
@@ -84,23 +131,41 @@ def answer(
     query_aware: bool = False,
     max_new_tokens: int = 64,
     cache: EvictionCache | None = None,
-) -> str:
+) -> str | list[str]:
     """Answer ``question`` about ``context`` with a KV cache compressed by ``policy``.
 
     The context is compressed once on its own (*context-only*); with ``query_aware`` the
     question is part of the compressed prompt (all of it but its last token). Question and answer prefix are then fed and
     the answer is decoded greedily; decode-time policies keep evicting while it is written.
     Pass ``cache`` to inspect the cache afterwards (its policy and budget are used).
+
+    Lists of contexts and/or questions (a single string goes with every item of the other
+    list) are answered as one left-padded batch, each row evicted on its own: returns a list
+    with, for each, what it gets alone.
     """
+    batched = not isinstance(context, str) or not isinstance(question, str)
+    contexts = [context] if isinstance(context, str) else list(context)
+    questions = [question] if isinstance(question, str) else list(question)
+    if len(contexts) == 1 < len(questions):
+        contexts *= len(questions)
+    if len(questions) == 1 < len(contexts):
+        questions *= len(contexts)
+    if not contexts or len(contexts) != len(questions):
+        raise ValueError(
+            f"give as many contexts as questions (or one of either), got {len(contexts)} and {len(questions)}"
+        )
     if cache is None:
         cache = EvictionCache(model, policy, budget=budget, keep=keep)
     elif policy != "full" or budget is not None or keep is not None:
         raise ValueError("give either cache= or policy=/budget=/keep= (the cache already has its policy and budget)")
-    head, tail = split_prompt(tokenizer, context, question, answer_prefix)
-    if tail.shape[-1] == 0:  # a bare prompt without a chat template (base models): its last token starts decoding
-        head, tail = head[:, :-1], head[:, -1:]
-    ids = torch.cat([head, tail], dim=-1)
-    # query-aware: everything but the last prompt token is compressed; that token starts decoding
-    prefill(model, ids[:, :-1] if query_aware else head, cache)
-    new_tokens = continue_greedy(model, tokenizer, ids, cache, max_new_tokens)
-    return tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
+    heads, tails = [], []
+    for text, ask in zip(contexts, questions):
+        head, tail = split_prompt(tokenizer, text, ask, answer_prefix)
+        if tail.shape[-1] == 0:  # a bare prompt without a chat template (base models): its last token starts decoding
+            head, tail = head[:, :-1], head[:, -1:]
+        heads.append(head)
+        tails.append(tail)
+    ids, mask = compress(model, tokenizer, heads, tails, cache, query_aware=query_aware)
+    new_tokens = continue_greedy(model, tokenizer, ids, cache, max_new_tokens, mask)
+    replies = [tokenizer.decode(tokens, skip_special_tokens=True).strip() for tokens in new_tokens]
+    return replies if batched else replies[0]

@@ -23,6 +23,8 @@ from transformers import (
 )
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
+from kvevict.batching import left_padded, padded_positions  # noqa: F401 (the tests' batches)
+
 VOCAB = 96
 COMMON = {
     "vocab_size": VOCAB,
@@ -301,22 +303,6 @@ def tokenizer():
 
     path = smollm2_gguf()
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-
-
-def left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompts ``[1, n_i]`` as one left-padded batch: ``(input_ids, attention_mask)``."""
-    width = max(p.shape[1] for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - p.shape[1] :] = p[0]
-        mask[row, width - p.shape[1] :] = 1
-    return ids, mask
-
-
-def padded_positions(mask: torch.Tensor) -> torch.Tensor:
-    """RoPE positions of a left-padded batch as ``generate`` derives them: real tokens count from 0."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def greedy_batch(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, cache=None, new_tokens: int = 8):

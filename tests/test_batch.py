@@ -229,3 +229,18 @@ def test_policies_reading_hidden_states_refuse_padding_after_the_first_pass() ->
     contexts = [prompt(length, seed=seed) for seed, length in enumerate(LENGTHS)]
     with pytest.raises(ValueError, match="reads hidden states by column.*left of the first pass"):
         contexts_then_questions(model, "epikv", contexts, [prompt(3), prompt(5), prompt(4)], budget=20)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2_hybrid"])
+@pytest.mark.parametrize("policy", ["kvzip[chunk=16]", "kvzip[chunk=16,plus=true]", "global+snapkv"])
+def test_deferred_prefill_evicts_each_row_as_alone(arch: str, policy: str) -> None:
+    """KVzip repeats each row's own prompt (in chunks: rows of different lengths have different
+    numbers of them, a row without one is all padding) and the global budget is shared across
+    the layers of each row on its own."""
+    model = tiny_model(arch)
+    prompts, ids, mask = batch()
+    tokens, logits = greedy_batch(model, ids, mask, kvevict.EvictionCache(model, small(policy), budget=20), 5)
+    for row, alone in enumerate(prompts):
+        expected, expected_logits = greedy(model, alone, kvevict.EvictionCache(model, small(policy), budget=20), 5)
+        assert torch.equal(tokens[row], expected[0, alone.shape[1] :])
+        torch.testing.assert_close(logits[row], expected_logits[0], rtol=0, atol=1e-4)

@@ -43,6 +43,7 @@ def test_help_everywhere(argv, capsys) -> None:
     ("argv", "message"),
     [
         (["generate", "--policy", "h2oo", "--budget", "64", "hi"], "unknown policy 'h2oo'; known policies: full"),
+        (["generate", "-", "hi", "-"], "'-' (read the prompt from standard input) can stand for one prompt only"),
         (["generate", "--policy", "snapkv", "--budget", "8", "hi"], "budget 8 is smaller than snapkv's"),
         (["generate", "--policy", "h2o[window=8", "--budget", "64", "hi"], "bad policy spec 'h2o[window=8'"),
         (["generate", "--policy", "h2o[window=80]", "--budget", "64", "hi"], "smaller than h2o's sinks (4) + recent"),
@@ -110,6 +111,19 @@ def test_generate_on_the_embedded_model(capsys) -> None:
     captured = capsys.readouterr()
     assert captured.out.strip()
     assert "[streamingllm, budget=16]" in captured.err and "retained 16 per KV head" in captured.err
+
+
+@pytest.mark.slow
+def test_generate_answers_several_prompts_as_one_batch_in_order(capsys) -> None:
+    options = ["--model", "smollm2", "--policy", "h2o", "--budget", "16", "--max-new-tokens", "6"]
+    prompts = ["Name a color.", "What is the capital of France? Answer in one word."]
+    assert main(["generate", *options, *prompts]) == 0
+    batched = capsys.readouterr().out.splitlines()
+    alone = []
+    for text in prompts:
+        assert main(["generate", *options, text]) == 0
+        alone.append(capsys.readouterr().out.strip())
+    assert batched == [f"[{i}] {reply}" for i, reply in enumerate(alone, start=1)]
 
 
 def test_tasks_lists_the_offline_and_hub_suites(capsys) -> None:

@@ -93,3 +93,30 @@ def test_a_bare_prompt_without_chat_template_is_compressed_once(tokenizer) -> No
     kvevict.answer(model, base, text, cache=cache, max_new_tokens=3)
     assert cache.get_seq_length() == length + 2
     assert cache.layers[0].prompt_length == length - 1 and cache.layer_lengths() == [40 + 3, 40 + 3]
+
+
+@pytest.mark.parametrize("query_aware", [False, True])
+@pytest.mark.parametrize("policy", ["snapkv", "h2o", "streamingllm"])
+def test_lists_are_answered_as_one_batch_each_as_alone(tokenizer, policy: str, query_aware: bool) -> None:
+    from tests.conftest import tiny_model
+
+    model = tiny_model(vocab=len(tokenizer))
+    contexts = [
+        "The quick brown fox jumps over the lazy dog. " * 9,
+        "Rain fell on the old town all night long. " * 5,
+        "Seven ships sailed north past the lighthouse. " * 7,
+    ]
+    questions = ["Who jumps?", "What fell on the town during the long night?", "Where?"]
+    options = {"policy": policy, "budget": 48, "query_aware": query_aware, "max_new_tokens": 5}
+    cache = kvevict.EvictionCache(model, policy, budget=48)
+    options_cache = {key: value for key, value in options.items() if key not in ("policy", "budget")}
+    replies = kvevict.answer(model, tokenizer, contexts, questions, cache=cache, **options_cache)
+    assert cache.layers[0].batch_size == 3  # one batch
+    assert replies == [kvevict.answer(model, tokenizer, c, q, **options) for c, q in zip(contexts, questions)]
+    one_question = kvevict.answer(model, tokenizer, contexts, questions[0], **options)
+    assert one_question == [kvevict.answer(model, tokenizer, c, questions[0], **options) for c in contexts]
+
+
+def test_lists_of_different_lengths_are_refused() -> None:
+    with pytest.raises(ValueError, match="as many contexts as questions.*got 2 and 3"):
+        kvevict.answer(None, None, ["a", "b"], ["x", "y", "z"])

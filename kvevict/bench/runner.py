@@ -22,14 +22,14 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria
 
 from kvevict.bench.fidelity import fidelity_metrics, reference_logits, replay
 from kvevict.bench.store import ResultStore
 from kvevict.bench.tasks import Sample, Task, get_task
 from kvevict.budgets import Budget
 from kvevict.cache import EvictionCache
-from kvevict.generation import continue_greedy, prefill, split_prompt
+from kvevict.generation import compress, continue_greedy, prefill, split_prompt
 from kvevict.models import load_model
 from kvevict.policies import make_policy
 
@@ -69,6 +69,10 @@ class BenchConfig:
     dtype: str | None = None
     device: str | None = None
     attn: str | None = None
+    batch_size: int = 1
+    """Samples run as one left-padded batch (each row evicted on its own: the same results as one
+    by one). A batch takes samples of one task and setting across contexts; each row prefills its
+    own context. Settings that replay the full cache's answer (fidelity) run one sample at a time."""
     settings: list[Setting] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -80,6 +84,8 @@ class BenchConfig:
             raise ValueError("give either budgets (--budgets) or keep fractions (--keep), not both")
         for value in (*self.budgets, *self.keeps):
             Budget(value if isinstance(value, int) else None, value if isinstance(value, float) else None)
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"batch size must be an integer >= 1, got {self.batch_size!r}")
         if self.samples < 1 or self.length < 1:
             raise ValueError(f"samples and length must be positive, got samples={self.samples}, length={self.length}")
         evicting = [name for name in dict.fromkeys(self.policies) if name != "full"]
@@ -166,6 +172,25 @@ def plan_units(config: BenchConfig, samples: Mapping[str, Sequence[Sample]], sto
     return [unit for unit in units if unit is not None]
 
 
+def batched(config: BenchConfig, units: Sequence[Unit]) -> list[Unit]:
+    """``units`` regrouped into batches of up to ``config.batch_size`` samples: task by task,
+    setting by setting (``full`` first, so every reference is stored before it is replayed), the
+    samples of every context group in turn. A unit that replays the full answer stays as it is."""
+    if config.batch_size == 1:
+        return list(units)
+    out: list[Unit] = []
+    for task in dict.fromkeys(unit.task for unit in units):
+        for setting in config.settings:
+            mine = [unit for unit in units if unit.task == task and unit.setting == setting]
+            if mine and replays_reference(config, get_task(task), setting):
+                out += mine
+                continue
+            samples = [sample for unit in mine for sample in unit.samples]
+            for start in range(0, len(samples), config.batch_size):
+                out.append(Unit(task, setting, tuple(samples[start : start + config.batch_size])))
+    return out
+
+
 def with_references(config: BenchConfig, unit: Unit, store: ResultStore) -> Unit:
     """``unit`` with the full cache's answers it replays, read from ``store`` (the group's ``full``
     unit must have finished)."""
@@ -225,11 +250,16 @@ class UnitRunner:
         }
 
     def run(self, unit: Unit) -> Iterator[dict[str, Any]]:
-        """One record per sample of ``unit``, each as soon as it is finished."""
+        """One record per sample of ``unit``, each as soon as it is finished (batches: as the batch ends)."""
         if unit.group != self._group:  # reference logits are large: keep only the current group's
             self._references.clear()
             self._group = unit.group
-        task, setting, samples = get_task(unit.task), unit.setting, unit.samples
+        task, setting = get_task(unit.task), unit.setting
+        if self.config.batch_size > 1 and not replays_reference(self.config, task, setting):
+            for batch in self._batches(unit.samples):
+                yield from self._run_batch(task, setting, batch)
+            return
+        samples = unit.samples
         prompts = [_Prompt.of(self.tokenizer, sample) for sample in samples]
         shared: EvictionCache | None = None
         shared_seconds = 0.0
@@ -242,8 +272,7 @@ class UnitRunner:
                 prefill_seconds = _timed(prefill, self.model, prompt.ids[:, :-1], cache)
             else:
                 cache, prefill_seconds = copy.deepcopy(shared), shared_seconds
-            kv_prefill, kv_layers = cache.kv_bytes(), cache.layer_bytes()
-            with_reference = self.config.fidelity or task.scored_by_fidelity
+            at_prefill = cache.row_memory(0)
             fidelity = None
             if replays_reference(self.config, task, setting):
                 # a fidelity-scored task only replays: its cache then shows the real decode-time memory
@@ -251,46 +280,112 @@ class UnitRunner:
                 start = time.perf_counter()
                 fidelity = self._fidelity(unit, sample, prompt, replayed)
                 decode_seconds = time.perf_counter() - start
-            if task.scored_by_fidelity and setting.policy != "full":
-                new_ids, prediction, score = None, None, fidelity["top1"]
-            else:
-                max_new_tokens = self.config.max_new_tokens or sample.max_new_tokens
+            new_ids = None
+            if not (task.scored_by_fidelity and setting.policy != "full"):
+                max_new_tokens, constraints = self._generation(sample)
                 start = time.perf_counter()
-                constraints = dict(sample.metadata.get("generation", {}))
-                if "min_new_tokens" in constraints:  # a --max-new-tokens override shortens it too
-                    constraints["min_new_tokens"] = min(constraints["min_new_tokens"], max_new_tokens)
                 new_ids = continue_greedy(self.model, self.tokenizer, prompt.ids, cache, max_new_tokens, **constraints)
                 decode_seconds = time.perf_counter() - start
-                prediction = self.tokenizer.decode(new_ids, skip_special_tokens=True)  # raw: metrics clean it
-                score = 1.0 if task.scored_by_fidelity else task.score(prediction, sample)
-                if setting.policy == "full" and with_reference:
-                    self._references[(sample.task, sample.index)] = (
-                        new_ids,
-                        reference_logits(self.model, prompt.ids, new_ids),
-                    )
-            yield {
-                **identity(self.config, sample, setting),
-                "context_id": sample.context_id,
-                "metric": task.metric,
-                "score": score,
-                "prediction": prediction,
-                "prediction_ids": None if new_ids is None else new_ids.tolist(),
-                "answers": list(sample.answers),
-                "prompt_tokens": prompt.ids.shape[-1],
-                "context_tokens": prompt.head.shape[-1],
-                "new_tokens": fidelity["tokens"] if new_ids is None else int(new_ids.numel()),
-                "kv_bytes_prefill": kv_prefill,
-                "kv_bytes_prefill_by_layer": kv_layers,  # (allocated, real entries): differ for head-wise budgets
-                "kv_bytes_final": cache.kv_bytes(),
-                "kv_bytes_real_final": sum(real for _, real in cache.layer_bytes()),
-                "retained_tokens": max(cache.layer_lengths()),
-                "decode_peak_tokens": cache.decode_peak(),
-                "prefill_s": round(prefill_seconds, 4),
-                "decode_s": round(decode_seconds, 4),
-                "shared_prefill": len(samples) if shared is not None else 1,
-                "fidelity": fidelity,
-                "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
-            }
+            yield self._record(
+                task,
+                setting,
+                sample,
+                prompt,
+                new_ids,
+                fidelity,
+                at_prefill,
+                cache.row_memory(0),
+                {"prefill_s": prefill_seconds, "decode_s": decode_seconds, "shared": len(samples) if shared else 1},
+            )
+
+    def _generation(self, sample: Sample) -> tuple[int, dict[str, Any]]:
+        """``max_new_tokens`` and the deterministic generation options of ``sample``."""
+        max_new_tokens = self.config.max_new_tokens or sample.max_new_tokens
+        constraints = dict(sample.metadata.get("generation", {}))
+        if "min_new_tokens" in constraints:  # a --max-new-tokens override shortens it too
+            constraints["min_new_tokens"] = min(constraints["min_new_tokens"], max_new_tokens)
+        return max_new_tokens, constraints
+
+    def _batches(self, samples: Sequence[Sample]) -> Iterator[list[Sample]]:
+        """``samples`` in batches of up to ``batch_size`` that share their generation options, in order."""
+        batch: list[Sample] = []
+        for sample in samples:
+            if batch and (
+                len(batch) == self.config.batch_size or self._generation(batch[0]) != self._generation(sample)
+            ):
+                yield batch
+                batch = []
+            batch.append(sample)
+        if batch:
+            yield batch
+
+    def _run_batch(self, task: Task, setting: Setting, samples: list[Sample]) -> Iterator[dict[str, Any]]:
+        """``samples`` as one left-padded batch (each row its own prompt, evicted on its own);
+        every row's memory is read when it ends, as the cache of that sample alone would be."""
+        prompts = [_Prompt.of(self.tokenizer, sample) for sample in samples]
+        cache = self._cache(setting)
+        start = time.perf_counter()
+        tails = [prompt.ids[:, prompt.head.shape[-1] :] for prompt in prompts]
+        heads = [prompt.head for prompt in prompts]
+        ids, mask = compress(self.model, self.tokenizer, heads, tails, cache, query_aware=self.config.query_aware)
+        prefill_seconds = time.perf_counter() - start
+        at_prefill = [cache.row_memory(row) for row in range(len(samples))]
+        ends = _RowEnds(cache, self.model.generation_config.eos_token_id, ids.shape[-1])
+        max_new_tokens, constraints = self._generation(samples[0])
+        start = time.perf_counter()
+        new_ids = continue_greedy(
+            self.model, self.tokenizer, ids, cache, max_new_tokens, mask, stopping_criteria=[ends], **constraints
+        )
+        decode_seconds = time.perf_counter() - start
+        timing = {"prefill_s": prefill_seconds, "decode_s": decode_seconds, "shared": 1, "batch": len(samples)}
+        for row, (sample, prompt) in enumerate(zip(samples, prompts)):
+            final = ends.memory.get(row) or cache.row_memory(row)
+            yield self._record(task, setting, sample, prompt, new_ids[row], None, at_prefill[row], final, timing)
+
+    def _record(
+        self,
+        task: Task,
+        setting: Setting,
+        sample: Sample,
+        prompt: _Prompt,
+        new_ids: torch.Tensor | None,
+        fidelity: dict[str, float] | None,
+        at_prefill: dict[str, Any],
+        final: dict[str, Any],
+        timing: dict[str, float],
+    ) -> dict[str, Any]:
+        """The stored line of one sample (and, under ``full``, its reference logits kept for replays)."""
+        prediction, score = None, None if fidelity is None else fidelity["top1"]
+        if new_ids is not None:
+            prediction = self.tokenizer.decode(new_ids, skip_special_tokens=True)  # raw: metrics clean it
+            score = 1.0 if task.scored_by_fidelity else task.score(prediction, sample)
+            if setting.policy == "full" and (self.config.fidelity or task.scored_by_fidelity):
+                logits = reference_logits(self.model, prompt.ids, new_ids)
+                self._references[(sample.task, sample.index)] = (new_ids, logits)
+        return {
+            **identity(self.config, sample, setting),
+            "context_id": sample.context_id,
+            "metric": task.metric,
+            "score": score,
+            "prediction": prediction,
+            "prediction_ids": None if new_ids is None else new_ids.tolist(),
+            "answers": list(sample.answers),
+            "prompt_tokens": prompt.ids.shape[-1],
+            "context_tokens": prompt.head.shape[-1],
+            "new_tokens": fidelity["tokens"] if new_ids is None else int(new_ids.numel()),
+            "kv_bytes_prefill": at_prefill["kv_bytes"],
+            "kv_bytes_prefill_by_layer": at_prefill["layer_bytes"],  # (allocated, real): differ for head-wise budgets
+            "kv_bytes_final": final["kv_bytes"],
+            "kv_bytes_real_final": final["real_bytes"],
+            "retained_tokens": final["retained"],
+            "decode_peak_tokens": final["decode_peak"],
+            "prefill_s": round(timing["prefill_s"], 4),
+            "decode_s": round(timing["decode_s"], 4),
+            "shared_prefill": timing["shared"],
+            "batch_size": timing.get("batch", 1),
+            "fidelity": fidelity,
+            "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
 
     def _cache(self, setting: Setting) -> EvictionCache:
         return EvictionCache(
@@ -326,11 +421,28 @@ class BenchRunner:
         units = plan_units(self.config, self.worker.samples(), self.store)
         total = sum(len(unit.samples) for unit in units)
         with tqdm(total=total, desc="bench", unit="sample", disable=not progress) as bar:
-            for unit in units:
+            for unit in batched(self.config, units):
                 for record in self.worker.run(with_references(self.config, unit, self.store)):
                     self.store.append(record)
                     bar.update()
         return self.store
+
+
+class _RowEnds(StoppingCriteria):
+    """Reads each row's memory when it ends (its end-of-sequence token chosen, not yet fed): a
+    finished row of a batch is fed padding while the others go on, which its cache alone never sees."""
+
+    def __init__(self, cache: EvictionCache, eos: int | list[int] | None, prompt_length: int):
+        self.cache, self.prompt_length = cache, prompt_length
+        self.eos = torch.tensor(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.memory: dict[int, dict[str, Any]] = {}
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        new = input_ids[:, self.prompt_length :]
+        ended = torch.isin(new, self.eos.to(new.device)).any(dim=-1)
+        for row in ended.nonzero().flatten().tolist():
+            self.memory.setdefault(row, self.cache.row_memory(row))
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
 def _timed(action: Callable[..., object], *args: object) -> float:

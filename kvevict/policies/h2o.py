@@ -44,6 +44,8 @@ class CumulativeAttention(Method):
         return {ACCUMULATED: torch.zeros(b, h, num_new, dtype=torch.float32, device=layer.positions.device)}
 
     def observe(self, layer: EvictionLayer, signals: Signals) -> None:
+        if signals.column_sums is None:  # a pass that can no longer lead to an eviction (regime=prefill)
+            return
         state = self.state(layer)
         state[ACCUMULATED] = h2o_accumulate(state[ACCUMULATED], signals.column_sums, self.group)
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kvevict.batching import left_padded, padded_positions
 from kvevict.models import tokenizer_of
 from kvevict.policies.allocation import GlobalBudget
 from kvevict.policies.base import Method, SinksAndWindow, Stage, Stages
@@ -172,9 +173,16 @@ class KVzip(Method):
 
     def rescore(self, cache: EvictionCache, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
         """The repeat pass, chunk by chunk, each a scoring pass that leaves no trace: every
-        layer's running max of the reconstruction scores lands in its memo (read by :meth:`score`)."""
+        layer's running max of the reconstruction scores lands in its memo (read by :meth:`score`).
+        A batch repeats each row's own prompt (the rows that deferred their eviction), as one
+        left-padded batch per chunk; each row scores only its own entries, as alone."""
         if input_ids is None:
             raise ValueError("kvzip needs the prefill's input_ids (not inputs_embeds) to run its repeat pass")
+        prompts = {view.row: view.prompt_length for view, _ in cache.deferred}
+        repeats = {
+            row: self.repeat_inputs(decoder, input_ids[row : row + 1, input_ids.shape[-1] - length :])
+            for row, length in prompts.items()
+        }
         norms: dict[int, torch.Tensor] = {}
         hooks = []
         if self.plus:  # ‖h_j‖ of the residual stream entering each decoder layer at the repeat tokens
@@ -187,30 +195,65 @@ class KVzip(Method):
                 hooks.append(module.register_forward_pre_hook(remember, with_kwargs=True))
 
         def observe(layer: EvictionLayer, query: torch.Tensor, scaling: float, module: torch.nn.Module | None) -> None:
-            context = layer.keys.shape[-2] - query.shape[-2]
-            memo = self.memo(layer)
+            for row in prompts:
+                view = layer.row_view(row)
+                if view.num_new:
+                    observe_row(view, query[row : row + 1, :, -view.num_new :], scaling, module)
+
+        def observe_row(view: Any, query: torch.Tensor, scaling: float, module: torch.nn.Module | None) -> None:
+            context = view.length - view.num_new  # the row's prompt entries, then its repeat's
+            memo = self.memo(view)
             value_weights = query_weights = None
             if self.plus:
                 if VALUE_WEIGHTS not in memo:
                     if module is None or not hasattr(module, "o_proj"):
                         raise ValueError("kvzip[plus=true] needs the attention module's output projection (o_proj)")
                     memo[VALUE_WEIGHTS] = projected_value_norms(
-                        layer.values[:, :, :context], module.o_proj.weight, query.shape[1], ord=2, per_query_head=True
+                        view.values[:, :, :context], module.o_proj.weight, query.shape[1], ord=2, per_query_head=True
                     )
                 value_weights = memo[VALUE_WEIGHTS]
-                query_weights = 1.0 / norms[layer.layer_idx].clamp(min=1e-6)
+                query_weights = 1.0 / norms[view.layer_idx][view.row : view.row + 1, -view.num_new :].clamp(min=1e-6)
             scores = reconstruction_scores(
-                query, layer.keys, scaling, context, value_weights=value_weights, query_weights=query_weights
+                query, view.keys, scaling, context, value_weights=value_weights, query_weights=query_weights
             )
             old = memo.get(SCORES)
             memo[SCORES] = scores if old is None else torch.maximum(old, scores)
 
         try:
-            for ids in self.repeat_inputs(decoder, input_ids):
+            for chunk in range(max(len(inputs) for inputs in repeats.values())):
+                pieces = [
+                    repeats[row][chunk] if chunk < len(repeats.get(row, ())) else None for row in range(len(input_ids))
+                ]
                 with cache.scoring_pass(observe):
-                    decoder(input_ids=ids, past_key_values=cache, use_cache=True)
+                    decoder(**_repeat_batch(cache, pieces), past_key_values=cache, use_cache=True)
         finally:
             for hook in hooks:
                 hook.remove()
         for layer in cache.eviction_layers:
-            self.memo(layer).pop(VALUE_WEIGHTS, None)
+            for row in prompts:
+                self.memo(layer.row_view(row)).pop(VALUE_WEIGHTS, None)
+
+
+def _repeat_batch(cache: EvictionCache, pieces: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """The decoder inputs of one repeat chunk: one row's ``input_ids`` as they are; a batch left-padded
+    (a row with no chunk: all padding), after each row's prompt (its first pass's left padding masked),
+    at positions that continue each row's own."""
+    if len(pieces) == 1:
+        return {"input_ids": pieces[0]}
+    if cache.eviction_layers[0].passes != 1:
+        raise ValueError("kvzip scores a batch whose prompts came in one pass (left-padded): do not split the prefill")
+    device = next(piece for piece in pieces if piece is not None).device
+    ids, mask = left_padded(
+        [piece.cpu() if piece is not None else torch.zeros(1, 0, dtype=torch.long) for piece in pieces]
+    )
+    ids, mask = ids.to(device), mask.to(device)
+    past = (
+        torch.arange(cache.get_seq_length(), device=device)[None, :]
+        >= torch.tensor(cache.row_offsets, device=device)[:, None]
+    )
+    seen = torch.tensor([info.seen for info in cache.eviction_layers[0].rows], device=device)[:, None]
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.cat([past.long(), mask], dim=-1),
+        "position_ids": seen + padded_positions(mask),
+    }

@@ -223,3 +223,37 @@ def test_fidelity_scored_long_generation_replays_and_reports_peak_memory(tmp_pat
         peak = max(64 + interval, record["prompt_tokens"])
         assert record["fidelity"]["tokens"] == 120 and record["decode_peak_tokens"] == peak
         assert record["retained_tokens"] <= peak
+
+
+@pytest.mark.parametrize("query_aware", [False, True])
+def test_batches_give_the_results_of_one_by_one(tmp_path, model, tokenizer, query_aware: bool) -> None:
+    settings = {"policies": ("full", "h2o", "snapkv"), "budgets": (40,), "query_aware": query_aware}
+    alone = {
+        (r["index"], r["policy"]): r
+        for r in BenchRunner(config(**settings), tmp_path / "one", model, tokenizer).run(progress=False)
+    }
+    store = BenchRunner(config(**settings, batch_size=2), tmp_path / "two", model, tokenizer).run(progress=False)
+    records = list(store)
+    assert len(records) == len(alone) == 3 * 3
+    assert {r["batch_size"] for r in records} == {2, 1}  # three samples: a batch of two, then one
+    timing = ("prefill_s", "decode_s", "finished_at", "shared_prefill", "batch_size")
+    for record in records:
+        expected = alone[(record["index"], record["policy"])]
+        assert {k: v for k, v in record.items() if k not in timing} == {
+            k: v for k, v in expected.items() if k not in timing
+        }
+
+
+def test_a_batched_run_resumes_without_redoing_a_finished_sample(tmp_path, model, tokenizer, monkeypatch) -> None:
+    BenchRunner(config(policies=("full",)), tmp_path, model, tokenizer).run(progress=False)
+    rows = []
+    original = runner_module.compress
+    monkeypatch.setattr(runner_module, "compress", lambda *a, **k: rows.append(len(a[2])) or original(*a, **k))
+    store = BenchRunner(config(batch_size=3), tmp_path, model, tokenizer).run(progress=False)
+    assert len(store) == 15 and sum(rows) == 15 - 3  # full was done: only the four eviction settings ran
+    assert rows == [3, 3, 3, 3]
+
+
+def test_batch_size_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="batch size must be an integer >= 1, got 0"):
+        config(batch_size=0)

@@ -15,6 +15,7 @@ from tests.conftest import (
     greedy,
     greedy_batch,
     left_padded,
+    padded_positions,
     prompt,
     tiny_model,
 )
@@ -65,16 +66,46 @@ def test_a_left_padded_batch_gives_each_row_what_it_gets_alone(policy: str, attn
     ids, mask = left_padded(prompts)
     budget = None if policy == "full" else BUDGET
     batch_cache = kvevict.EvictionCache(model, build_policy(policy), budget=budget)
-    if batch_cache.policy.deferred_prefill:  # evicts once the prefill ran through every layer: one prompt at a time
-        with pytest.raises(ValueError, match=r"pass one prompt \(batch size 1\)"):
-            greedy_batch(model, ids, mask, batch_cache, 7)
-        return
     batch_tokens, batch_logits = greedy_batch(model, ids, mask, batch_cache, 7)
     for row, ids_alone in enumerate(prompts):
         alone = kvevict.EvictionCache(model, build_policy(policy), budget=budget)
         tokens, logits = greedy(model, ids_alone, alone, new_tokens=7)
         assert torch.equal(batch_tokens[row], tokens[0, ids_alone.shape[1] :])
         torch.testing.assert_close(batch_logits[row], logits[0], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_questions_padded_after_compressed_contexts_give_each_row_what_it_gets_alone(policy: str) -> None:
+    """Padding in a later pass: contexts of different lengths compressed as one left-padded
+    batch, then questions of different lengths (left-padded after them) and greedy answers."""
+    model = tiny_model()
+    contexts = [prompt(length, seed=seed) for seed, length in enumerate((BUDGET + 8, BUDGET + 24, BUDGET + 15))]
+    questions = [prompt(length, seed=10 + seed) for seed, length in enumerate((9, 3, 14))]
+    budget = None if policy == "full" else BUDGET
+
+    def run(rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = kvevict.EvictionCache(model, build_policy(policy), budget=budget)
+        context_ids, context_mask = left_padded([contexts[row] for row in rows])
+        with torch.no_grad():
+            model(
+                context_ids,
+                attention_mask=context_mask,
+                position_ids=padded_positions(context_mask),
+                past_key_values=cache,
+            )
+        question_ids, question_mask = left_padded([questions[row] for row in rows])
+        ids, mask = torch.cat([context_ids, question_ids], -1), torch.cat([context_mask, question_mask], -1)
+        return greedy_batch(model, ids, mask, cache, 5)
+
+    if kvevict.EvictionCache(model, build_policy(policy), budget=budget).hidden is not None:
+        with pytest.raises(ValueError, match="reads hidden states by column"):
+            run([0, 1, 2])
+        return
+    tokens, logits = run([0, 1, 2])
+    for row in range(3):
+        expected, expected_logits = run([row])
+        assert torch.equal(tokens[row], expected[0])
+        torch.testing.assert_close(logits[row], expected_logits[0], rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("policy", EVICTING)

@@ -3,7 +3,7 @@ import torch
 
 import kvevict
 from kvevict.policies.h2o import ACCUMULATED, h2o_accumulate
-from tests.conftest import prompt, tiny_model
+from tests.conftest import greedy, prompt, tiny_model
 
 
 def test_h2o_accumulates_group_reduced_column_sums() -> None:
@@ -49,3 +49,10 @@ def test_h2o_keeps_sinks_recent_window_and_heaviest() -> None:
 @pytest.mark.parametrize(("window", "budget", "recent"), [(None, 40, 10), (None, 1024, 128), (20, 40, 20)])
 def test_h2o_recent_window_default(window: int | None, budget: int, recent: int) -> None:
     assert kvevict.make_policy("h2o", window=window).recent_window(budget) == recent
+
+
+def test_h2o_prefill_regime_evicts_the_prompt_then_keeps_every_decoded_token() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "h2o[regime=prefill]", budget=16)
+    greedy(model, prompt(40), cache, new_tokens=5)
+    assert cache.layer_lengths() == [16 + 4] * 2  # the prompt to the budget, then every decoded entry
