@@ -236,6 +236,28 @@ class EvictionLayer(DynamicLayer):
         """Row ``row`` as a batch-1 layer holding that sequence alone (what policies see)."""
         return RowView(self, row)
 
+    def views(self) -> list[RowView]:
+        """What the policy's hooks run on in this pass: one view of every row at once when the
+        rows are in lockstep and the policy is :attr:`~kvevict.policies.Policy.batched` (its
+        stages treat rows independently, so each row still gets what it gets alone), else a
+        view per row. Lockstep: every row holds the same storage columns, all real (no
+        padding, no head-wise ragged rows), under the same budget and interval, on a full
+        layer (a sliding window drops per row), has as many real tokens in this pass, passes
+        and tokens after its prompt; prompt lengths may differ."""
+        rows, first = self.rows, self.rows[0]
+        step = first.seen - first.prompt_length
+        lockstep = all(
+            row.start == 0
+            and row.width == self.n
+            and (row.budget, row.interval, row.new, row.passes)
+            == (first.budget, first.interval, first.new, first.passes)
+            and row.seen - row.prompt_length == step
+            for row in rows
+        )
+        if len(rows) > 1 and self.policy.batched and self.window is None and self.valid is None and lockstep:
+            return [RowView(self, 0, len(rows))]
+        return [RowView(self, i) for i in range(len(rows))]
+
     # -- transformers' layer API ------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -291,8 +313,9 @@ class EvictionLayer(DynamicLayer):
         if all(end == self.n for end in ends):  # rows end together: one slice
             self._keys[:, :, self.n : self.n + num_new] = key_states
             self._values[:, :, self.n : self.n + num_new] = value_states
-            seen = torch.tensor([row.seen for row in self.rows], device=self.device)
-            self._positions[:, :, self.n : self.n + num_new] = (seen[:, None] + new)[:, None, :]
+            self._positions[:, :, self.n : self.n + num_new] = (
+                _uniform([row.seen for row in self.rows], self.device) + new
+            )
             if self._valid is not None:
                 self._valid[:, :, self.n : self.n + num_new] = True
         else:  # each row appends at its own end
@@ -357,21 +380,23 @@ class EvictionLayer(DynamicLayer):
             self._drop_padding((self._num_new - real.sum(dim=-1)).tolist())
         if self.passes == 1:
             self.owner.row_offsets = [row.start for row in self.rows]
-        for i, row in enumerate(self.rows):
-            if not row.new:  # only padding in this pass: the row does not take part in it, as alone
+        for row in self.rows:
+            if row.new:  # a row whose pass is only padding does not take part in it, as alone
+                row.passes += 1
+                if row.passes == 1:
+                    self._start_row(row)
+                elif self.prompt_pass and self.owner.side_pass is None:
+                    self._continue_prompt(row)
+        for view in self.views():
+            if not view.num_new:
                 continue
-            row.passes += 1
-            if row.passes == 1:
-                self._start_row(row)
-            elif self.prompt_pass and self.owner.side_pass is None:
-                self._continue_prompt(row)
-            view = RowView(self, i)
             for name, value in self.policy.new_tokens(view, view.num_new).items():
                 if name not in self._state:
                     self._state[name] = value.new_zeros(
                         len(self.rows), value.shape[1], self._capacity, *value.shape[3:]
                     )
-                self._state[name][i : i + 1, :, row.start + row.width - view.num_new : row.start + row.width] = value
+                end = view.columns.stop
+                self._state[name][view.rows, :, end - view.num_new : end] = value
         self._refresh(self.n)
         for row in self.rows:
             row.peak = max(row.peak, row.width)
@@ -474,14 +499,13 @@ class EvictionLayer(DynamicLayer):
     def correct_output(self, query: torch.Tensor, output: torch.Tensor, scaling: float) -> torch.Tensor:
         """The policy's correction of the kernel's output ``[B, q, Hq, d]``, row by row."""
         rows = []
-        for i in range(len(self.rows)):
-            view = RowView(self, i)
+        for view in self.views():
             if not view.num_new:
-                rows.append(output[i : i + 1])
+                rows.append(output[view.rows])
                 continue
             real = slice(query.shape[2] - view.num_new, None)
-            corrected = self.policy.correct_output(view, query[i : i + 1, :, real], output[i : i + 1, real], scaling)
-            rows.append(torch.cat([output[i : i + 1, : real.start], corrected], dim=1))
+            corrected = self.policy.correct_output(view, query[view.rows, :, real], output[view.rows, real], scaling)
+            rows.append(torch.cat([output[view.rows, : real.start], corrected], dim=1))
         return torch.cat(rows)
 
     def after_attention(
@@ -496,15 +520,14 @@ class EvictionLayer(DynamicLayer):
             self.owner.side_pass(self, query, scaling, module)
             return
         rows, changed = [], False
-        for i in range(len(self.rows)):
-            view = RowView(self, i)
+        for view in self.views():
             if not view.num_new:  # only padding in this pass: nothing to observe or evict
                 rows.append((view, None))
                 continue
             phase = view.phase()
             due = view.eviction_due(phase, view.num_new)
             requirements = self.policy.requirements(phase, due)
-            signals = compute_signals(requirements, view, phase, query[i : i + 1, :, -view.num_new :], scaling, module)
+            signals = compute_signals(requirements, view, phase, query[view.rows, :, -view.num_new :], scaling, module)
             self.policy.observe(view, signals)
             dropped = view.drop_outside_window()
             deferred = due and phase == "prefill" and self.policy.deferred_prefill
@@ -519,11 +542,10 @@ class EvictionLayer(DynamicLayer):
 
     def keep(self, mask: torch.Tensor) -> None:
         """Retain the entries where ``mask`` ``[B, Hkv, n]`` (storage columns) is true."""
-        views = [RowView(self, i) for i in range(len(self.rows))]
-        self._keep_rows([(view, mask[view.row : view.row + 1, :, view.columns]) for view in views])
+        self._keep_rows([(view, mask[view.rows, :, view.columns]) for view in self.views()])
 
     def _keep_rows(self, rows: list[tuple[RowView, torch.Tensor | None]]) -> None:
-        """Retain, per row, the entries its mask ``[1, Hkv, width]`` (row columns; None: every
+        """Retain, per view, the entries its mask ``[b, Hkv, width]`` (row columns; None: every
         held one) keeps, among the ones its view holds (``view.valid``: padding and entries
         that left a sliding window never survive, and are not reported to the policy as
         evicted). Per head, a kept entry stays in its slot and the slots of dropped entries are
@@ -531,13 +553,23 @@ class EvictionLayer(DynamicLayer):
         that row (the same as alone). When only entries that left a sliding window go, the
         rest keep their position order instead (as transformers' own sliding layer)."""
         width = max(row.width for row in self.rows)
-        relative = torch.zeros(len(self.rows), self.num_kv_heads, width, dtype=torch.bool, device=self.device)
-        for i, (view, keep) in enumerate(rows):
-            held = view.valid if view.valid is not None else torch.ones_like(view.positions, dtype=torch.bool)
-            keep = held if keep is None else keep & held
-            self.policy.on_evict(view, held & ~keep)
+        kept = []
+        for view, keep in rows:
+            held = view.valid
+            if keep is None:
+                keep = held if held is not None else torch.ones_like(view.positions, dtype=torch.bool)
+            elif held is not None:
+                keep = keep & held
+            if self.policy.watches_evictions:
+                self.policy.on_evict(view, ~keep if held is None else held & ~keep)
             view.write_back()
-            relative[i, :, : view.length] = keep[0]
+            kept.append(keep)
+        if len(rows) == 1 and kept[0].shape == (len(self.rows), self.num_kv_heads, width):  # one view of every row
+            relative = kept[0]
+        else:
+            relative = torch.zeros(len(self.rows), self.num_kv_heads, width, dtype=torch.bool, device=self.device)
+            for (view, _), keep in zip(rows, kept):
+                relative[view.rows, :, : view.length] = keep
         counts = relative.sum(dim=-1)  # [B, Hkv]
         index = torch.arange(width, device=self.device)
         prefix = index < counts[..., None]
@@ -711,11 +743,14 @@ class RowView:
     layer's storage, so in-place writes land there; a state entry the policy replaces is
     written back by :meth:`write_back`."""
 
-    def __init__(self, layer: EvictionLayer, row: int):
+    def __init__(self, layer: EvictionLayer, row: int, stop: int | None = None):
         info = layer.rows[row]
+        stop = row + 1 if stop is None else stop
         self.layer, self.row, self.info = layer, row, info
         columns = slice(info.start, info.start + info.width)
-        rows = slice(row, row + 1)
+        rows = slice(row, stop)
+        self.rows = rows
+        """The batch rows this view holds: one, or (:meth:`EvictionLayer.views`) every row in lockstep."""
         self.keys = layer.keys[rows, :, columns]
         self.values = layer.values[rows, :, columns]
         self.positions = layer.positions[rows, :, columns]
@@ -723,13 +758,17 @@ class RowView:
         self.valid = None if valid is None or bool(valid.all()) else valid
         self._state = {name: value[rows, :, columns] for name, value in layer.state.items()}
         self.state = dict(self._state)
-        self.memo = info.memo
-        self.seen, self.prompt_length, self.budget, self.interval = (
-            info.seen,
-            info.prompt_length,
-            info.budget,
-            info.interval,
-        )
+        self.interval = info.interval
+        if stop - row == 1:
+            self.seen, self.prompt_length, self.budget = info.seen, info.prompt_length, info.budget
+            self.owner: _RowOwner | _SpanOwner = _RowOwner(layer.owner, row)
+        else:  # rows in lockstep (same storage columns, budget and step) may differ in length
+            span = layer.rows[rows]
+            self.seen, self.prompt_length = (
+                _uniform([getattr(r, key) for r in span], layer.device) for key in ("seen", "prompt_length")
+            )
+            self.budget = info.budget
+            self.owner = _SpanOwner(layer.owner, rows)
         self.prompt_pass = layer.prompt_pass
         self.passes, self.layer_idx, self.device, self.window = (
             info.passes,
@@ -739,12 +778,19 @@ class RowView:
         )
         self.num_new = info.new
         self.columns = columns
-        self.owner = _RowOwner(layer.owner, row)
+
+    @property
+    def memo(self) -> dict[str, object]:
+        """Per-layer policy data of this row (a view of several rows has none: its policy is
+        :attr:`~kvevict.policies.Policy.batched`, whose stages keep none)."""
+        if self.rows.stop - self.rows.start != 1:
+            raise ValueError("a view of several rows keeps no per-row policy data: only batched policies use it")
+        return self.info.memo
 
     policy = property(lambda self: self.layer.policy)
     num_kv_heads = property(lambda self: self.keys.shape[1])
     length = property(lambda self: self.keys.shape[2])
-    decode_step = property(lambda self: self.seen - self.prompt_length)
+    decode_step = property(lambda self: self.info.seen - self.info.prompt_length)  # the same for every row
     decode_peak = property(lambda self: self.info.decode_peak)
     phase = EvictionLayer.phase
 
@@ -792,9 +838,7 @@ class RowView:
         """Copy state entries the policy replaced (rather than wrote in place) into the layer."""
         for name, value in self.state.items():
             if value is not self._state.get(name):
-                self.layer._state[name][
-                    self.row : self.row + 1, :, self.info.start : self.info.start + self.info.width
-                ] = value
+                self.layer._state[name][self.rows, :, self.columns] = value
                 self._state[name] = value
 
 
@@ -823,6 +867,46 @@ class _RowHidden:
 
     def lookup(self, positions: torch.Tensor) -> torch.Tensor:
         return self.recorder.lookup(positions + self.offset, row=self.row)
+
+
+class _SpanOwner:
+    """What a batched policy reads of the cache for rows in lockstep: hidden scores only (a
+    batched stage keeps no shared data)."""
+
+    def __init__(self, cache: EvictionCache, rows: slice):
+        self.cache, self.rows = cache, rows
+
+    policy = property(lambda self: self.cache.policy)
+    eviction_layers = property(lambda self: self.cache.eviction_layers)
+    rotary = property(lambda self: self.cache.rotary)
+
+    @property
+    def shared(self) -> dict[str, object]:
+        raise ValueError("a view of several rows keeps no per-row shared data: only batched policies use it")
+
+    @property
+    def hidden(self) -> _SpanHidden | None:
+        recorder = self.cache.hidden
+        if recorder is None:
+            return None
+        return _SpanHidden(recorder, self.cache.row_offsets[self.rows])
+
+
+class _SpanHidden:
+    """A :class:`~kvevict.hidden.HiddenStateRecorder` seen from every row (each at its own offset)."""
+
+    def __init__(self, recorder: HiddenStateRecorder, offsets: list[int]):
+        self.recorder, self.offsets = recorder, offsets
+
+    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.recorder.lookup(positions + _uniform(self.offsets, positions.device))
+
+
+def _uniform(values: list[int], device: torch.device) -> int | torch.Tensor:
+    """``values`` (one per row) as an int when they agree, else ``[B, 1, 1]`` (broadcasting with positions)."""
+    if all(value == values[0] for value in values):
+        return values[0]
+    return torch.tensor(values, device=device)[:, None, None]
 
 
 class EvictionCache(Cache):

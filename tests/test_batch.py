@@ -59,6 +59,22 @@ def test_padding_never_survives_the_first_eviction_and_positions_are_each_rows_o
         assert layer.seen.flatten().tolist() == list(LENGTHS)
 
 
+@pytest.mark.parametrize(("policy", "together"), [("h2o", True), ("epikv", True), ("rkv", False)])
+def test_rows_in_lockstep_run_through_a_batched_policy_at_once(policy: str, together: bool) -> None:
+    """Once every row holds the same storage columns under one budget, a batched policy's hooks
+    see all rows at once (per-row prompt lengths as [B, 1, 1]); others still see one row at a time."""
+    model = tiny_model()
+    _, ids, mask = batch()
+    cache = kvevict.EvictionCache(model, policy, budget=20, interval=1)
+    with torch.no_grad():  # a prompt and a decode step: every row evicted to the budget (epikv evicts at decode)
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        model(input_ids=ids[:, -1:], attention_mask=torch.cat([mask, mask[:, -1:]], dim=1), past_key_values=cache)
+    views = cache.eviction_layers[0].views()
+    assert [view.rows for view in views] == ([slice(0, 3)] if together else [slice(i, i + 1) for i in range(3)])
+    if together:
+        assert views[0].prompt_length.flatten().tolist() == list(LENGTHS)
+
+
 def test_padding_is_masked_and_not_counted_before_any_eviction() -> None:
     model = tiny_model()
     _, ids, mask = batch()

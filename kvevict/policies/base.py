@@ -84,6 +84,12 @@ class Stage:
     slot: ClassVar[Slot]
     summary: ClassVar[str] = ""
     PARAMS: ClassVar[Mapping[str, Param]] = {}
+    batched: ClassVar[bool] = False
+    """The stage's hooks treat the rows of a layer (dim 0) independently, read ``seen`` and
+    ``prompt_length`` as ints or ``[B, 1, 1]`` tensors, and keep no ``memo`` or ``shared``
+    data, so rows in lockstep can run through them at once (:meth:`EvictionLayer.views`).
+    Only the class's own declaration counts (a subclass re-declares it), see
+    :attr:`~kvevict.policies.Policy.batched`."""
 
     def __init__(self, **params: object):
         unknown = [key for key in params if key not in self.PARAMS]
@@ -282,8 +288,28 @@ class Observer(Stage):
 # -- the default stages -----------------------------------------------------------------------
 def keep_top(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Mask ``[B, H, n]`` of the ``counts[b, h]`` highest scores of each head (ties: the
-    earlier entry)."""
-    return descending_ranks(scores) < counts[..., None]
+    earlier entry).
+
+    Why two ways: a decode step drops a few entries of hundreds, and finding the few lowest
+    (``topk``, O(n)) is much cheaper than ranking all of them (a stable sort); both keep
+    exactly the same entries. The few are dropped by value, then among the entries tied
+    with the highest dropped value the latest go (what the stable descending sort ranks last)."""
+    n = scores.shape[-1]
+    drop = (n - counts).clamp(min=0, max=n)
+    most = int(drop.max()) if drop.numel() else 0
+    if most == 0:
+        return torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
+    if 4 * most > n:
+        return descending_ranks(scores) < counts[..., None]
+    lowest = scores.topk(most, dim=-1, largest=False, sorted=True).values  # [B, H, most] ascending
+    last = lowest.gather(-1, (drop - 1).clamp(min=0)[..., None])  # the highest dropped value
+    last = last.masked_fill(drop[..., None] == 0, float("-inf"))  # a head that drops nothing
+    if bool(last.isnan().any()):  # NaN scores: the sort's order of them is the reference
+        return descending_ranks(scores) < counts[..., None]
+    below, tied = scores < last, scores == last
+    needed = drop - below.sum(dim=-1)  # tied entries to drop, the latest first
+    from_end = tied.flip(-1).cumsum(dim=-1).flip(-1)  # tied entries at or after each one
+    return ~(below | (tied & (from_end <= needed[..., None])))
 
 
 def window_size(window: int | None, budget: int, cap: int = 128) -> int:
@@ -296,6 +322,7 @@ class SinksAndWindow(Protector):
     ``min(cap, budget // 4)``)."""
 
     name = "sinks-and-window"
+    batched = True
 
     def __init__(self, sinks: int = 0, window: int | None = 0, cap: int = 128):
         super().__init__()
@@ -313,6 +340,7 @@ class Uniform(Allocator):
     """``budget`` entries per KV head (or all it holds)."""
 
     name = "uniform"
+    batched = True
 
     def counts(
         self, layer: EvictionLayer, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
@@ -325,6 +353,7 @@ class TopK(Selector):
 
     name = "top-k"
     by_top_scores = True
+    batched = True
 
     def check(self, policy: Policy) -> None:
         if policy.scorer is None and policy.method.evicts:

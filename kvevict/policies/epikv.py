@@ -106,6 +106,7 @@ class HSVariance(HiddenStatePolicy):
     """
 
     name = "hs-variance"
+    batched = True
     summary = "keep prompt + recent; rank decode tokens by rolling-mean hidden-state change g_A - g_B (EpiKV)"
     PARAMS = declare(layers=layer_indices(2), **HiddenStatePolicy.PARAMS)
 
@@ -131,6 +132,7 @@ class EpiKV(HSVariance):
     population std + 1e-6), which removes the positional trend of the raw signal."""
 
     name = "epikv"
+    batched = True
     summary = "keep prompt + recent; rank decode tokens by rolling z-score of hidden-state change z_A - z_B"
 
     def hidden_scores(self, changes: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -151,6 +153,7 @@ class BandAdaptive(HiddenStatePolicy):
     """
 
     name = "band-adaptive"
+    batched = True
     summary = "keep prompt + recent; rank by mean rolling z-score of band A (7-13) minus band B (18-25)"
     PARAMS = declare(
         bands=Param(

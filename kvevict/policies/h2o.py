@@ -68,4 +68,5 @@ class H2O(CumulativeAttention):
     name = "h2o"
     comparable_scores = True  # attention probabilities
     summary = "keep heavy hitters by cumulative attention + sinks + a recent window"
+    batched = True
     PARAMS = declare(sinks=integer(4), window=RECENT_WINDOW, group=GROUP)

@@ -73,6 +73,7 @@ class LazyEviction(Method):
 
     name = "lazyeviction"
     summary = "lagged eviction every W steps by maximum recurrence interval (seed 001)"
+    batched = True
     regimes = ("decode", "both")
     PARAMS = declare(
         window=integer(None, low=1, unset="min(32, budget // 4)"),

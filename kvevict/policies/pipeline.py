@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from functools import reduce
+from functools import cached_property, reduce
 from typing import TYPE_CHECKING
 
 import torch
@@ -188,6 +188,13 @@ class Policy:
         counts = self.allocator.counts(layer, scores, protected, budget)
         return self.selector.keep(layer, signals, Ranking(scores, protected, counts))
 
+    @cached_property
+    def batched(self) -> bool:
+        """Whether rows in lockstep may run through the hooks at once: every stage's own class
+        declares :attr:`~kvevict.policies.base.Stage.batched` (a subclass that inherits the
+        flag has hooks nobody checked for it, so it does not count)."""
+        return all(vars(type(stage)).get("batched", False) for stage in self.stages)
+
     @property
     def deferred_prefill(self) -> bool:
         """Whether the prefill eviction waits for the end of the prefill forward (the method
@@ -224,6 +231,12 @@ class Policy:
         elif layer.valid is not None:
             protected = protected & layer.valid
         return scores, protected
+
+    @cached_property
+    def watches_evictions(self) -> bool:
+        """Whether a stage reads the evicted entries (:meth:`on_evict`): otherwise the cache
+        does not build the mask of them."""
+        return any(type(stage).on_evict is not Stage.on_evict for stage in self.stages)
 
     def on_evict(self, layer: EvictionLayer, evicted: torch.Tensor) -> None:
         for stage in self.stages:

@@ -26,6 +26,8 @@ def rkv_importance(
     scaling: float,
     kernel: int = 7,
     candidates: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """R-KV's attention importance of ``keys`` ``[B, Hkv, m, d]`` from ``queries``
     ``[B, Hq, r, d]`` (the last ``r`` queries, all after the keys: no causal mask).
@@ -33,24 +35,45 @@ def rkv_importance(
     Logits ``q·k·scaling`` are reduced over each GQA group by **max** (before the softmax),
     softmaxed over the candidate keys (``candidates`` ``[B, Hkv, m]`` bool: the non-window
     entries; default all; the others get 0), averaged over the ``r`` queries and smoothed by a
-    1-D max pool of width ``kernel`` (stride 1, same length). Returns ``[B, Hkv, m]`` fp32.
+    1-D max pool of width ``kernel`` (stride 1, same length) over neighbouring *positions*
+    (``positions`` ``[B, Hkv, m]``: the keys' absolute positions, as the cache stores them
+    out of order; default: the keys are in position order; ``valid`` marks the real entries,
+    the others pooled last). Returns ``[B, Hkv, m]`` fp32.
     """
     logits = attention_logits(queries, keys, scaling, candidates, causal=False)  # [B, Hq, r, m]
     reduced = group_reduce(logits, keys.shape[1], "max").softmax(dim=-1).nan_to_num(0.0)  # no candidate: 0
     importance = reduced.mean(dim=2)  # [B, Hkv, m]
     if kernel > 1:
-        importance = F.max_pool1d(importance, kernel, stride=1, padding=kernel // 2)
+        order = None if positions is None else position_order(positions, valid)
+        ordered = importance if order is None else importance.gather(-1, order)
+        pooled = F.max_pool1d(ordered, kernel, stride=1, padding=kernel // 2)
+        importance = pooled if order is None else torch.empty_like(pooled).scatter_(-1, order, pooled)
     return importance
 
 
-def rkv_redundancy(keys: torch.Tensor, threshold: float = 0.5, valid: torch.Tensor | None = None) -> torch.Tensor:
+def position_order(positions: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    """The storage indices ``[B, H, m]`` of the entries in position order, the entries that are
+    not ``real`` last (padding of head-wise budgets holds stale positions)."""
+    if real is not None:
+        positions = positions.masked_fill(~real, torch.iinfo(positions.dtype).max)
+    return positions.argsort(dim=-1, stable=True)
+
+
+def rkv_redundancy(
+    keys: torch.Tensor,
+    threshold: float = 0.5,
+    valid: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
     """R-KV's redundancy of each key among ``keys`` ``[B, H, n, d]``; returns ``[B, H, n]`` fp32
     (over the real entries of each head where ``valid`` ``[B, H, n]`` marks them; 0 on padding).
+    Recency is by ``positions`` ``[B, H, n]`` (the keys' absolute positions: the cache stores
+    entries out of order; default: the keys are in position order).
 
     Exactly (DESIGN §3, per head, fp32): ``K̂`` = keys divided by their L2 norm (+1e-8);
     ``S = K̂K̂ᵀ`` with a zero diagonal; in every row ``i`` that has near-duplicates
     (``j ≠ i`` with ``S_ij > threshold``), the entry ``S_ij*`` of the most recent one
-    (largest index ``j*``) is set to 0 (a row without near-duplicates is left unchanged);
+    (largest position ``j*``) is set to 0 (a row without near-duplicates is left unchanged);
     ``R_j = softmax_j(mean_i S_ij)`` (column means over all ``n`` rows).
 
     So a column ``j`` collects the similarity of every row except those whose newest
@@ -68,9 +91,9 @@ def rkv_redundancy(keys: torch.Tensor, threshold: float = 0.5, valid: torch.Tens
             sim = k @ k.T
             sim.fill_diagonal_(0.0)
             near = sim > threshold
-            index = torch.arange(k.shape[0], device=keys.device)
-            newest = torch.where(near, index, -1).amax(dim=-1)  # -1: no near-duplicate
-            rows = (newest >= 0).nonzero().squeeze(-1)
+            age = torch.arange(k.shape[0], device=keys.device) if positions is None else positions[b, h][real]
+            newest = torch.where(near, age, -1).argmax(dim=-1)  # the column of the newest near-duplicate
+            rows = near.any(dim=-1).nonzero().squeeze(-1)
             sim[rows, newest[rows]] = 0.0
             out[b, h][real] = sim.mean(dim=0).softmax(dim=-1)
     return out
@@ -131,7 +154,10 @@ class RKV(Method):
         scores = torch.full(layer.positions.shape, float("inf"), device=layer.positions.device)
         if not bool(candidates.any()):
             return scores
-        importance = rkv_importance(self.memo(layer)[QUERIES], layer.keys, signals.scaling, self.kernel, candidates)
-        redundancy = rkv_redundancy(layer.keys, self.threshold, layer.valid)
+        queries = self.memo(layer)[QUERIES]
+        importance = rkv_importance(
+            queries, layer.keys, signals.scaling, self.kernel, candidates, layer.positions, layer.valid
+        )
+        redundancy = rkv_redundancy(layer.keys, self.threshold, layer.valid, layer.positions)
         mixed = self.mix_lambda * importance - (1 - self.mix_lambda) * redundancy
         return torch.where(candidates, mixed, scores)

@@ -46,6 +46,7 @@ class PromptAndWindow(Protector):
     fits beside the window, the whole prompt."""
 
     name = "prompt-and-window"
+    batched = True
 
     def __init__(self, window: int | None):
         super().__init__()
@@ -54,16 +55,14 @@ class PromptAndWindow(Protector):
     def recent_window(self, budget: int) -> int:
         return window_size(self.window, budget)
 
-    def keeps_prompt(self, prompt_length: int, budget: int) -> bool:
-        """Whether the prompt is protected whole at this budget."""
+    def keeps_prompt(self, prompt_length: int | torch.Tensor, budget: int) -> bool | torch.Tensor:
+        """Whether the prompt is protected whole at this budget (per row for ``[B, 1, 1]`` lengths)."""
         return prompt_length + self.recent_window(budget) <= budget
 
     def protected(self, layer: EvictionLayer, budget: int) -> torch.Tensor:
         positions = layer.positions
         keep = positions >= layer.seen - self.recent_window(budget)
-        if self.keeps_prompt(layer.prompt_length, budget):
-            keep |= positions < layer.prompt_length
-        return keep
+        return keep | ((positions < layer.prompt_length) & self.keeps_prompt(layer.prompt_length, budget))
 
 
 def within_group_rank(

@@ -52,6 +52,7 @@ class KNorm(Method):
 
     name = "knorm"
     summary = "evict the keys with the largest L2 norm (score -||k||)"
+    batched = True
     regimes = ("prefill", "decode", "both")
     PARAMS = SINKS_AND_WINDOW
 
@@ -67,6 +68,7 @@ class StreamingLLM(Method):
 
     name = "streamingllm"
     summary = "keep 4 attention sinks + the most recent tokens"
+    batched = True
     PARAMS = declare(sinks=integer(4))
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:

@@ -60,6 +60,7 @@ class SnapKV(Method):
     comparable_scores = True  # attention probabilities
     summary = "compress the prompt by the attention of its last 32 queries, max-pooled (prefill)"
     regimes = ("prefill",)
+    batched = True
     attention_scores = True
     PARAMS = declare(window=integer(32, low=1), **POOLING, group=GROUP, sinks=integer(0))
 

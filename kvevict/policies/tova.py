@@ -31,6 +31,7 @@ class TOVA(Method):
     name = "tova"
     comparable_scores = True  # attention probabilities
     summary = "evict the entry the current query attends least (mean over heads)"
+    batched = True
     attention_scores = True
     PARAMS = SINKS_AND_WINDOW
 

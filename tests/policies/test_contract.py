@@ -93,6 +93,7 @@ def test_questions_padded_after_compressed_contexts_give_each_row_what_it_gets_a
                 position_ids=padded_positions(context_mask),
                 past_key_values=cache,
             )
+        cache.end_prompt()  # the questions are decoded, not compressed with the contexts
         question_ids, question_mask = left_padded([questions[row] for row in rows])
         ids, mask = torch.cat([context_ids, question_ids], -1), torch.cat([context_mask, question_mask], -1)
         return greedy_batch(model, ids, mask, cache, 5)

@@ -8,6 +8,8 @@ import torch
 from transformers import LlamaConfig, Qwen2Config
 
 import kvevict
+from kvevict.budgets import descending_ranks
+from kvevict.policies.base import keep_top
 from kvevict.policies.lazyeviction import ALPHA_LLAMA, ALPHA_QWEN
 from tests.conftest import build_policy, greedy, prompt, tiny_model
 
@@ -91,3 +93,17 @@ def test_params_rebuild_the_same_policy() -> None:
             params["headkv"] = {**params["headkv"], "profile": build_policy(name).named[0].profile}
         rebuilt = kvevict.make_policy(policy.name, **params)
         assert (rebuilt.name, rebuilt.params()) == (policy.name, policy.params())
+
+
+def test_keep_top_drops_the_lowest_and_the_latest_of_ties_as_a_stable_sort_does() -> None:
+    """keep_top finds a few dropped entries by topk: the same entries as ranking all of them."""
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        n = 1 + trial % 37
+        scores = torch.randint(0, 4, (2, 3, n), generator=generator).double()
+        scores[scores == 3] = float("inf")  # protected
+        scores[scores == 0] = float("-inf")  # padding
+        counts = (n - torch.randint(0, n // 4 + 2, (2, 3), generator=generator)).clamp(min=0)
+        assert torch.equal(keep_top(scores, counts), descending_ranks(scores) < counts[..., None])
+    ties = torch.tensor([[[1.0, 0.0, 1.0, 0.0, 1.0, 2.0, 0.0, 2.0]]])
+    assert keep_top(ties, torch.tensor([[6]])).tolist() == [[[True, True, True, False, True, True, False, True]]]

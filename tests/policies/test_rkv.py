@@ -160,3 +160,20 @@ def test_both_regime_compresses_the_prompt_with_its_last_queries() -> None:
 def test_bad_parameters_are_refused(params: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         kvevict.make_policy("rkv", **params)
+
+
+def test_recency_and_pooling_follow_stored_positions_not_storage_order() -> None:
+    """The cache refills evicted slots, so storage order is not position order: scoring entries
+    stored out of order gives each entry the score it gets in position order."""
+    # k0, k2, k3 are near-duplicates (a triple: who is newest matters), k1 stands alone
+    keys = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 0.0], [1.0, 0.1]])[None, None]
+    queries = torch.tensor([[1.0, 0.5], [-0.5, 1.0]])[None, None]
+    positions = torch.arange(4)[None, None]
+    shuffled = torch.tensor([3, 0, 2, 1])  # entry 3 refilled the first slot
+    moved_keys, moved_positions = keys[:, :, shuffled], positions[:, :, shuffled]
+    expected = rkv_redundancy(keys)[..., shuffled]
+    torch.testing.assert_close(rkv_redundancy(moved_keys, positions=moved_positions), expected)
+    assert not torch.allclose(rkv_redundancy(moved_keys), expected)  # storage order as age is wrong
+    expected = rkv_importance(queries, keys, 0.5, kernel=3)[..., shuffled]
+    torch.testing.assert_close(rkv_importance(queries, moved_keys, 0.5, kernel=3, positions=moved_positions), expected)
+    assert not torch.allclose(rkv_importance(queries, moved_keys, 0.5, kernel=3), expected)
