@@ -216,12 +216,14 @@ def with_references(config: BenchConfig, unit: Unit, store: ResultStore) -> Unit
 
 
 @dataclass
-class _Prompt:
+class PromptIds:
+    """A sample's token ids: ``head`` the compressed part (the context), ``ids`` the whole prompt."""
+
     head: torch.Tensor
     ids: torch.Tensor
 
     @classmethod
-    def of(cls, tokenizer: PreTrainedTokenizerBase, sample: Sample) -> _Prompt:
+    def of(cls, tokenizer: PreTrainedTokenizerBase, sample: Sample) -> PromptIds:
         head, tail = split_prompt(
             tokenizer,
             sample.context,
@@ -271,7 +273,7 @@ class UnitRunner:
                 yield from self._run_batch(task, setting, batch)
             return
         samples = unit.samples
-        prompts = [_Prompt.of(self.tokenizer, sample) for sample in samples]
+        prompts = [PromptIds.of(self.tokenizer, sample) for sample in samples]
         shared: EvictionCache | None = None
         shared_seconds = 0.0
         if not self.config.query_aware:  # compress the common context once
@@ -335,7 +337,7 @@ class UnitRunner:
     def _run_batch(self, task: Task, setting: Setting, samples: list[Sample]) -> Iterator[dict[str, Any]]:
         """``samples`` as one left-padded batch (each row its own prompt, evicted on its own);
         every row's memory is read when it ends, as the cache of that sample alone would be."""
-        prompts = [_Prompt.of(self.tokenizer, sample) for sample in samples]
+        prompts = [PromptIds.of(self.tokenizer, sample) for sample in samples]
         cache = self._cache(setting)
         start = time.perf_counter()
         tails = [prompt.ids[:, prompt.head.shape[-1] :] for prompt in prompts]
@@ -368,7 +370,7 @@ class UnitRunner:
         task: Task,
         setting: Setting,
         sample: Sample,
-        prompt: _Prompt,
+        prompt: PromptIds,
         new_ids: torch.Tensor | None,
         fidelity: dict[str, float] | None,
         at_prefill: dict[str, Any],
@@ -414,7 +416,7 @@ class UnitRunner:
             self.model, setting.policy, budget=setting.budget, keep=setting.keep, interval=self.config.interval
         )
 
-    def _fidelity(self, unit: Unit, sample: Sample, prompt: _Prompt, cache: EvictionCache) -> dict[str, float]:
+    def _fidelity(self, unit: Unit, sample: Sample, prompt: PromptIds, cache: EvictionCache) -> dict[str, float]:
         """Replay the full cache's answer under ``cache``."""
         key = (sample.task, sample.index)
         if key not in self._references:  # the full answer came from another run or worker: with the unit

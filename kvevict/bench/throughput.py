@@ -288,11 +288,11 @@ def identity(config: ThroughputConfig, setting: Setting) -> dict[str, Any]:
 
 def task_prompts(config: ThroughputConfig, tokenizer: PreTrainedTokenizerBase) -> list[torch.Tensor]:
     """The token ids of ``config.prompts`` samples of ``config.task`` (context, question and answer prefix)."""
-    from kvevict.bench.runner import _Prompt
+    from kvevict.bench.runner import PromptIds
     from kvevict.bench.tasks import get_task
 
     samples = get_task(config.task).samples(tokenizer, length=config.length, count=config.prompts, seed=config.seed)
-    return [_Prompt.of(tokenizer, sample).ids for sample in samples]
+    return [PromptIds.of(tokenizer, sample).ids for sample in samples]
 
 
 def run_throughput(
