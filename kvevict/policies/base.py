@@ -411,7 +411,10 @@ class Method(Scorer):
         none) as the protector; a method with stages of its own overrides this."""
         return Stages(scorer=self, protector=SinksAndWindow(getattr(self, "sinks", 0), getattr(self, "window", 0)))
 
-    def evicts_in(self, phase: Phase) -> bool:
+    def evicts_in(self, phase: Phase, later_chunk: bool = False) -> bool:
+        """Whether this method evicts in a pass of ``phase``; ``later_chunk``: the pass is a chunk
+        of a prompt prefilled in chunks, after its first (a decode-time method may evict those,
+        see :class:`~kvevict.policies.selection.PromptKeeping`)."""
         return self.evicts and self.regime in ("both", phase)
 
     def rescore(self, cache: EvictionCache, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:

@@ -2,7 +2,8 @@
 
 * :class:`PromptKeeping` (with its :class:`PromptAndWindow` protector): the prompt is kept
   whole and the recent ``min(128, K/4)`` tokens are kept; the rest of the budget ``K`` goes to
-  the top decode tokens by score.
+  the top decode tokens by score. A prompt prefilled in chunks is evicted at each chunk after
+  the first (kvevict's extension for bounded memory, see :class:`PromptKeeping`).
 * :func:`within_group_rank` and :func:`select_by_tiers`: lexicographic selection (a tier
   first, then a value), used by the per-chunk (LagKV) and per-segment (ThinKV) quotas.
 """
@@ -16,7 +17,7 @@ import torch
 from kvevict.policies.base import Method, Protector, Stages, keep_top, window_size
 from kvevict.policies.h2o import RECENT_WINDOW
 from kvevict.policies.params import declare
-from kvevict.signals import Regime
+from kvevict.signals import Phase, Regime
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
@@ -29,6 +30,15 @@ class PromptKeeping(Method):
     (``prompt + recent ≤ K``); a longer prompt is scored like the decode tokens, so every
     budget works.
 
+    A prompt prefilled in one pass is held whole until the first decode step evicts (the
+    paper's method). A prompt prefilled in chunks (``generate(..., prefill_chunk_size=C)``;
+    kvevict's extension, DESIGN §1.10) is evicted back to ``K`` after each chunk but the first,
+    by the same rule: as the prompt so far no longer fits beside the recent window, its tokens
+    are ranked by the method's score, and a token not scored yet counts as ``+inf`` (kept). So
+    a KV head never holds more than ``K + C`` entries. The first pass is never evicted (it may
+    be the whole prompt), so every later chunk that leads to an eviction must hold at most
+    ``K`` tokens (:func:`check_prompt_chunk`).
+
     Args:
         window: recent tokens kept (None: ``min(128, budget // 4)``).
         regime: ``"decode"`` (the only one: these scores are made while generating).
@@ -39,6 +49,25 @@ class PromptKeeping(Method):
 
     def stages(self) -> Stages:
         return Stages(scorer=self, protector=PromptAndWindow(self.window))
+
+    def evicts_in(self, phase: Phase, later_chunk: bool = False) -> bool:
+        return super().evicts_in(phase) or (self.evicts and later_chunk)
+
+
+def check_prompt_chunk(layer: EvictionLayer, budget: int) -> None:
+    """Refuse an eviction of a prompt chunk (after the first) of more than ``budget`` tokens
+    under a :class:`PromptKeeping` method: the first pass was held whole, so only a chunk that
+    fits the budget keeps a head within ``budget + chunk`` entries; and a hidden-state score
+    of a chunk is known only past its layers (the chunk counts as ``+inf`` before them), so a
+    larger chunk could not be ranked."""
+    if layer.num_new > budget and layer.passes > 1 and layer.phase() == "prefill":
+        name = layer.policy.name
+        raise ValueError(
+            f"{name} holds the first pass of a prompt whole and evicts each later chunk back to the budget, keeping "
+            f"the chunk's tokens it has not scored yet, so a prompt prefilled in chunks takes chunks of at most the "
+            f"budget: got a chunk of {layer.num_new} tokens at budget {budget}; use prefill_chunk_size "
+            f"(--prefill-chunk) <= {budget}, or prefill the prompt in one pass"
+        )
 
 
 class PromptAndWindow(Protector):
@@ -60,6 +89,7 @@ class PromptAndWindow(Protector):
         return prompt_length + self.recent_window(budget) <= budget
 
     def protected(self, layer: EvictionLayer, budget: int) -> torch.Tensor:
+        check_prompt_chunk(layer, budget)
         positions = layer.positions
         keep = positions >= layer.seen - self.recent_window(budget)
         return keep | ((positions < layer.prompt_length) & self.keeps_prompt(layer.prompt_length, budget))

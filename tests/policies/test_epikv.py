@@ -1,4 +1,5 @@
 import importlib.util
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -70,7 +71,8 @@ def test_scores_of_the_hidden_state_family() -> None:
     torch.testing.assert_close(policies["band-adaptive"].hidden_scores(changes), z0 - (z0 + z1) / 2, atol=1e-5, rtol=0)
 
 
-def fake_layer(scores: list[float], prompt_length: int):
+def fake_layer(scores: list[float], prompt_length: int, budget: int | None = None):
+    """A decode step (one new token) over entries with these frozen scores."""
     n = len(scores)
     recorder = SimpleNamespace(lookup=lambda positions: torch.tensor(scores)[positions])
     return SimpleNamespace(
@@ -81,6 +83,8 @@ def fake_layer(scores: list[float], prompt_length: int):
         state={},
         valid=None,
         head_lengths=lambda: torch.tensor([[n]]),
+        num_new=1,
+        budget=budget,
     )
 
 
@@ -94,7 +98,7 @@ def fake_layer(scores: list[float], prompt_length: int):
 def test_prompt_and_recent_are_kept_and_the_rest_goes_by_score(prompt_length: int, budget: int, kept) -> None:
     scores = [0.0, -9.0, 0.5, 3.0, 2.0, 1.0, 0.9, -1.0, -5.0, -5.0]
     policy = kvevict.make_policy("epikv")
-    assert kept_indices(policy.select(fake_layer(scores, prompt_length), None, budget)) == [[kept]]
+    assert kept_indices(policy.select(fake_layer(scores, prompt_length, budget), None, budget)) == [[kept]]
 
 
 def test_attn_x_hs_adds_standardised_cumulative_attention_to_z_a() -> None:
@@ -163,3 +167,40 @@ def test_decode_eviction_keeps_prompt_recent_and_top_frozen_scores() -> None:
     middle = cache.hidden.scores[0, 16 : 46 - recent]
     expected = (middle.topk(36 - 16 - recent).indices + 16).sort().values.tolist()
     assert positions[16:-recent] == expected
+
+
+@pytest.mark.parametrize("layers", [(0, 0), (1, 1)])
+def test_a_chunked_prompt_is_ranked_by_frozen_scores_and_an_unscored_chunk_is_kept(layers: tuple[int, int]) -> None:
+    """Chunked prefill: after each chunk but the first, each layer keeps the recent window, the
+    chunk's tokens not scored yet (a layer that runs before the hooked one), and the top of the
+    rest by the frozen score; with layers (0, 0), layer 1 runs after the hook and ranks the chunk."""
+    model = tiny_model()
+    budget, chunk, length, window = 40, 16, 128, 10
+    cache = kvevict.EvictionCache(model, kvevict.make_policy("epikv", layers=layers, rolling=8), budget=budget)
+    greedy(model, prompt(length), cache, new_tokens=1, chunk=chunk)  # the prompt only
+    scores = cache.hidden.scores[0].tolist()
+    assert len(scores) == length
+    kept = []
+    for layer in cache.layers:
+        held = list(range(chunk))  # the first chunk is held whole (it could be the whole prompt)
+        for start in range(chunk, length, chunk):
+            new = range(start, start + chunk)
+            held += new
+            scored = layer.layer_idx > max(layers)  # the hook ran before this layer's attention
+            value = {p: math.inf if p >= new[-1] + 1 - window or (p in new and not scored) else scores[p] for p in held}
+            held = sorted(sorted(held, key=lambda p: -value[p])[:budget])
+        positions = in_position_order(layer)[0]
+        assert positions.tolist() == [held] * positions.shape[0]  # a score per token: every head keeps the same
+        kept.append(held)
+    last = list(range(length - chunk, length))
+    assert set(last) <= set(kept[0])  # layer 0 runs before any hook: the newest chunk is kept whole
+    assert (set(last) <= set(kept[1])) == (layers == (1, 1))  # past the hook, the chunk is ranked too
+    assert cache.peak_entries() == budget + chunk
+
+
+@pytest.mark.parametrize("policy", [*HIDDEN, "kv-key-var"])
+def test_a_prompt_chunk_larger_than_the_budget_is_refused(policy: str) -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, kvevict.make_policy(policy), budget=40)
+    with pytest.raises(ValueError, match=r"takes chunks of at most the budget: got a chunk of 48 tokens at budget 40"):
+        greedy(model, prompt(128), cache, new_tokens=1, chunk=48)
