@@ -250,6 +250,8 @@ def serve(
         "decode_tokens_per_s": (generated - len(prompts)) / served.decode_s if served.decode_s else None,
         "tokens_per_s": generated / seconds,
         "seconds": seconds,
+        "prefill_seconds": served.prefill_s,
+        "decode_seconds": served.decode_s,
     }
     return outputs, figures
 
@@ -339,14 +341,23 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
                 "-" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.1f}",
                 f"{r['tokens_per_s']:.2f}",
                 f"{r['tokens_per_s'] / full['tokens_per_s']:.2f}x",
+                _share(r),
                 f"{r['quality']:.3f}",
             ]
         )
     header = ["policy", "budget", "chunk", "max batch", "peak KV MiB", "prefill tok/s", "decode tok/s"]
-    header += ["tok/s", "vs full", "top-1 agreement"]
+    header += ["tok/s", "vs full", "prefill share", "top-1 agreement"]
     cap = records[0]["memory_cap_mib"]
     title = f"throughput under {cap:g} MiB of KV, {records[0]['prompts']} prompts of ~{records[0]['length']} tokens"
     return "\n".join([f"{title}, {records[0]['new_tokens']} new tokens each", *text_table(header, rows)])
+
+
+def _share(record: dict[str, Any]) -> str:
+    """The share of the run's time spent prefilling. Prefill is the same work under every
+    policy, so ``1 / share`` of the full cache bounds what any policy's ratio can reach."""
+    if "prefill_seconds" not in record:  # a record written before this figure existed
+        return "-"
+    return f"{record['prefill_seconds'] / record['seconds']:.0%}"
 
 
 def plot(records: Sequence[dict[str, Any]], path: str | Path) -> Path:

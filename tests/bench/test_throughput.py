@@ -17,7 +17,8 @@ NEW = 6
 LENGTHS = (100, 100, 93, 100, 87)
 FIELDS = {
     "policy", "budget", "keep", "sequences", "max_batch", "peak_kv_bytes", "prefill_tokens_per_s",
-    "decode_tokens_per_s", "tokens_per_s", "quality", "prefill_chunk", "memory_cap_mib",
+    "decode_tokens_per_s", "tokens_per_s", "quality", "prefill_chunk", "memory_cap_mib", "prefill_seconds",
+    "decode_seconds",
 }  # fmt: skip
 
 
@@ -46,8 +47,10 @@ def test_serves_every_sequence_once_under_the_cap_as_it_is_alone(tmp_path) -> No
         assert FIELDS <= record.keys()
         assert record["sequences"] == len(prompts)
         assert record["peak_kv_bytes"] <= config.cap_bytes
+        assert 0 < record["prefill_seconds"] + record["decode_seconds"] <= record["seconds"]
         chunks = record["prefill_chunks"]
         assert record["outputs"] == [alone(model, ids, setting, chunk) for ids, chunk in zip(prompts, chunks)]
+    assert "prefill share" in throughput.format_table(records)
     full, snapkv, h2o = records
     assert full["max_batch"] == 2 and full["prefill_chunk"] is None and full["quality"] == 1.0
     assert (
