@@ -46,6 +46,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvevict.bench.memory import MIB
+from kvevict.bench.options import comma_separated
 from kvevict.bench.report import text_table
 from kvevict.cache import EvictionCache
 from kvevict.figures import pyplot, save_figure
@@ -398,8 +399,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-cap", type=float, default=512, help="KV memory cap in MiB (default 512)")
     parser.add_argument("--policies", default="full,snapkv", help="comma-separated policies (full always runs)")
     sizes = parser.add_mutually_exclusive_group()
-    sizes.add_argument("--budgets", default="", help="comma-separated budgets (tokens per KV head per layer)")
-    sizes.add_argument("--keep", default="", help="comma-separated fractions of the prompt to keep")
+    sizes.add_argument(
+        "--budgets",
+        type=comma_separated(int),
+        default=(),
+        help="comma-separated budgets (tokens per KV head per layer)",
+    )
+    sizes.add_argument(
+        "--keep", type=comma_separated(float), default=(), help="comma-separated fractions of the prompt to keep"
+    )
     parser.add_argument(
         "--prefill-chunk", type=int, default=256, help="chunked prefill where it admits more (0: never; default 256)"
     )
@@ -409,19 +417,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _numbers(text: str, kind: type) -> tuple:
-    try:
-        return tuple(kind(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise ValueError(f"expected comma-separated {kind.__name__}s, got {text!r}") from None
-
-
 def main(argv: Sequence[str]) -> int:
     from kvevict.models import load_model
     from kvevict.policies import split_names
 
     args = build_parser().parse_args(argv)
-    runs = settings(split_names(args.policies), _numbers(args.budgets, int), _numbers(args.keep, float))
+    runs = settings(split_names(args.policies), args.budgets, args.keep)
     config = ThroughputConfig(
         model=args.model,
         task=args.task,
