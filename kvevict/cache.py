@@ -827,7 +827,12 @@ class RowView:
     def eviction_due(self, phase: Phase, num_new: int) -> bool:
         """Over budget (counting, on a sliding layer, only the entries still in the window
         after this pass), and (decode) the step counter crossed a multiple of ``interval``."""
-        if self.budget is None or self.held_after_pass() <= self.budget or not self.policy.evicts_in(phase):
+        later_chunk = phase == "prefill" and self.passes > 1
+        if (
+            self.budget is None
+            or self.held_after_pass() <= self.budget
+            or not self.policy.evicts_in(phase, later_chunk)
+        ):
             return False
         if phase == "prefill":
             return True

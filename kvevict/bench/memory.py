@@ -10,16 +10,14 @@ Three paths over the same model and the same random prompt of each length:
   computed in query chunks (``chunk × n`` per head, never ``n × n``).
 
 Both kvevict paths keep the whole prompt (decode-time eviction), so they differ only by what
-scoring costs during the pass. Two more paths prefill in chunks with eviction (DESIGN §1.10):
+scoring costs during the pass. Three more paths prefill in chunks with eviction (DESIGN §1.10):
 
-* ``chunked-snapkv`` and ``chunked-h2o``: the prompt goes in ``--chunk`` tokens per pass, each
-  chunk attends to the retained entries plus itself and the cache evicts back to ``--budget``
-  (SnapKV scores each chunk by its last window queries, H2O by chunked column sums), so the
+* ``chunked-snapkv``, ``chunked-h2o`` and ``chunked-epikv``: the prompt goes in ``--chunk``
+  tokens per pass, each chunk attends to the retained entries plus itself and the cache evicts
+  back to ``--budget`` (SnapKV scores each chunk by its last window queries, H2O by chunked
+  column sums, EpiKV ranks the earlier chunks by their frozen hidden-state scores), so the
   cache never holds more than ``budget + chunk`` entries per KV head and peak memory stops
-  growing with the context (only the token ids do).
-
-The EpiKV family evicts at decode time only (its scores are not defined on a prompt chunk), so
-its chunked prefill would hold the whole prompt: it has no chunked path here.
+  growing with the context (only the token ids and EpiKV's per-token scalars do).
 
 Every pass computes the logits of the last token only (``logits_to_keep=1``, as ``generate``
 does at prefill), so the vocabulary-sized logits of every position do not mask the difference.
@@ -59,11 +57,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import PreTrainedModel
 
+from kvevict.bench.options import comma_separated
 from kvevict.bench.report import text_table
 from kvevict.figures import pyplot, save_figure
 
-PATHS = ("eager-attentions", "attention-free", "attention-requiring", "chunked-snapkv", "chunked-h2o")
-CHUNKED = {"chunked-snapkv": "snapkv", "chunked-h2o": "h2o"}
+PATHS = ("eager-attentions", "attention-free", "attention-requiring", "chunked-snapkv", "chunked-h2o", "chunked-epikv")
+CHUNKED = {"chunked-snapkv": "snapkv", "chunked-h2o": "h2o", "chunked-epikv": "epikv"}
 """Chunked paths and the policy each evicts under."""
 BUDGET, CHUNK = 256, 256
 """Default budget (entries per KV head) and prefill chunk of the chunked paths."""
@@ -324,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvevict bench memory",
         description="Peak memory of one prefill pass per context length: eager with output_attentions against "
         "kvevict's attention-free (epikv) and attention-requiring (h2o column sums) paths (EpiKV, Fig. 1), and "
-        "chunked prefill with eviction (snapkv, h2o: at most budget + chunk entries per KV head). "
+        "chunked prefill with eviction (snapkv, h2o, epikv: at most budget + chunk entries per KV head). "
         "Results in OUT/memory.jsonl (resumable), table printed, plot in OUT/memory.png.",
     )
     parser.add_argument(
@@ -332,7 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="smollm2",
         help="'smollm2' or 'gemma3' (embedded, offline; gemma3: `make gemma3`), a hub id or a local path",
     )
-    parser.add_argument("--lengths", type=_lengths, default=(512, 1024, 2048, 4096), help="comma-separated lengths")
+    parser.add_argument(
+        "--lengths", type=comma_separated(int, low=2), default=(512, 1024, 2048, 4096), help="comma-separated lengths"
+    )
     parser.add_argument("--memory-cap", type=float, default=4096, help="memory cap in MiB (default: 4096)")
     parser.add_argument("--paths", type=_paths, default=PATHS, help=f"comma-separated subset of {', '.join(PATHS)}")
     parser.add_argument("--budget", type=int, default=BUDGET, help=f"chunked paths: entries per KV head ({BUDGET})")
@@ -341,13 +342,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where the model loads)")
     return parser
-
-
-def _lengths(text: str) -> tuple[int, ...]:
-    values = tuple(int(v) for v in text.split(",") if v.strip())
-    if not values or min(values) < 2:
-        raise argparse.ArgumentTypeError(f"lengths must be integers >= 2, got {text!r}")
-    return values
 
 
 def _paths(text: str) -> tuple[str, ...]:

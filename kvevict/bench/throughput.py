@@ -123,7 +123,7 @@ def _chunk_for(setting: Setting, chunk: int | None, cache: EvictionCache, length
     """The prefill chunk ``setting`` may use: where the policy scores a prompt chunk by chunk and
     its budget plus a chunk holds less than the whole prompt (None: one pass only)."""
     policy = cache.policy
-    if chunk is None or setting.policy == "full" or policy.deferred_prefill or not policy.evicts_in("prefill"):
+    if chunk is None or setting.policy == "full" or policy.deferred_prefill or not policy.evicts_in("prefill", True):
         return None
     budget = cache.budget.resolve(length)
     return chunk if budget is not None and budget + chunk < length else None

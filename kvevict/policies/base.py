@@ -395,6 +395,10 @@ class Method(Scorer):
     regimes: ClassVar[tuple[Regime, ...]] = ("both", "prefill", "decode")
     evicts: ClassVar[bool] = True
     """False for a method that never evicts (``full``)."""
+    evicts_later_chunks: ClassVar[bool] = False
+    """True for a decode-time method that also evicts at the later chunks of a prompt prefilled
+    in chunks: its per-token scores exist once a pass has run (the earlier chunks are scored
+    by the time the next one arrives), so chunked prefill bounds its memory as well."""
     deferred_prefill: ClassVar[bool] = False
     """True when the method scores the prompt only after the whole prefill forward ran
     (KVzip's repeat pass, :meth:`rescore`): its prefill eviction is deferred until then."""
@@ -411,8 +415,10 @@ class Method(Scorer):
         none) as the protector; a method with stages of its own overrides this."""
         return Stages(scorer=self, protector=SinksAndWindow(getattr(self, "sinks", 0), getattr(self, "window", 0)))
 
-    def evicts_in(self, phase: Phase) -> bool:
-        return self.evicts and self.regime in ("both", phase)
+    def evicts_in(self, phase: Phase, later_chunk: bool = False) -> bool:
+        """Whether the method evicts in ``phase``; ``later_chunk``: the pass is a prompt chunk
+        after the first (chunked prefill), where :attr:`evicts_later_chunks` methods evict too."""
+        return self.evicts and (self.regime in ("both", phase) or (later_chunk and self.evicts_later_chunks))
 
     def rescore(self, cache: EvictionCache, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
         """With :attr:`deferred_prefill`: after the prefill forward, before the deferred

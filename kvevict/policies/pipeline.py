@@ -116,8 +116,8 @@ class Policy:
     def regime(self) -> Regime:
         return self.method.regime
 
-    def evicts_in(self, phase: Phase) -> bool:
-        return self.method.evicts_in(phase)
+    def evicts_in(self, phase: Phase, later_chunk: bool = False) -> bool:
+        return self.method.evicts_in(phase, later_chunk)
 
     def recent_window(self, budget: int) -> int:
         """Recent tokens protected at this budget."""

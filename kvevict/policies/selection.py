@@ -29,12 +29,20 @@ class PromptKeeping(Method):
     (``prompt + recent ≤ K``); a longer prompt is scored like the decode tokens, so every
     budget works.
 
+    Chunked prefill (an extension; the papers prefill in one pass): a prompt prefilled in one
+    pass is held whole until the first decode step, as the papers do, but at every later chunk
+    of a chunked prompt the cache evicts back to ``K`` by the same rule, since the earlier
+    chunks are scored by then. Tokens whose score does not exist yet (the chunk in flight, at
+    layers before its score is known) rank first, so a chunk is never evicted while it runs
+    unless it alone exceeds ``K``; the cache holds at most ``K + C`` entries per head.
+
     Args:
         window: recent tokens kept (None: ``min(128, budget // 4)``).
         regime: ``"decode"`` (the only one: these scores are made while generating).
     """
 
     regimes: tuple[Regime, ...] = ("decode",)
+    evicts_later_chunks = True
     PARAMS = declare(window=RECENT_WINDOW)
 
     def stages(self) -> Stages:

@@ -58,10 +58,10 @@ def test_eager_attentions_grow_faster_than_the_attention_free_path(tmp_path) -> 
 
 def test_chunked_prefill_peak_stops_growing_with_the_context(tmp_path) -> None:
     model = tiny_model()
-    paths = ("eager-attentions", "chunked-snapkv", "chunked-h2o")
+    paths = ("eager-attentions", "chunked-snapkv", "chunked-h2o", "chunked-epikv")
     summary = run_memory(model, "tiny", (128, 512), tmp_path, 2**30, paths, False, budget=40, chunk=32)
     peak = {(r["path"], r["length"]): r["peak_bytes"] for r in summary["results"]}
-    for path in ("chunked-snapkv", "chunked-h2o"):
+    for path in paths[1:]:
         assert peak[(path, 512)] < 1.2 * peak[(path, 128)]  # budget + chunk entries, whatever the length
         assert peak[(path, 512)] < peak[("eager-attentions", 512)] / 4
     assert {(r["budget"], r["chunk"]) for r in summary["results"] if r["path"] != "eager-attentions"} == {(40, 32)}

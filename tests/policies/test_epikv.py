@@ -7,6 +7,7 @@ from transformers import LlamaConfig
 
 import kvevict
 from kvevict import signals
+from kvevict.generation import prefill
 from kvevict.policies.epikv import rolling_mean, rolling_zscore, scale_band, scale_layer, standardize
 from kvevict.policies.h2o import ACCUMULATED
 from kvevict.signals import NOTHING
@@ -163,3 +164,21 @@ def test_decode_eviction_keeps_prompt_recent_and_top_frozen_scores() -> None:
     middle = cache.hidden.scores[0, 16 : 46 - recent]
     expected = (middle.topk(36 - 16 - recent).indices + 16).sort().values.tolist()
     assert positions[16:-recent] == expected
+
+
+def test_a_chunked_prompt_keeps_the_chunk_in_flight_and_the_top_frozen_scores_of_the_earlier_ones() -> None:
+    """Chunked prefill: a chunk's tokens have no score while it runs through layers up to B (+inf,
+    kept); each later chunk evicts the earlier ones down to the budget by frozen score. With
+    frozen scores, the retained set is the last chunk plus the top of every earlier token."""
+    model = tiny_model()
+    policy = kvevict.make_policy("epikv", layers=(0, 1), rolling=8)
+    cache = kvevict.EvictionCache(model, policy, budget=40)
+    prefill(model, prompt(128), cache, chunk=16)
+    assert cache.peak_entries() == 40 + 16
+    earlier = cache.hidden.scores[0, :112]
+    expected = sorted((earlier.topk(40 - 16).indices).tolist()) + list(range(112, 128))
+    for layer in cache.layers:  # every layer runs before B's hook has scored the chunk in flight
+        assert all(sorted(head.tolist()) == expected for head in layer.positions[0])
+    whole = kvevict.EvictionCache(model, policy, budget=40)
+    prefill(model, prompt(128), whole)
+    assert whole.layers[0].length == 128  # one pass: the prompt is held whole until decoding (the papers' rule)
