@@ -301,6 +301,11 @@ def keep_top(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
     if 4 * most > n:
         return descending_ranks(scores) < counts[..., None]
+    if most == 1:  # a decode step: each head drops its lowest score, the latest of those tied with it
+        lowest, index = scores.flip(-1).min(dim=-1)  # the first in flipped order is the latest
+        if not bool(lowest.isnan().any()):
+            keep = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
+            return keep.scatter_(-1, (n - 1 - index)[..., None], (drop == 0)[..., None])
     lowest = scores.topk(most, dim=-1, largest=False, sorted=True).values  # [B, H, most] ascending
     last = lowest.gather(-1, (drop - 1).clamp(min=0)[..., None])  # the highest dropped value
     last = last.masked_fill(drop[..., None] == 0, float("-inf"))  # a head that drops nothing
