@@ -154,6 +154,8 @@ class EvictionLayer(DynamicLayer):
         self._positions = torch.empty(0, 0, 0, dtype=torch.long)
         self._valid: torch.Tensor | None = None
         self._state: dict[str, torch.Tensor] = {}
+        self._pass_views: list[RowView] | None = None
+        """The row views of the pass under way, from :meth:`begin_pass` to its eviction."""
         self._refresh(0)
 
     def _refresh(self, n: int) -> None:
@@ -302,6 +304,7 @@ class EvictionLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, num_new = key_states.shape[0], key_states.shape[2]
+        self._pass_views = None
         self._leave_inference_mode()
         if b != len(self.rows):
             raise ValueError(f"batch size changed from {len(self.rows)} to {b}: an EvictionCache holds one batch")
@@ -387,7 +390,8 @@ class EvictionLayer(DynamicLayer):
                     self._start_row(row)
                 elif self.prompt_pass and self.owner.side_pass is None:
                     self._continue_prompt(row)
-        for view in self.views():
+        views, names = self.views(), len(self._state)
+        for view in views:
             if not view.num_new:
                 continue
             for name, value in self.policy.new_tokens(view, view.num_new).items():
@@ -398,6 +402,8 @@ class EvictionLayer(DynamicLayer):
                 end = view.columns.stop
                 self._state[name][view.rows, :, end - view.num_new : end] = value
         self._refresh(self.n)
+        # the views of this pass, until it evicts (a view made before a new state entry lacks it)
+        self._pass_views = views if len(self._state) == names else self.views()
         for row in self.rows:
             row.peak = max(row.peak, row.width)
             if row.passes > 1 and not self.prompt_pass:
@@ -499,7 +505,7 @@ class EvictionLayer(DynamicLayer):
     def correct_output(self, query: torch.Tensor, output: torch.Tensor, scaling: float) -> torch.Tensor:
         """The policy's correction of the kernel's output ``[B, q, Hq, d]``, row by row."""
         rows = []
-        for view in self.views():
+        for view in self._views_of_pass():
             if not view.num_new:
                 rows.append(output[view.rows])
                 continue
@@ -520,7 +526,8 @@ class EvictionLayer(DynamicLayer):
             self.owner.side_pass(self, query, scaling, module)
             return
         rows, changed = [], False
-        for view in self.views():
+        views, self._pass_views = self._views_of_pass(), None
+        for view in views:
             if not view.num_new:  # only padding in this pass: nothing to observe or evict
                 rows.append((view, None))
                 continue
@@ -539,6 +546,10 @@ class EvictionLayer(DynamicLayer):
             changed |= not deferred and (keep is not None or dropped)
         if changed:
             self._keep_rows(rows)
+
+    def _views_of_pass(self) -> list[RowView]:
+        """The views :meth:`begin_pass` made for this pass (or new ones, for a pass that did not begin here)."""
+        return self._pass_views if self._pass_views is not None else self.views()
 
     def keep(self, mask: torch.Tensor) -> None:
         """Retain the entries where ``mask`` ``[B, Hkv, n]`` (storage columns) is true."""
@@ -564,7 +575,10 @@ class EvictionLayer(DynamicLayer):
                 self.policy.on_evict(view, ~keep if held is None else held & ~keep)
             view.write_back()
             kept.append(keep)
-        if len(rows) == 1 and kept[0].shape == (len(self.rows), self.num_kv_heads, width):  # one view of every row
+        whole = len(rows) == 1 and kept[0].shape == (len(self.rows), self.num_kv_heads, width)  # one view, every row
+        if whole and rows[0][1] is not None and self._valid is None and width == self.n and self._drop_one(kept[0]):
+            return
+        if whole:
             relative = kept[0]
         else:
             relative = torch.zeros(len(self.rows), self.num_kv_heads, width, dtype=torch.bool, device=self.device)
@@ -606,6 +620,25 @@ class EvictionLayer(DynamicLayer):
         # the model's own mask still fits a layout that only lost its oldest entries, in order
         self.compacted = self.compacted or not (ordered and aligned and uniform)
         self._refresh(new_n)
+
+    def _drop_one(self, keep: torch.Tensor) -> bool:
+        """A decode step's eviction, the common case of :meth:`_keep_rows`: every head of every
+        row (all real, aligned) drops exactly one entry. The entry of the last column takes the
+        dropped one's slot, as the general path moves it, by one ``scatter_`` per storage tensor.
+        Returns False, having done nothing, for any other mask."""
+        dropped = ~keep
+        if not bool((dropped.sum(dim=-1) == 1).all()):
+            return False
+        last = self.n - 1
+        slot = dropped.to(torch.uint8).argmax(dim=-1)[..., None]  # [B, Hkv, 1]
+        for storage in (self._keys, self._values, self._positions, *self._state.values()):
+            index = slot.view(*slot.shape, *[1] * (storage.dim() - 3)).expand(*slot.shape, *storage.shape[3:])
+            storage.scatter_(2, index, storage[:, :, last : last + 1].clone())
+        for row in self.rows:
+            row.width = last
+        self.compacted = True
+        self._refresh(last)
+        return True
 
     def snapshot(self) -> tuple[int, int, int, list[tuple[int, ...]]]:
         """What :meth:`restore` needs to drop entries appended after this point."""
@@ -827,8 +860,12 @@ class RowView:
     def eviction_due(self, phase: Phase, num_new: int) -> bool:
         """Over budget (counting, on a sliding layer, only the entries still in the window
         after this pass), and (decode) the step counter crossed a multiple of ``interval``."""
-        evicts = self.policy.evicts_in(phase, later_chunk=phase == "prefill" and self.passes > 1)
-        if self.budget is None or not evicts or self.held_after_pass() <= self.budget:
+        later_chunk = phase == "prefill" and self.passes > 1
+        if (
+            self.budget is None
+            or self.held_after_pass() <= self.budget
+            or not self.policy.evicts_in(phase, later_chunk)
+        ):
             return False
         if phase == "prefill":
             return True

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvevict.bench.options import comma_separated
+
 EXIT_USAGE = 2
+BENCH_SUBCOMMANDS = {"memory": "memory", "throughput": "throughput", "decode-speed": "speed"}
+"""``kvevict bench NAME ...``: subcommands with parsers of their own, by the module that runs them."""
 
 
 def _budget_args(parser: argparse.ArgumentParser) -> None:
@@ -79,9 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     budgets = bench.add_mutually_exclusive_group()
     budgets.add_argument(
-        "--budgets", type=_ints, default=(), help="comma-separated budgets, tokens per KV head per layer"
+        "--budgets", type=comma_separated(int), default=(), help="comma-separated budgets, tokens per KV head per layer"
     )
-    budgets.add_argument("--keep", type=_floats, default=(), help="comma-separated fractions of the prompt to keep")
+    budgets.add_argument(
+        "--keep", type=comma_separated(float), default=(), help="comma-separated fractions of the prompt to keep"
+    )
     bench.add_argument("--length", type=int, default=2048, help="prompt length in tokens (default: 2048)")
     bench.add_argument("--samples", type=int, default=4, help="samples per task (default: 4)")
     bench.add_argument("--seed", type=int, default=0, help="seed of the generated samples (default: 0)")
@@ -307,14 +314,6 @@ def _names(text: str) -> tuple[str, ...]:
     from kvevict.policies import split_names
 
     return split_names(text)
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(value) for value in _names(text))
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(value) for value in _names(text))
 
 
 def _version() -> str:
@@ -584,29 +583,13 @@ def _analyze_retention(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] == ["bench", "memory"]:  # a subcommand beside bench's positional task list
-        from kvevict.bench import memory
-
+    if argv[:1] == ["bench"] and argv[1:2] and argv[1] in BENCH_SUBCOMMANDS:  # beside bench's positional tasks
+        name = argv[1]
+        module = importlib.import_module(f"kvevict.bench.{BENCH_SUBCOMMANDS[name]}")
         try:
-            return memory.main(argv[2:])
+            return module.main(argv[2:])
         except (ValueError, OSError) as err:  # bad input, missing files, an unknown hub id
-            print(f"kvevict bench memory: error: {err}", file=sys.stderr)
-            return EXIT_USAGE
-    if argv[:2] == ["bench", "throughput"]:
-        from kvevict.bench import throughput
-
-        try:
-            return throughput.main(argv[2:])
-        except (ValueError, OSError) as err:
-            print(f"kvevict bench throughput: error: {err}", file=sys.stderr)
-            return EXIT_USAGE
-    if argv[:2] == ["bench", "decode-speed"]:
-        from kvevict.bench import speed
-
-        try:
-            return speed.main(argv[2:])
-        except (ValueError, FileNotFoundError) as err:
-            print(f"kvevict bench decode-speed: error: {err}", file=sys.stderr)
+            print(f"kvevict bench {name}: error: {err}", file=sys.stderr)
             return EXIT_USAGE
     parser = build_parser()
     args = parser.parse_args(argv)

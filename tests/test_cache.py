@@ -143,3 +143,25 @@ def test_reset_clears_positions_and_state() -> None:
         torch.testing.assert_close(
             model(input_ids=sequences[:, -1:], past_key_values=cache).logits[:, -1], expected, rtol=0, atol=1e-5
         )
+
+
+@pytest.mark.parametrize("policy", ["h2o", "streamingllm", "tova", "lazyeviction"])
+def test_a_decode_step_that_drops_one_entry_per_head_lays_storage_out_as_the_general_path(policy: str) -> None:
+    """The one-drop eviction (one scatter per storage tensor) leaves every tensor exactly as
+    the general keep path does: the entry of the last column takes the dropped one's slot."""
+    model = tiny_model()
+    fast, general = (kvevict.EvictionCache(model, policy, budget=24, interval=1) for _ in range(2))
+    for layer in general.eviction_layers:
+        layer._drop_one = lambda keep: False  # force the general path
+    ids = prompt(20)
+    with torch.no_grad():
+        for cache in (fast, general):
+            model(input_ids=ids, past_key_values=cache)
+            for step in range(12):
+                model(input_ids=torch.tensor([[step + 5]]), past_key_values=cache)
+    for mine, theirs in zip(fast.eviction_layers, general.eviction_layers):
+        assert mine.length == theirs.length == 24
+        for name in ("keys", "values", "positions"):
+            assert torch.equal(getattr(mine, name), getattr(theirs, name))
+        assert mine.state.keys() == theirs.state.keys()
+        assert all(torch.equal(mine.state[key], theirs.state[key]) for key in mine.state)

@@ -57,12 +57,12 @@ def test_chunked_prefill_of_a_left_padded_batch_at_ample_budget_is_unchunked(pol
     assert torch.equal(logits, expected[1])
 
 
-CHUNK_EVICTING = [  # decode-time policies that keep the prompt (the EpiKV family) evict later chunks too
+PREFILL_EVICTING = [  # chunk by chunk: prefill-time policies, and decode-time ones that evict later chunks
     name for name in POLICIES if name != "full" and kvevict.make_policy(name).evicts_in("prefill", later_chunk=True)
 ]
 
 
-@pytest.mark.parametrize("policy", CHUNK_EVICTING)
+@pytest.mark.parametrize("policy", PREFILL_EVICTING)
 def test_chunked_prefill_holds_at_most_budget_plus_chunk(policy: str) -> None:
     model = tiny_model()
     cache = kvevict.EvictionCache(model, build_policy(policy), budget=BUDGET)
@@ -79,11 +79,13 @@ def test_chunked_prefill_holds_at_most_budget_plus_chunk(policy: str) -> None:
         assert cache.peak_entries() <= max(int(heads.max()) for heads in held) + CHUNK
     whole = kvevict.EvictionCache(model, build_policy(policy), budget=BUDGET)
     greedy(model, prompt(PROMPT), whole, new_tokens=2)
-    # one pass: the whole prompt exists before the first eviction (a decode-time policy's: the first decode step)
+    # one pass: the whole prompt exists before the first eviction (a decode-time one: with the first new token)
     assert whole.peak_entries() == PROMPT + (not whole.policy.evicts_in("prefill"))
 
 
-@pytest.mark.parametrize("policy", [name for name in CHUNK_EVICTING if not kvevict.make_policy(name).deferred_prefill])
+@pytest.mark.parametrize(
+    "policy", [name for name in PREFILL_EVICTING if not kvevict.make_policy(name).deferred_prefill]
+)
 def test_chunked_prefill_of_a_left_padded_batch_gives_each_row_what_it_gets_alone(policy: str) -> None:
     model = tiny_model()
     prompts = [prompt(length, seed=seed) for seed, length in enumerate(LENGTHS)]

@@ -60,12 +60,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import PreTrainedModel
 
+from kvevict.bench.options import comma_separated
 from kvevict.bench.report import text_table
 from kvevict.figures import pyplot, save_figure
 
+PATHS = ("eager-attentions", "attention-free", "attention-requiring", "chunked-snapkv", "chunked-h2o", "chunked-epikv")
 CHUNKED = {"chunked-snapkv": "snapkv", "chunked-h2o": "h2o", "chunked-epikv": "epikv"}
 """Chunked paths and the policy each evicts under."""
-PATHS = ("eager-attentions", "attention-free", "attention-requiring", *CHUNKED)
 BUDGET, CHUNK = 256, 256
 """Default budget (entries per KV head) and prefill chunk of the chunked paths."""
 RESULTS_FILE = "memory.jsonl"
@@ -348,7 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="smollm2",
         help="'smollm2' or 'gemma3' (embedded, offline; gemma3: `make gemma3`), a hub id or a local path",
     )
-    parser.add_argument("--lengths", type=_lengths, default=(512, 1024, 2048, 4096), help="comma-separated lengths")
+    parser.add_argument(
+        "--lengths", type=comma_separated(int, low=2), default=(512, 1024, 2048, 4096), help="comma-separated lengths"
+    )
     parser.add_argument("--memory-cap", type=float, default=4096, help="memory cap in MiB (default: 4096)")
     parser.add_argument("--paths", type=_paths, default=PATHS, help=f"comma-separated subset of {', '.join(PATHS)}")
     parser.add_argument("--budget", type=int, default=BUDGET, help=f"chunked paths: entries per KV head ({BUDGET})")
@@ -362,13 +365,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where the model loads)")
     return parser
-
-
-def _lengths(text: str) -> tuple[int, ...]:
-    values = tuple(int(v) for v in text.split(",") if v.strip())
-    if not values or min(values) < 2:
-        raise argparse.ArgumentTypeError(f"lengths must be integers >= 2, got {text!r}")
-    return values
 
 
 def _paths(text: str) -> tuple[str, ...]:

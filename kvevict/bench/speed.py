@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from kvevict.bench.options import comma_separated
 from kvevict.cache import EvictionCache
 from kvevict.policies import split_names
 
@@ -94,7 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="smollm2", help="model name or path (default: the embedded smollm2)")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
     parser.add_argument("--entries", type=int, default=512, help="entries held per KV head (default 512)")
-    parser.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes (default 1,8)")
+    parser.add_argument(
+        "--batch-sizes",
+        type=comma_separated(int, low=1),
+        default=(1, 8),
+        help="comma-separated batch sizes (default 1,8)",
+    )
     parser.add_argument("--steps", type=int, default=8, help="decode steps per measurement (default 8)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved measurements per configuration")
     return parser
@@ -104,18 +110,14 @@ def main(argv: Sequence[str]) -> int:
     from kvevict.models import load_model
 
     args = build_parser().parse_args(argv)
-    try:
-        batch_sizes = [int(x) for x in args.batch_sizes.split(",")]
-    except ValueError:
-        raise ValueError(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}") from None
-    if min(batch_sizes) < 1 or args.entries < 1 or args.steps < 1 or args.repeats < 1:
-        raise ValueError("--batch-sizes, --entries, --steps and --repeats must be >= 1")
+    if args.entries < 1 or args.steps < 1 or args.repeats < 1:
+        raise ValueError("--entries, --steps and --repeats must be >= 1")
     model, _ = load_model(args.model)
     rows = measure(
         model,
         split_names(args.policies),
         entries=args.entries,
-        batch_sizes=batch_sizes,
+        batch_sizes=args.batch_sizes,
         steps=args.steps,
         repeats=args.repeats,
     )

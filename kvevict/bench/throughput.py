@@ -46,6 +46,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvevict.bench.memory import MIB
+from kvevict.bench.options import comma_separated
 from kvevict.bench.report import text_table
 from kvevict.cache import EvictionCache
 from kvevict.figures import pyplot, save_figure
@@ -120,12 +121,16 @@ def token_bytes(model: PreTrainedModel) -> int:
 
 def _chunk_for(setting: Setting, chunk: int | None, cache: EvictionCache, length: int) -> int | None:
     """The prefill chunk ``setting`` may use: where the policy scores a prompt chunk by chunk and
-    its budget plus a chunk holds less than the whole prompt (None: one pass only)."""
+    its budget plus a chunk holds less than the whole prompt (None: one pass only). A decode-time
+    policy that evicts later chunks holds the first one whole, so it takes chunks of at most its
+    budget (:class:`~kvevict.policies.selection.PromptKeeping`)."""
     policy = cache.policy
-    if chunk is None or setting.policy == "full" or policy.deferred_prefill or not policy.evicts_in("prefill"):
+    if chunk is None or setting.policy == "full" or policy.deferred_prefill or not policy.evicts_in("prefill", True):
         return None
     budget = cache.budget.resolve(length)
-    return chunk if budget is not None and budget + chunk < length else None
+    if budget is None or budget + chunk >= length:
+        return None
+    return chunk if policy.evicts_in("prefill") or chunk <= budget else None
 
 
 def _chunk_peak(cache: EvictionCache, length: int, chunk: int, measured: int) -> int:
@@ -250,6 +255,8 @@ def serve(
         "decode_tokens_per_s": (generated - len(prompts)) / served.decode_s if served.decode_s else None,
         "tokens_per_s": generated / seconds,
         "seconds": seconds,
+        "prefill_seconds": served.prefill_s,
+        "decode_seconds": served.decode_s,
     }
     return outputs, figures
 
@@ -339,14 +346,23 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
                 "-" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.1f}",
                 f"{r['tokens_per_s']:.2f}",
                 f"{r['tokens_per_s'] / full['tokens_per_s']:.2f}x",
+                _share(r),
                 f"{r['quality']:.3f}",
             ]
         )
     header = ["policy", "budget", "chunk", "max batch", "peak KV MiB", "prefill tok/s", "decode tok/s"]
-    header += ["tok/s", "vs full", "top-1 agreement"]
+    header += ["tok/s", "vs full", "prefill share", "top-1 agreement"]
     cap = records[0]["memory_cap_mib"]
     title = f"throughput under {cap:g} MiB of KV, {records[0]['prompts']} prompts of ~{records[0]['length']} tokens"
     return "\n".join([f"{title}, {records[0]['new_tokens']} new tokens each", *text_table(header, rows)])
+
+
+def _share(record: dict[str, Any]) -> str:
+    """The share of the run's time spent prefilling. Prefill is the same work under every
+    policy, so ``1 / share`` of the full cache bounds what any policy's ratio can reach."""
+    if "prefill_seconds" not in record:  # a record written before this figure existed
+        return "-"
+    return f"{record['prefill_seconds'] / record['seconds']:.0%}"
 
 
 def plot(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
@@ -387,8 +403,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-cap", type=float, default=512, help="KV memory cap in MiB (default 512)")
     parser.add_argument("--policies", default="full,snapkv", help="comma-separated policies (full always runs)")
     sizes = parser.add_mutually_exclusive_group()
-    sizes.add_argument("--budgets", default="", help="comma-separated budgets (tokens per KV head per layer)")
-    sizes.add_argument("--keep", default="", help="comma-separated fractions of the prompt to keep")
+    sizes.add_argument(
+        "--budgets",
+        type=comma_separated(int),
+        default=(),
+        help="comma-separated budgets (tokens per KV head per layer)",
+    )
+    sizes.add_argument(
+        "--keep", type=comma_separated(float), default=(), help="comma-separated fractions of the prompt to keep"
+    )
     parser.add_argument(
         "--prefill-chunk", type=int, default=256, help="chunked prefill where it admits more (0: never; default 256)"
     )
@@ -398,19 +421,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _numbers(text: str, kind: type) -> tuple:
-    try:
-        return tuple(kind(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise ValueError(f"expected comma-separated {kind.__name__}s, got {text!r}") from None
-
-
 def main(argv: Sequence[str]) -> int:
     from kvevict.models import load_model
     from kvevict.policies import split_names
 
     args = build_parser().parse_args(argv)
-    runs = settings(split_names(args.policies), _numbers(args.budgets, int), _numbers(args.keep, float))
+    runs = settings(split_names(args.policies), args.budgets, args.keep)
     config = ThroughputConfig(
         model=args.model,
         task=args.task,

@@ -301,6 +301,11 @@ def keep_top(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         return torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
     if 4 * most > n:
         return descending_ranks(scores) < counts[..., None]
+    if most == 1:  # a decode step: each head drops its lowest score, the latest of those tied with it
+        lowest, index = scores.flip(-1).min(dim=-1)  # the first in flipped order is the latest
+        if not bool(lowest.isnan().any()):
+            keep = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
+            return keep.scatter_(-1, (n - 1 - index)[..., None], (drop == 0)[..., None])
     lowest = scores.topk(most, dim=-1, largest=False, sorted=True).values  # [B, H, most] ascending
     last = lowest.gather(-1, (drop - 1).clamp(min=0)[..., None])  # the highest dropped value
     last = last.masked_fill(drop[..., None] == 0, float("-inf"))  # a head that drops nothing
@@ -395,6 +400,10 @@ class Method(Scorer):
     regimes: ClassVar[tuple[Regime, ...]] = ("both", "prefill", "decode")
     evicts: ClassVar[bool] = True
     """False for a method that never evicts (``full``)."""
+    evicts_later_chunks: ClassVar[bool] = False
+    """True for a decode-time method that also evicts at the later chunks of a prompt prefilled
+    in chunks: its per-token scores exist once a pass has run (the earlier chunks are scored
+    by the time the next one arrives), so chunked prefill bounds its memory as well."""
     deferred_prefill: ClassVar[bool] = False
     """True when the method scores the prompt only after the whole prefill forward ran
     (KVzip's repeat pass, :meth:`rescore`): its prefill eviction is deferred until then."""
@@ -412,10 +421,9 @@ class Method(Scorer):
         return Stages(scorer=self, protector=SinksAndWindow(getattr(self, "sinks", 0), getattr(self, "window", 0)))
 
     def evicts_in(self, phase: Phase, later_chunk: bool = False) -> bool:
-        """Whether this method evicts in a pass of ``phase``; ``later_chunk``: the pass is a chunk
-        of a prompt prefilled in chunks, after its first (a decode-time method may evict those,
-        see :class:`~kvevict.policies.selection.PromptKeeping`)."""
-        return self.evicts and self.regime in ("both", phase)
+        """Whether the method evicts in ``phase``; ``later_chunk``: the pass is a prompt chunk
+        after the first (chunked prefill), where :attr:`evicts_later_chunks` methods evict too."""
+        return self.evicts and (self.regime in ("both", phase) or (later_chunk and self.evicts_later_chunks))
 
     def rescore(self, cache: EvictionCache, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
         """With :attr:`deferred_prefill`: after the prefill forward, before the deferred

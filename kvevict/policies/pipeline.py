@@ -145,6 +145,7 @@ class Policy:
         """Adapt every stage to the decoder's config (only parameters the user left unset)."""
         for stage in self.stages:
             stage.bind(config)
+        self.__dict__.pop("_requirements", None)  # parameters may have changed
 
     def bound(self, config: PretrainedConfig) -> Policy:
         """A copy of this policy bound to ``config``; this one is left as it is."""
@@ -165,9 +166,13 @@ class Policy:
         return self.corrector is not None
 
     def requirements(self, phase: Phase, evicting: bool) -> Requirements:
-        """Every signal a stage reads in this pass."""
-        needs = (stage.requirements(phase, evicting, self.regime) for stage in self.stages)
-        return reduce(Requirements.__or__, needs, NOTHING)
+        """Every signal a stage reads in this pass (a function of the stages' parameters,
+        computed once per phase and eviction: this runs in every layer of every pass)."""
+        known = self.__dict__.setdefault("_requirements", {})
+        if (phase, evicting) not in known:
+            needs = (stage.requirements(phase, evicting, self.regime) for stage in self.stages)
+            known[phase, evicting] = reduce(Requirements.__or__, needs, NOTHING)
+        return known[phase, evicting]
 
     def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
         """Initial per-token state of appended entries, each stage's under its namespace."""

@@ -17,7 +17,7 @@ import torch
 from kvevict.policies.base import Method, Protector, Stages, keep_top, window_size
 from kvevict.policies.h2o import RECENT_WINDOW
 from kvevict.policies.params import declare
-from kvevict.signals import Phase, Regime
+from kvevict.signals import Regime
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
@@ -30,14 +30,15 @@ class PromptKeeping(Method):
     (``prompt + recent ≤ K``); a longer prompt is scored like the decode tokens, so every
     budget works.
 
-    A prompt prefilled in one pass is held whole until the first decode step evicts (the
-    paper's method). A prompt prefilled in chunks (``generate(..., prefill_chunk_size=C)``;
-    kvevict's extension, DESIGN §1.10) is evicted back to ``K`` after each chunk but the first,
-    by the same rule: as the prompt so far no longer fits beside the recent window, its tokens
-    are ranked by the method's score, and a token not scored yet counts as ``+inf`` (kept). So
-    a KV head never holds more than ``K + C`` entries. The first pass is never evicted (it may
-    be the whole prompt), so every later chunk that leads to an eviction must hold at most
-    ``K`` tokens (:func:`check_prompt_chunk`).
+    Chunked prefill (an extension; the papers prefill in one pass, DESIGN §1.10): a prompt
+    prefilled in one pass is held whole until the first decode step, as the papers do, but at
+    every later chunk of a chunked prompt the cache evicts back to ``K`` by the same rule, since
+    the earlier chunks are scored by then: the prompt so far no longer fits beside the recent
+    window, so its tokens are ranked by the method's score. Tokens whose score does not exist
+    yet (the chunk in flight, at layers before its score is known) count as ``+inf`` (kept).
+    The first pass is never evicted (it may be the whole prompt), so a later chunk must hold at
+    most ``K`` tokens (else refused, :func:`check_prompt_chunk`), and the cache then holds at
+    most ``K + C`` entries per head.
 
     Args:
         window: recent tokens kept (None: ``min(128, budget // 4)``).
@@ -45,13 +46,11 @@ class PromptKeeping(Method):
     """
 
     regimes: tuple[Regime, ...] = ("decode",)
+    evicts_later_chunks = True
     PARAMS = declare(window=RECENT_WINDOW)
 
     def stages(self) -> Stages:
         return Stages(scorer=self, protector=PromptAndWindow(self.window))
-
-    def evicts_in(self, phase: Phase, later_chunk: bool = False) -> bool:
-        return super().evicts_in(phase) or (self.evicts and later_chunk)
 
 
 def check_prompt_chunk(layer: EvictionLayer, budget: int) -> None:

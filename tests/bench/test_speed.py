@@ -24,5 +24,7 @@ def test_measure_reports_each_policy_and_batch_against_the_full_cache() -> None:
 
 @pytest.mark.parametrize("flag", ["--batch-sizes=1,x", "--entries=0"])
 def test_bad_options_exit_with_usage_error(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "decode-speed", flag]) == 2
+    with pytest.raises(SystemExit) as exit_:  # argparse's own exit, or main's return value
+        raise SystemExit(main(["bench", "decode-speed", flag]))
+    assert exit_.value.code == 2
     assert "kvevict bench decode-speed: error:" in capsys.readouterr().err

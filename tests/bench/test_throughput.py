@@ -17,7 +17,8 @@ NEW = 6
 LENGTHS = (100, 100, 93, 100, 87)
 FIELDS = {
     "policy", "budget", "keep", "sequences", "max_batch", "peak_kv_bytes", "prefill_tokens_per_s",
-    "decode_tokens_per_s", "tokens_per_s", "quality", "prefill_chunk", "memory_cap_mib",
+    "decode_tokens_per_s", "tokens_per_s", "quality", "prefill_chunk", "memory_cap_mib", "prefill_seconds",
+    "decode_seconds",
 }  # fmt: skip
 
 
@@ -46,8 +47,10 @@ def test_serves_every_sequence_once_under_the_cap_as_it_is_alone(tmp_path) -> No
         assert FIELDS <= record.keys()
         assert record["sequences"] == len(prompts)
         assert record["peak_kv_bytes"] <= config.cap_bytes
+        assert 0 < record["prefill_seconds"] + record["decode_seconds"] <= record["seconds"]
         chunks = record["prefill_chunks"]
         assert record["outputs"] == [alone(model, ids, setting, chunk) for ids, chunk in zip(prompts, chunks)]
+    assert "prefill share" in throughput.format_table(records)
     full, snapkv, h2o = records
     assert full["max_batch"] == 2 and full["prefill_chunk"] is None and full["quality"] == 1.0
     assert (
@@ -55,6 +58,14 @@ def test_serves_every_sequence_once_under_the_cap_as_it_is_alone(tmp_path) -> No
     )  # chunked once one pass no longer fits
     assert snapkv["max_batch"] > full["max_batch"]
     assert 0 <= h2o["quality"] <= 1
+
+
+def test_a_prompt_is_chunked_only_where_the_policy_can_evict_chunks_of_that_size() -> None:
+    model = tiny_model()
+    for policy, budget, chunk in (("snapkv", 40, 48), ("kv-key-var", 40, 16), ("kv-key-var", 40, 48), ("full", 40, 16)):
+        cache = kvevict.EvictionCache(model, policy, **({} if policy == "full" else {"budget": budget}))
+        expected = None if policy == "full" or (policy == "kv-key-var" and chunk > budget) else chunk
+        assert throughput._chunk_for(Setting(policy, budget), chunk, cache, 100) == expected
 
 
 def test_a_rerun_skips_finished_settings(tmp_path, monkeypatch) -> None:

@@ -105,5 +105,12 @@ def test_keep_top_drops_the_lowest_and_the_latest_of_ties_as_a_stable_sort_does(
         scores[scores == 0] = float("-inf")  # padding
         counts = (n - torch.randint(0, n // 4 + 2, (2, 3), generator=generator)).clamp(min=0)
         assert torch.equal(keep_top(scores, counts), descending_ranks(scores) < counts[..., None])
+    for trial in range(100):  # one drop per head at most (a decode step): found by a minimum, not topk
+        n = 2 + trial % 19
+        scores = torch.randint(0, 3, (2, 3, n), generator=generator).float()
+        if trial % 10 == 0:
+            scores[0, 0, trial % n] = float("nan")
+        counts = n - torch.randint(0, 2, (2, 3), generator=generator)
+        assert torch.equal(keep_top(scores, counts), descending_ranks(scores) < counts[..., None])
     ties = torch.tensor([[[1.0, 0.0, 1.0, 0.0, 1.0, 2.0, 0.0, 2.0]]])
     assert keep_top(ties, torch.tensor([[6]])).tolist() == [[[True, True, True, False, True, True, False, True]]]

@@ -1,0 +1,25 @@
+"""Command-line value types shared by ``kvevict bench`` and its subcommands."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+_KINDS = {int: "integers", float: "numbers"}
+
+
+def comma_separated(kind: type[int | float], low: float | None = None) -> Callable[[str], tuple]:
+    """An argparse ``type``: a non-empty comma-separated list of ``kind`` values, each ``>= low``
+    (``"1,8"`` → ``(1, 8)``). A bad list is refused with what is allowed (argparse exits 2)."""
+
+    def parse(text: str) -> tuple:
+        try:
+            values = tuple(kind(value) for value in text.split(",") if value.strip())
+        except ValueError:
+            values = ()
+        if not values or (low is not None and min(values) < low):
+            allowed = _KINDS[kind] + ("" if low is None else f" >= {low:g}")
+            raise argparse.ArgumentTypeError(f"expected comma-separated {allowed}, got {text!r}")
+        return values
+
+    return parse
