@@ -12,12 +12,15 @@ Three paths over the same model and the same random prompt of each length:
 Both kvevict paths keep the whole prompt (decode-time eviction), so they differ only by what
 scoring costs during the pass. Three more paths prefill in chunks with eviction (DESIGN §1.10):
 
-* ``chunked-snapkv``, ``chunked-h2o`` and ``chunked-epikv``: the prompt goes in ``--chunk``
-  tokens per pass, each chunk attends to the retained entries plus itself and the cache evicts
-  back to ``--budget`` (SnapKV scores each chunk by its last window queries, H2O by chunked
-  column sums, EpiKV ranks the earlier chunks by their frozen hidden-state scores), so the
-  cache never holds more than ``budget + chunk`` entries per KV head and peak memory stops
-  growing with the context (only the token ids and EpiKV's per-token scalars do).
+* ``chunked-snapkv``, ``chunked-h2o`` (attention-requiring) and ``chunked-epikv``
+  (attention-free): the prompt goes in ``--chunk`` tokens per pass, each chunk attends to the
+  retained entries plus itself and the cache evicts back to ``--budget`` (SnapKV scores each
+  chunk by its last window queries, H2O by chunked column sums, EpiKV by its frozen
+  hidden-state scores, the chunk's own counting as kept until scored), so the cache never
+  holds more than ``budget + chunk`` entries per KV head and peak memory stops growing with
+  the context (only the token ids and the per-token scalars of the scores do).
+  ``chunked-epikv`` holds the first chunk whole, as it would a whole prompt, so it takes
+  ``--chunk`` ≤ ``--budget`` (:class:`~kvevict.policies.selection.PromptKeeping`).
 
 Every pass computes the logits of the last token only (``logits_to_keep=1``, as ``generate``
 does at prefill), so the vocabulary-sized logits of every position do not mask the difference.
@@ -227,6 +230,20 @@ class MemoryStore:
         self.results.append(result)
 
 
+def check_sizes(paths: Sequence[str], budget: int, chunk: int) -> None:
+    """Refuse a budget or chunk the chunked ``paths`` cannot run with."""
+    from kvevict.policies import make_policy
+
+    if budget < 1 or chunk < 1:
+        raise ValueError(f"--budget and --chunk must be positive, got {budget} and {chunk}")
+    whole_first = [path for path in paths if path in CHUNKED and not make_policy(CHUNKED[path]).evicts_in("prefill")]
+    if whole_first and chunk > budget:
+        raise ValueError(
+            f"{', '.join(whole_first)} holds the first chunk whole and evicts each later one back to the budget, so "
+            f"it takes --chunk <= --budget: got --chunk {chunk} and --budget {budget}"
+        )
+
+
 def run_memory(
     model: PreTrainedModel,
     model_name: str,
@@ -241,6 +258,7 @@ def run_memory(
     """Measure every path at every length (shortest first) into ``out``; returns the summary."""
     from tqdm import tqdm
 
+    check_sizes(paths, budget, chunk)
     store = MemoryStore(out)
     skipped: dict[str, list[int]] = {path: [] for path in paths}
     jobs = [(path, length) for path in paths for length in sorted(lengths)]
@@ -337,7 +355,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-cap", type=float, default=4096, help="memory cap in MiB (default: 4096)")
     parser.add_argument("--paths", type=_paths, default=PATHS, help=f"comma-separated subset of {', '.join(PATHS)}")
     parser.add_argument("--budget", type=int, default=BUDGET, help=f"chunked paths: entries per KV head ({BUDGET})")
-    parser.add_argument("--chunk", type=int, default=CHUNK, help=f"chunked paths: prefill chunk in tokens ({CHUNK})")
+    parser.add_argument(
+        "--chunk",
+        type=int,
+        default=CHUNK,
+        help=f"chunked paths: prefill chunk in tokens ({CHUNK}; chunked-epikv: <= --budget)",
+    )
     parser.add_argument("--out", type=Path, default=Path("results/memory"), help="results directory")
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where the model loads)")
@@ -358,9 +381,8 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     if not math.isfinite(args.memory_cap) or args.memory_cap <= 0:
         raise ValueError(f"--memory-cap must be a positive number of MiB, got {args.memory_cap}")
+    check_sizes(args.paths, args.budget, args.chunk)
     model, _ = load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation="sdpa")
-    if args.budget < 1 or args.chunk < 1:
-        raise ValueError(f"--budget and --chunk must be positive, got {args.budget} and {args.chunk}")
     summary = run_memory(
         model, args.model, args.lengths, args.out, int(args.memory_cap * MIB), args.paths, True, args.budget, args.chunk
     )

@@ -121,12 +121,16 @@ def token_bytes(model: PreTrainedModel) -> int:
 
 def _chunk_for(setting: Setting, chunk: int | None, cache: EvictionCache, length: int) -> int | None:
     """The prefill chunk ``setting`` may use: where the policy scores a prompt chunk by chunk and
-    its budget plus a chunk holds less than the whole prompt (None: one pass only)."""
+    its budget plus a chunk holds less than the whole prompt (None: one pass only). A decode-time
+    policy that evicts later chunks holds the first one whole, so it takes chunks of at most its
+    budget (:class:`~kvevict.policies.selection.PromptKeeping`)."""
     policy = cache.policy
     if chunk is None or setting.policy == "full" or policy.deferred_prefill or not policy.evicts_in("prefill", True):
         return None
     budget = cache.budget.resolve(length)
-    return chunk if budget is not None and budget + chunk < length else None
+    if budget is None or budget + chunk >= length:
+        return None
+    return chunk if policy.evicts_in("prefill") or chunk <= budget else None
 
 
 def _chunk_peak(cache: EvictionCache, length: int, chunk: int, measured: int) -> int:

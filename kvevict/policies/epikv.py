@@ -12,6 +12,18 @@ For ``L`` layers each index ``l`` becomes ``round(l·L/32)``, halves rounded up
 
 Rolling statistics run over the whole sequence, prompt included, trailing and causal: the
 window of token ``t`` is the last ``min(t + 1, w)`` values up to and including ``g(t)``.
+
+Eviction (App. D; DESIGN §3 "Policy"): the prompt is kept while it fits beside the recent
+``min(128, K/4)`` tokens, the rest of the budget ``K`` goes to the top tokens by score. A
+prompt prefilled in one pass is held whole until the first decode step, as in the paper.
+Chunked prefill (kvevict's extension for bounded memory, DESIGN §1.10; not in the paper):
+after each prompt chunk but the first, every layer evicts back to ``K`` by the same rule, so
+the prompt so far, which no longer fits, is ranked by the same frozen score. At a layer that
+runs before the hooked layers have seen the chunk, the chunk's tokens have no score yet and
+count as ``+inf``: that layer keeps the whole chunk plus the top ``K − C`` older tokens; a
+layer past them ranks the chunk too. A chunk after the first must hold at most ``K`` tokens
+(:func:`~kvevict.policies.selection.check_prompt_chunk`, a ``ValueError`` otherwise); the
+smaller ``C`` is against ``K``, the more of the older prompt the early layers rank.
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ import torch
 
 from kvevict.policies.h2o import RECENT_WINDOW, CumulativeAttention
 from kvevict.policies.params import Param, declare, integer, is_integer, layer_indices
-from kvevict.policies.selection import PromptKeeping
+from kvevict.policies.selection import PromptKeeping, check_prompt_chunk
 from kvevict.signals import Signals
 
 if TYPE_CHECKING:
@@ -84,7 +96,8 @@ def scale_band(band: tuple[int, int], num_layers: int) -> tuple[int, ...]:
 # -- policies -----------------------------------------------------------------------------------
 class HiddenStatePolicy(PromptKeeping):
     """Base of the hidden-state policies: prompt and recent window kept, the rest by the
-    frozen per-token score (unscored tokens, i.e. the one in flight, count as ``+inf``)."""
+    frozen per-token score (unscored tokens, i.e. the ones in flight, count as ``+inf``);
+    a prompt prefilled in chunks is evicted after each chunk but the first (module docstring)."""
 
     PARAMS = declare(rolling=integer(ROLLING, low=1), window=RECENT_WINDOW)
 
@@ -93,7 +106,16 @@ class HiddenStatePolicy(PromptKeeping):
         return self.rolling - 1
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
-        return layer.owner.hidden.lookup(layer.positions)
+        return frozen_scores(layer)
+
+
+def frozen_scores(layer: EvictionLayer) -> torch.Tensor:
+    """The frozen hidden-state scores of the layer's entries (``+inf`` where not scored yet),
+    after refusing a prompt chunk too large to rank (also for selectors that are not
+    :class:`~kvevict.policies.selection.PromptAndWindow`, e.g. Segment-HS's quotas)."""
+    if layer.budget is not None:
+        check_prompt_chunk(layer, layer.budget)
+    return layer.owner.hidden.lookup(layer.positions)
 
 
 class HSVariance(HiddenStatePolicy):
@@ -224,4 +246,4 @@ class AttnXHS(CumulativeAttention, HiddenStatePolicy):
         return rolling_zscore(changes[self.hidden_layers(0)[0]], self.rolling)
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
-        return standardize(super().score(layer, signals)) + layer.owner.hidden.lookup(layer.positions)
+        return standardize(super().score(layer, signals)) + frozen_scores(layer)

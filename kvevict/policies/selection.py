@@ -2,7 +2,8 @@
 
 * :class:`PromptKeeping` (with its :class:`PromptAndWindow` protector): the prompt is kept
   whole and the recent ``min(128, K/4)`` tokens are kept; the rest of the budget ``K`` goes to
-  the top decode tokens by score.
+  the top decode tokens by score. A prompt prefilled in chunks is evicted at each chunk after
+  the first (kvevict's extension for bounded memory, see :class:`PromptKeeping`).
 * :func:`within_group_rank` and :func:`select_by_tiers`: lexicographic selection (a tier
   first, then a value), used by the per-chunk (LagKV) and per-segment (ThinKV) quotas.
 """
@@ -29,12 +30,15 @@ class PromptKeeping(Method):
     (``prompt + recent ≤ K``); a longer prompt is scored like the decode tokens, so every
     budget works.
 
-    Chunked prefill (an extension; the papers prefill in one pass): a prompt prefilled in one
-    pass is held whole until the first decode step, as the papers do, but at every later chunk
-    of a chunked prompt the cache evicts back to ``K`` by the same rule, since the earlier
-    chunks are scored by then. Tokens whose score does not exist yet (the chunk in flight, at
-    layers before its score is known) rank first, so a chunk is never evicted while it runs
-    unless it alone exceeds ``K``; the cache holds at most ``K + C`` entries per head.
+    Chunked prefill (an extension; the papers prefill in one pass, DESIGN §1.10): a prompt
+    prefilled in one pass is held whole until the first decode step, as the papers do, but at
+    every later chunk of a chunked prompt the cache evicts back to ``K`` by the same rule, since
+    the earlier chunks are scored by then: the prompt so far no longer fits beside the recent
+    window, so its tokens are ranked by the method's score. Tokens whose score does not exist
+    yet (the chunk in flight, at layers before its score is known) count as ``+inf`` (kept).
+    The first pass is never evicted (it may be the whole prompt), so a later chunk must hold at
+    most ``K`` tokens (else refused, :func:`check_prompt_chunk`), and the cache then holds at
+    most ``K + C`` entries per head.
 
     Args:
         window: recent tokens kept (None: ``min(128, budget // 4)``).
@@ -47,6 +51,22 @@ class PromptKeeping(Method):
 
     def stages(self) -> Stages:
         return Stages(scorer=self, protector=PromptAndWindow(self.window))
+
+
+def check_prompt_chunk(layer: EvictionLayer, budget: int) -> None:
+    """Refuse an eviction of a prompt chunk (after the first) of more than ``budget`` tokens
+    under a :class:`PromptKeeping` method: the first pass was held whole, so only a chunk that
+    fits the budget keeps a head within ``budget + chunk`` entries; and a hidden-state score
+    of a chunk is known only past its layers (the chunk counts as ``+inf`` before them), so a
+    larger chunk could not be ranked."""
+    if layer.num_new > budget and layer.passes > 1 and layer.phase() == "prefill":
+        name = layer.policy.name
+        raise ValueError(
+            f"{name} holds the first pass of a prompt whole and evicts each later chunk back to the budget, keeping "
+            f"the chunk's tokens it has not scored yet, so a prompt prefilled in chunks takes chunks of at most the "
+            f"budget: got a chunk of {layer.num_new} tokens at budget {budget}; use prefill_chunk_size "
+            f"(--prefill-chunk) <= {budget}, or prefill the prompt in one pass"
+        )
 
 
 class PromptAndWindow(Protector):
@@ -68,6 +88,7 @@ class PromptAndWindow(Protector):
         return prompt_length + self.recent_window(budget) <= budget
 
     def protected(self, layer: EvictionLayer, budget: int) -> torch.Tensor:
+        check_prompt_chunk(layer, budget)
         positions = layer.positions
         keep = positions >= layer.seen - self.recent_window(budget)
         return keep | ((positions < layer.prompt_length) & self.keeps_prompt(layer.prompt_length, budget))

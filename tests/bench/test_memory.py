@@ -78,3 +78,5 @@ def test_bench_memory_command_line(capsys) -> None:
     assert "unknown paths ['eager']; known paths: eager-attentions" in capsys.readouterr().err
     assert main(["bench", "memory", "--memory-cap", "0"]) == 2
     assert "--memory-cap must be a positive number of MiB" in capsys.readouterr().err
+    assert main(["bench", "memory", "--paths", "chunked-epikv", "--budget", "64", "--chunk", "128"]) == 2
+    assert "chunked-epikv holds the first chunk whole" in capsys.readouterr().err

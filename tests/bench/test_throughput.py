@@ -60,6 +60,14 @@ def test_serves_every_sequence_once_under_the_cap_as_it_is_alone(tmp_path) -> No
     assert 0 <= h2o["quality"] <= 1
 
 
+def test_a_prompt_is_chunked_only_where_the_policy_can_evict_chunks_of_that_size() -> None:
+    model = tiny_model()
+    for policy, budget, chunk in (("snapkv", 40, 48), ("kv-key-var", 40, 16), ("kv-key-var", 40, 48), ("full", 40, 16)):
+        cache = kvevict.EvictionCache(model, policy, **({} if policy == "full" else {"budget": budget}))
+        expected = None if policy == "full" or (policy == "kv-key-var" and chunk > budget) else chunk
+        assert throughput._chunk_for(Setting(policy, budget), chunk, cache, 100) == expected
+
+
 def test_a_rerun_skips_finished_settings(tmp_path, monkeypatch) -> None:
     model = tiny_model()
     prompts = [prompt(60, seed=seed) for seed in range(2)]

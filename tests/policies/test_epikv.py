@@ -1,4 +1,5 @@
 import importlib.util
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -71,7 +72,8 @@ def test_scores_of_the_hidden_state_family() -> None:
     torch.testing.assert_close(policies["band-adaptive"].hidden_scores(changes), z0 - (z0 + z1) / 2, atol=1e-5, rtol=0)
 
 
-def fake_layer(scores: list[float], prompt_length: int):
+def fake_layer(scores: list[float], prompt_length: int, budget: int | None = None):
+    """A decode step (one new token) over entries with these frozen scores."""
     n = len(scores)
     recorder = SimpleNamespace(lookup=lambda positions: torch.tensor(scores)[positions])
     return SimpleNamespace(
@@ -82,6 +84,8 @@ def fake_layer(scores: list[float], prompt_length: int):
         state={},
         valid=None,
         head_lengths=lambda: torch.tensor([[n]]),
+        num_new=1,
+        budget=budget,
     )
 
 
@@ -95,7 +99,7 @@ def fake_layer(scores: list[float], prompt_length: int):
 def test_prompt_and_recent_are_kept_and_the_rest_goes_by_score(prompt_length: int, budget: int, kept) -> None:
     scores = [0.0, -9.0, 0.5, 3.0, 2.0, 1.0, 0.9, -1.0, -5.0, -5.0]
     policy = kvevict.make_policy("epikv")
-    assert kept_indices(policy.select(fake_layer(scores, prompt_length), None, budget)) == [[kept]]
+    assert kept_indices(policy.select(fake_layer(scores, prompt_length, budget), None, budget)) == [[kept]]
 
 
 def test_attn_x_hs_adds_standardised_cumulative_attention_to_z_a() -> None:
@@ -182,3 +186,37 @@ def test_a_chunked_prompt_keeps_the_chunk_in_flight_and_the_top_frozen_scores_of
     whole = kvevict.EvictionCache(model, policy, budget=40)
     prefill(model, prompt(128), whole)
     assert whole.layers[0].length == 128  # one pass: the prompt is held whole until decoding (the papers' rule)
+
+
+def test_a_layer_past_the_hooked_ones_ranks_the_chunk_in_flight_too() -> None:
+    """Chunked prefill with layers (0, 0): layer 0 runs before the hook (the chunk in flight is
+    unscored, +inf, kept), layer 1 after it (the chunk is scored and ranked with the rest). At
+    each chunk but the first, each layer keeps the recent window and its top by that rule."""
+    model = tiny_model()
+    budget, chunk, length, window = 40, 16, 128, 10
+    cache = kvevict.EvictionCache(model, kvevict.make_policy("epikv", layers=(0, 0), rolling=8), budget=budget)
+    prefill(model, prompt(length), cache, chunk=chunk)
+    scores = cache.hidden.scores[0].tolist()
+    assert len(scores) == length
+    kept = []
+    for layer in cache.layers:
+        held = list(range(chunk))  # the first chunk is held whole (it could be the whole prompt)
+        for start in range(chunk, length, chunk):
+            new = range(start, start + chunk)
+            held += new
+            scored = layer.layer_idx > 0  # the hook ran before this layer's attention
+            value = {p: math.inf if p >= new[-1] + 1 - window or (p in new and not scored) else scores[p] for p in held}
+            held = sorted(sorted(held, key=lambda p: -value[p])[:budget])
+        positions = in_position_order(layer)[0]
+        assert positions.tolist() == [held] * positions.shape[0]  # a score per token: every head keeps the same
+        kept.append(held)
+    last = set(range(length - chunk, length))
+    assert last <= set(kept[0]) and not last <= set(kept[1])  # past the hook, the chunk is ranked too
+
+
+@pytest.mark.parametrize("policy", [*HIDDEN, "kv-key-var"])
+def test_a_prompt_chunk_larger_than_the_budget_is_refused(policy: str) -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, kvevict.make_policy(policy), budget=40)
+    with pytest.raises(ValueError, match=r"takes chunks of at most the budget: got a chunk of 48 tokens at budget 40"):
+        greedy(model, prompt(128), cache, new_tokens=1, chunk=48)

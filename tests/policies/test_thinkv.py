@@ -32,10 +32,13 @@ def test_rank_within_groups_and_selection_by_tiers() -> None:
 
 
 def fake_layer(policy, values: list[float], classes: dict[int, str], hidden=None):
+    """A decode step (one new token) at budget 8."""
     n = len(values)
     layer = SimpleNamespace(
         positions=torch.arange(n)[None, None],
         seen=n,
+        num_new=1,
+        budget=8,
         state={},
         valid=None,
         head_lengths=lambda: torch.tensor([[n]]),
