@@ -540,6 +540,11 @@ class EvictionLayer(DynamicLayer):
             deferred = due and phase == "prefill" and self.policy.deferred_prefill
             if deferred:
                 self.owner.deferred.append((view, signals))
+            elif due and not dropped and self._holds_everything(view):  # a decode step's eviction, usually
+                slots = self.policy.drop_lowest(view, signals, view.budget)
+                if slots is not None:
+                    self._drop_slots(view, slots)
+                    return
             keep = self.policy.select(view, signals, view.budget) if due and not deferred else None
             view.write_back()
             rows.append((view, keep))
@@ -621,16 +626,40 @@ class EvictionLayer(DynamicLayer):
         self.compacted = self.compacted or not (ordered and aligned and uniform)
         self._refresh(new_n)
 
+    def _holds_everything(self, view: RowView) -> bool:
+        """Whether ``view`` is the whole storage: every row, every column, all real."""
+        return (
+            self._valid is None
+            and view.rows.stop - view.rows.start == len(self.rows)
+            and view.columns == slice(0, self.n)
+        )
+
+    def _drop_slots(self, view: RowView, slots: torch.Tensor) -> None:
+        """Evict entry ``slots[b, h]`` of every head of ``view``, the whole storage
+        (:meth:`_holds_everything`): what :meth:`_keep_rows` does with the mask of every entry
+        but those, without building it (unless a stage watches evictions)."""
+        if self.policy.watches_evictions:
+            evicted = torch.zeros(view.positions.shape, dtype=torch.bool, device=self.device)
+            self.policy.on_evict(view, evicted.scatter_(-1, slots[..., None], True))
+        view.write_back()
+        self._fill_from_last(slots)
+
     def _drop_one(self, keep: torch.Tensor) -> bool:
         """A decode step's eviction, the common case of :meth:`_keep_rows`: every head of every
-        row (all real, aligned) drops exactly one entry. The entry of the last column takes the
-        dropped one's slot, as the general path moves it, by one ``scatter_`` per storage tensor.
-        Returns False, having done nothing, for any other mask."""
+        row (all real, aligned) drops exactly one entry (:meth:`_fill_from_last`). Returns
+        False, having done nothing, for any other mask."""
         dropped = ~keep
         if not bool((dropped.sum(dim=-1) == 1).all()):
             return False
+        self._fill_from_last(dropped.to(torch.uint8).argmax(dim=-1))
+        return True
+
+    def _fill_from_last(self, slots: torch.Tensor) -> None:
+        """Drop entry ``slots[b, h]`` ``[B, Hkv]`` of every head (all real, aligned): the entry of
+        the last column takes its slot, as the general path of :meth:`_keep_rows` moves it, by
+        one ``scatter_`` per storage tensor."""
         last = self.n - 1
-        slot = dropped.to(torch.uint8).argmax(dim=-1)[..., None]  # [B, Hkv, 1]
+        slot = slots[..., None]  # [B, Hkv, 1]
         for storage in (self._keys, self._values, self._positions, *self._state.values()):
             index = slot.view(*slot.shape, *[1] * (storage.dim() - 3)).expand(*slot.shape, *storage.shape[3:])
             storage.scatter_(2, index, storage[:, :, last : last + 1].clone())
@@ -638,7 +667,6 @@ class EvictionLayer(DynamicLayer):
             row.width = last
         self.compacted = True
         self._refresh(last)
-        return True
 
     def snapshot(self) -> tuple[int, int, int, list[tuple[int, ...]]]:
         """What :meth:`restore` needs to drop entries appended after this point."""

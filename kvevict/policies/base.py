@@ -302,10 +302,10 @@ def keep_top(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     if 4 * most > n:
         return descending_ranks(scores) < counts[..., None]
     if most == 1:  # a decode step: each head drops its lowest score, the latest of those tied with it
-        lowest, index = scores.flip(-1).min(dim=-1)  # the first in flipped order is the latest
-        if not bool(lowest.isnan().any()):
+        slots = lowest_slots(scores)
+        if slots is not None:
             keep = torch.ones(scores.shape, dtype=torch.bool, device=scores.device)
-            return keep.scatter_(-1, (n - 1 - index)[..., None], (drop == 0)[..., None])
+            return keep.scatter_(-1, slots[..., None], (drop == 0)[..., None])
     lowest = scores.topk(most, dim=-1, largest=False, sorted=True).values  # [B, H, most] ascending
     last = lowest.gather(-1, (drop - 1).clamp(min=0)[..., None])  # the highest dropped value
     last = last.masked_fill(drop[..., None] == 0, float("-inf"))  # a head that drops nothing
@@ -315,6 +315,17 @@ def keep_top(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     needed = drop - below.sum(dim=-1)  # tied entries to drop, the latest first
     from_end = tied.flip(-1).cumsum(dim=-1).flip(-1)  # tied entries at or after each one
     return ~(below | (tied & (from_end <= needed[..., None])))
+
+
+def lowest_slots(scores: torch.Tensor) -> torch.Tensor | None:
+    """The entry ``[B, H]`` (index along the last dim) of each head's lowest score, the latest
+    of those tied with it: the one a stable descending sort ranks last, so what dropping one
+    entry per head by :func:`keep_top` drops. None when a score is NaN (the sort's order of
+    NaN is then the reference)."""
+    lowest, index = scores.flip(-1).min(dim=-1)  # the first in flipped order is the latest
+    if bool(lowest.isnan().any()):
+        return None
+    return scores.shape[-1] - 1 - index
 
 
 def window_size(window: int | None, budget: int, cap: int = 128) -> int:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Corrector, Method, Ranking, Stage, TopK, Uniform
+from kvevict.policies.base import Corrector, Method, Ranking, Stage, TopK, Uniform, lowest_slots
 from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals
 
 if TYPE_CHECKING:
@@ -193,6 +193,22 @@ class Policy:
         counts = self.allocator.counts(layer, scores, protected, budget)
         return self.selector.keep(layer, signals, Ranking(scores, protected, counts))
 
+    def drop_lowest(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor | None:
+        """The entry ``[B, Hkv]`` (column of ``layer``) each head drops, when this eviction drops
+        exactly one per head by score: what :meth:`select` leaves out, found by one minimum
+        instead of a mask (a decode step's eviction, every step). None for any other eviction
+        (:meth:`select` then decides): a policy that does not keep each head's top scores under
+        uniform counts, padding or ragged heads, more than one entry over the budget, or a NaN."""
+        if not self.keeps_uniform_top or layer.valid is not None or layer.length != budget + 1:
+            return None
+        return lowest_slots(self._scores(layer, signals, self.protector.protected(layer, budget)))
+
+    @cached_property
+    def keeps_uniform_top(self) -> bool:
+        """Whether every head keeps its ``budget`` top scores (:class:`Uniform` counts and
+        :class:`TopK`, exactly those classes: a subclass may decide otherwise)."""
+        return self.scorer is not None and type(self.allocator) is Uniform and type(self.selector) is TopK
+
     @cached_property
     def batched(self) -> bool:
         """Whether rows in lockstep may run through the hooks at once: every stage's own class
@@ -225,17 +241,17 @@ class Policy:
         """The scorer's scores with the protected entries at ``+inf`` and padding at ``-inf``
         (None without a scorer), and the real protected entries."""
         protected = self.protector.protected(layer, budget)
-        scores = None
-        if self.scorer is not None:
-            scores = self.scorer.score(layer, signals)
-            scores = scores if scores.dtype == torch.float64 else scores.float()
-            scores = scores.masked_fill(protected, float("inf"))
-            if layer.valid is not None:
-                scores = scores.masked_fill(~layer.valid, float("-inf"))
-            protected = torch.isposinf(scores)  # the scorer's own +inf (e.g. SnapKV's window) included
-        elif layer.valid is not None:
-            protected = protected & layer.valid
-        return scores, protected
+        if self.scorer is None:
+            return None, protected if layer.valid is None else protected & layer.valid
+        scores = self._scores(layer, signals, protected)
+        return scores, torch.isposinf(scores)  # the scorer's own +inf (e.g. SnapKV's window) included
+
+    def _scores(self, layer: EvictionLayer, signals: Signals, protected: torch.Tensor) -> torch.Tensor:
+        """The scorer's scores (fp32, or its fp64), ``protected`` at ``+inf`` and padding at ``-inf``."""
+        scores = self.scorer.score(layer, signals)
+        scores = scores if scores.dtype == torch.float64 else scores.float()
+        scores = scores.masked_fill(protected, float("inf"))
+        return scores if layer.valid is None else scores.masked_fill(~layer.valid, float("-inf"))
 
     @cached_property
     def watches_evictions(self) -> bool:
