@@ -312,12 +312,14 @@ class EvictionLayer(DynamicLayer):
             self.prompt_pass = self._is_prompt_pass(num_new)
         ends = [row.start + row.width for row in self.rows]
         self._reserve(max(ends) + num_new)
-        new = torch.arange(num_new, device=self.device)
         if all(end == self.n for end in ends):  # rows end together: one slice
             self._keys[:, :, self.n : self.n + num_new] = key_states
             self._values[:, :, self.n : self.n + num_new] = value_states
+            seen = _uniform([row.seen for row in self.rows], self.device)
             self._positions[:, :, self.n : self.n + num_new] = (
-                _uniform([row.seen for row in self.rows], self.device) + new
+                torch.arange(seen, seen + num_new, device=self.device)
+                if isinstance(seen, int)
+                else seen + torch.arange(num_new, device=self.device)
             )
             if self._valid is not None:
                 self._valid[:, :, self.n : self.n + num_new] = True
@@ -325,7 +327,7 @@ class EvictionLayer(DynamicLayer):
             for i, (row, end) in enumerate(zip(self.rows, ends)):
                 self._keys[i, :, end : end + num_new] = key_states[i]
                 self._values[i, :, end : end + num_new] = value_states[i]
-                self._positions[i, :, end : end + num_new] = row.seen + new
+                self._positions[i, :, end : end + num_new] = torch.arange(row.seen, row.seen + num_new, device=self.device)
                 self._valid[i, :, end : end + num_new] = True
         for row in self.rows:
             row.width += num_new
@@ -401,7 +403,8 @@ class EvictionLayer(DynamicLayer):
                     )
                 end = view.columns.stop
                 self._state[name][view.rows, :, end - view.num_new : end] = value
-        self._refresh(self.n)
+        if len(self._state) != names:  # the others were written in place, into what `state` shows
+            self._refresh(self.n)
         # the views of this pass, until it evicts (a view made before a new state entry lacks it)
         self._pass_views = views if len(self._state) == names else self.views()
         for row in self.rows:

@@ -145,20 +145,33 @@ def test_reset_clears_positions_and_state() -> None:
         )
 
 
-@pytest.mark.parametrize("policy", ["h2o", "streamingllm", "tova", "lazyeviction"])
-def test_a_decode_step_that_drops_one_entry_per_head_lays_storage_out_as_the_general_path(policy: str) -> None:
-    """The one-drop eviction (one scatter per storage tensor) leaves every tensor exactly as
-    the general keep path does: the entry of the last column takes the dropped one's slot."""
+@pytest.mark.parametrize("policy", ["h2o", "streamingllm", "tova", "lazyeviction", "epikv", "critical+h2o"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_decode_step_that_drops_one_entry_per_head_lays_storage_out_as_the_general_path(
+    policy: str, batch: int
+) -> None:
+    """The one-drop eviction (the dropped entries found by one minimum, or read off a keep
+    mask; one scatter per storage tensor) leaves every tensor exactly as the general keep path
+    does: the entry of the last column takes the dropped one's slot."""
     model = tiny_model()
     fast, general = (kvevict.EvictionCache(model, policy, budget=24, interval=1) for _ in range(2))
+    general.policy.drop_lowest = lambda *args: None  # force the keep mask ...
     for layer in general.eviction_layers:
-        layer._drop_one = lambda keep: False  # force the general path
-    ids = prompt(20)
+        layer._drop_one = lambda keep: False  # ... and the general path
+    found = []
+    drop_lowest = fast.policy.drop_lowest
+    fast.policy.drop_lowest = lambda *args: found.append(drop_lowest(*args)) or found[-1]
+    ids = prompt(20).repeat(batch, 1) + torch.arange(batch)[:, None]
     with torch.no_grad():
         for cache in (fast, general):
             model(input_ids=ids, past_key_values=cache)
             for step in range(12):
-                model(input_ids=torch.tensor([[step + 5]]), past_key_values=cache)
+                model(input_ids=torch.full((batch, 1), step + 5), past_key_values=cache)
+    # policies that keep the top scores under uniform counts drop by the minimum, the others by a mask
+    if policy == "critical+h2o":
+        assert all(slots is None for slots in found)
+    else:
+        assert len(found) == (20 + 12 - 24) * len(fast.eviction_layers) and all(slots is not None for slots in found)
     for mine, theirs in zip(fast.eviction_layers, general.eviction_layers):
         assert mine.length == theirs.length == 24
         for name in ("keys", "values", "positions"):

@@ -4,9 +4,11 @@ A decode step under an eviction policy is timed against a step of a full transfo
 ``DynamicCache`` holding the same number of entries (``entries`` per KV head): the eviction
 cache is prefilled with a longer prompt and evicts to ``entries``, then every step appends
 one entry and (interval 1) evicts one; the full cache is prefilled with ``entries`` tokens
-and cropped back after every measurement. Configurations are measured in turns (round
-robin, ``repeats`` times, ``steps`` steps each) and the median per-step time is reported,
-so that load from other processes on a shared machine spreads over every configuration.
+and cropped back after every step. Steps are measured in pairs, a full-cache step right
+before each policy step, ``steps`` pairs per policy in turns (round robin, ``repeats``
+times): on a shared machine the load of other processes drifts over seconds, so each
+policy is compared with full-cache steps taken under the same load. The median step time of
+each and the ratio of the medians are reported.
 A benchmark, never a test: timings depend on the machine.
 """
 
@@ -27,15 +29,11 @@ from kvevict.policies import split_names
 POLICIES = ("streamingllm", "epikv", "tova", "h2o", "lazyeviction", "snapkv")
 
 
-def _step_time(model: PreTrainedModel, cache: object, token: torch.Tensor, steps: int) -> float:
-    """Median seconds of ``steps`` single-token passes through ``cache``."""
-    times = []
-    with torch.inference_mode():
-        for _ in range(steps):
-            start = time.perf_counter()
-            model(input_ids=token, past_key_values=cache, use_cache=True)
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _step_seconds(model: PreTrainedModel, cache: object, token: torch.Tensor) -> float:
+    """Seconds of one single-token pass through ``cache``."""
+    start = time.perf_counter()
+    model(input_ids=token, past_key_values=cache, use_cache=True)
+    return time.perf_counter() - start
 
 
 def measure(
@@ -48,30 +46,31 @@ def measure(
     repeats: int = 5,
     seed: int = 0,
 ) -> list[dict[str, object]]:
-    """Rows ``{batch, policy, ms, full_ms, ratio}``: median step time under each policy and
-    of the full cache holding the same number of entries."""
+    """Rows ``{batch, policy, ms, full_ms, ratio}``: median step time under each policy, of the
+    full-cache steps paired with its steps, and the ratio of the two."""
     vocab = model.config.get_text_config(decoder=True).vocab_size
     generator = torch.Generator().manual_seed(seed)
     rows = []
     for batch in batch_sizes:
         ids = torch.randint(min(100, vocab // 2), vocab, (batch, entries + 64), generator=generator).to(model.device)
         token = ids[:, -1:]
-        caches: dict[str, object] = {}
+        caches: dict[str, EvictionCache] = {}
         with torch.inference_mode():
             for name in policies:
                 caches[name] = EvictionCache(model, name, budget=entries, interval=1)
                 model(input_ids=ids, past_key_values=caches[name], use_cache=True)
             full = DynamicCache()
             model(input_ids=ids[:, :entries], past_key_values=full, use_cache=True)
-        times: dict[str, list[float]] = {name: [] for name in ("full", *policies)}
-        for _ in range(repeats):
-            times["full"].append(_step_time(model, full, token, steps))
-            full.crop(entries - full.get_seq_length())  # back to `entries` (a negative crop drops tokens)
-            for name in policies:
-                times[name].append(_step_time(model, caches[name], token, steps))
-        full_ms = 1e3 * statistics.median(times["full"])
+            times: dict[str, list[float]] = {name: [] for name in policies}
+            full_times: dict[str, list[float]] = {name: [] for name in policies}
+            for _ in range(repeats):
+                for name in policies:
+                    for _ in range(steps):
+                        full_times[name].append(_step_seconds(model, full, token))
+                        full.crop(-1)  # back to `entries`
+                        times[name].append(_step_seconds(model, caches[name], token))
         for name in policies:
-            ms = 1e3 * statistics.median(times[name])
+            ms, full_ms = (1e3 * statistics.median(values[name]) for values in (times, full_times))
             rows.append({"batch": batch, "policy": name, "ms": ms, "full_ms": full_ms, "ratio": ms / full_ms})
         for cache in caches.values():
             cache.close()
@@ -101,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=(1, 8),
         help="comma-separated batch sizes (default 1,8)",
     )
-    parser.add_argument("--steps", type=int, default=8, help="decode steps per measurement (default 8)")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved measurements per configuration")
+    parser.add_argument("--steps", type=int, default=8, help="paired decode steps per policy and round (default 8)")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of paired steps over the policies (default 5)")
     return parser
 
 

@@ -349,7 +349,8 @@ class SinksAndWindow(Protector):
 
     def protected(self, layer: EvictionLayer, budget: int) -> torch.Tensor:
         pos = layer.positions
-        return (pos < self.sinks) | (pos >= layer.seen - self.recent_window(budget))
+        recent = pos >= layer.seen - self.recent_window(budget)
+        return recent | (pos < self.sinks) if self.sinks else recent
 
 
 class Uniform(Allocator):

@@ -178,13 +178,21 @@ class Policy:
         """Initial per-token state of appended entries, each stage's under its namespace."""
         return {
             f"{stage.namespace}/{key}": value
-            for stage in self.stages
+            for stage in self._overriding("new_tokens")
             for key, value in stage.new_tokens(layer, num_new).items()
         }
 
     def observe(self, layer: EvictionLayer, signals: Signals) -> None:
-        for stage in self.stages:
+        for stage in self._overriding("observe"):
             stage.observe(layer, signals)
+
+    def _overriding(self, hook: str) -> tuple[Stage, ...]:
+        """The stages whose class implements ``hook`` (the others' is the base class's no-op):
+        the hooks run in every layer of every pass, most stages have nothing to do there."""
+        known = self.__dict__.setdefault("_overriding_stages", {})
+        if hook not in known:
+            known[hook] = tuple(stage for stage in self.stages if getattr(type(stage), hook) is not getattr(Stage, hook))
+        return known[hook]
 
     def select(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
         """The entries to keep, ``[B, Hkv, n]`` bool: scores (protected at ``+inf``, padding at
@@ -257,10 +265,10 @@ class Policy:
     def watches_evictions(self) -> bool:
         """Whether a stage reads the evicted entries (:meth:`on_evict`): otherwise the cache
         does not build the mask of them."""
-        return any(type(stage).on_evict is not Stage.on_evict for stage in self.stages)
+        return bool(self._overriding("on_evict"))
 
     def on_evict(self, layer: EvictionLayer, evicted: torch.Tensor) -> None:
-        for stage in self.stages:
+        for stage in self._overriding("on_evict"):
             stage.on_evict(layer, evicted)
 
     def correct_output(

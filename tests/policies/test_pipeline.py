@@ -9,7 +9,7 @@ from transformers import LlamaConfig, Qwen2Config
 
 import kvevict
 from kvevict.budgets import descending_ranks
-from kvevict.policies.base import keep_top
+from kvevict.policies.base import keep_top, lowest_slots
 from kvevict.policies.lazyeviction import ALPHA_LLAMA, ALPHA_QWEN
 from tests.conftest import build_policy, greedy, prompt, tiny_model
 
@@ -114,3 +114,17 @@ def test_keep_top_drops_the_lowest_and_the_latest_of_ties_as_a_stable_sort_does(
         assert torch.equal(keep_top(scores, counts), descending_ranks(scores) < counts[..., None])
     ties = torch.tensor([[[1.0, 0.0, 1.0, 0.0, 1.0, 2.0, 0.0, 2.0]]])
     assert keep_top(ties, torch.tensor([[6]])).tolist() == [[[True, True, True, False, True, True, False, True]]]
+
+
+def test_lowest_slots_is_the_entry_a_stable_sort_ranks_last() -> None:
+    """Per head, the lowest score, the latest of those tied with it (what keeping all but one
+    by the stable descending sort drops); None when a score is NaN."""
+    ties = torch.tensor([[[1.0, 0.0, 1.0, 0.0, 1.0, 2.0, 0.0, 2.0], [float("inf"), 3.0, -1.0, 5.0, -1.0, 9.0, 0.0, 7.0]]])
+    assert lowest_slots(ties).tolist() == [[6, 4]]
+    generator = torch.Generator().manual_seed(1)
+    for trial in range(100):
+        scores = torch.randint(0, 3, (2, 3, 2 + trial % 19), generator=generator).float()
+        dropped = ~(descending_ranks(scores) < scores.shape[-1] - 1)
+        assert torch.equal(lowest_slots(scores), dropped.to(torch.uint8).argmax(dim=-1))
+    ties[0, 1, 3] = float("nan")
+    assert lowest_slots(ties) is None
