@@ -161,17 +161,17 @@ class EvictionLayer(DynamicLayer):
     def _refresh(self, n: int) -> None:
         """Expose the first ``n`` storage columns as :attr:`keys`, :attr:`values`, ..."""
         self.n = n
-        self.keys = self._keys[:, :, :n]
-        self.values = self._values[:, :, :n]
-        self.positions = self._positions[:, :, :n]
+        self.keys = self._keys.narrow(2, 0, n)  # `narrow`: the same view as [:, :, :n], for less (every pass)
+        self.values = self._values.narrow(2, 0, n)
+        self.positions = self._positions.narrow(2, 0, n)
         """Absolute position of each entry in its own sequence ``[B, Hkv, n]`` (the model's RoPE
         position; negative for left padding, which is never valid)."""
-        self.valid = None if self._valid is None else self._valid[:, :, :n]
+        self.valid = None if self._valid is None else self._valid.narrow(2, 0, n)
         """``[B, Hkv, n]`` bool once rows or heads hold different numbers of entries (left
         padding, head-wise budgets, ``keep=`` with prompts of different lengths): each is
         padded to the longest and its padding is masked out of attention and selection.
         ``None`` while every entry is real."""
-        self.state = {name: value[:, :, :n] for name, value in self._state.items()}
+        self.state = {name: value.narrow(2, 0, n) for name, value in self._state.items()}
 
     @property
     def policy(self) -> Policy:
@@ -316,11 +316,10 @@ class EvictionLayer(DynamicLayer):
             self._keys[:, :, self.n : self.n + num_new] = key_states
             self._values[:, :, self.n : self.n + num_new] = value_states
             seen = _uniform([row.seen for row in self.rows], self.device)
-            self._positions[:, :, self.n : self.n + num_new] = (
-                torch.arange(seen, seen + num_new, device=self.device)
-                if isinstance(seen, int)
-                else seen + torch.arange(num_new, device=self.device)
-            )
+            if isinstance(seen, int) and num_new == 1:  # a decode step
+                self._positions[:, :, self.n] = seen
+            else:
+                self._positions[:, :, self.n : self.n + num_new] = seen + torch.arange(num_new, device=self.device)
             if self._valid is not None:
                 self._valid[:, :, self.n : self.n + num_new] = True
         else:  # each row appends at its own end
@@ -815,12 +814,14 @@ class RowView:
         rows = slice(row, stop)
         self.rows = rows
         """The batch rows this view holds: one, or (:meth:`EvictionLayer.views`) every row in lockstep."""
-        self.keys = layer.keys[rows, :, columns]
-        self.values = layer.values[rows, :, columns]
-        self.positions = layer.positions[rows, :, columns]
-        valid = None if layer.valid is None else layer.valid[rows, :, columns]
+        if row == 0 and stop == len(layer.rows) and info.start == 0 and info.width == layer.n:
+            cut = _whole  # the usual case, one row or rows in lockstep: the layer's own views
+        else:
+            cut = _narrowing(rows, columns)
+        self.keys, self.values, self.positions = cut(layer.keys), cut(layer.values), cut(layer.positions)
+        valid = None if layer.valid is None else cut(layer.valid)
         self.valid = None if valid is None or bool(valid.all()) else valid
-        self._state = {name: value[rows, :, columns] for name, value in layer.state.items()}
+        self._state = {name: cut(value) for name, value in layer.state.items()}
         self.state = dict(self._state)
         self.interval = info.interval
         if stop - row == 1:
@@ -909,6 +910,15 @@ class RowView:
             if value is not self._state.get(name):
                 self.layer._state[name][self.rows, :, self.columns] = value
                 self._state[name] = value
+
+
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _narrowing(rows: slice, columns: slice) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x[rows, :, columns]`` of a ``[B, H, n, ...]`` tensor, as a view."""
+    return lambda x: x.narrow(0, rows.start, rows.stop - rows.start).narrow(2, columns.start, columns.stop - columns.start)
 
 
 class _RowOwner:

@@ -98,8 +98,10 @@ class HiddenStateRecorder:
         self._cache = None if cache is None else weakref.ref(cache)
         self.changes: dict[int, torch.Tensor] = {i: torch.empty(0) for i in wanted}
         """``g_l`` of every token seen, ``{layer: [B, T_l]}`` fp32, by absolute position."""
-        self.scores = torch.empty(0)
-        """Frozen per-token scores ``[B, T]`` of the first ``T`` positions."""
+        self._table = torch.empty(0)
+        """Frozen per-token scores ``[B, capacity]`` of the first :attr:`scored` positions, then
+        ``+inf`` (at least one column): a lookup is one gather, whatever it asks for."""
+        self._scored = 0
         self._last: dict[int, torch.Tensor] = {}
         self._modules = {i: modules[i] for i in wanted}
         self._install()
@@ -114,7 +116,7 @@ class HiddenStateRecorder:
         ``EvictionCache`` maps the cache to its copy in ``memo``) and sharing the model."""
         twin = copy.copy(self)
         twin.changes = {i: t.clone() for i, t in self.changes.items()}
-        twin.scores = self.scores.clone()
+        twin._table = self._table.clone()
         twin._last = {i: t.clone() for i, t in self._last.items()}
         if self._cache is not None:
             cache = self._cache()
@@ -134,7 +136,24 @@ class HiddenStateRecorder:
     @property
     def scored(self) -> int:
         """Positions ``0 .. scored - 1`` have a frozen score."""
-        return _length(self.scores)
+        return self._scored
+
+    @property
+    def scores(self) -> torch.Tensor:
+        """Frozen per-token scores ``[B, T]`` of the first ``T`` = :attr:`scored` positions."""
+        return self._table[:, : self._scored] if self._scored else self._table
+
+    def _append_scores(self, new: torch.Tensor) -> None:
+        """Freeze ``new`` ``[B, m]``, the scores of the next ``m`` positions (grown geometrically,
+        so each step's append is O(1) amortised and a column of ``+inf`` always follows)."""
+        start, end = self._scored, self._scored + new.shape[1]
+        if self._table.dim() != 2 or self._table.shape[1] <= end:
+            table = new.new_full((new.shape[0], max(64, 2 * end)), float("inf"))
+            if start:
+                table[:, :start] = self._table[:, :start]
+            self._table = table
+        self._table[:, start:end] = new
+        self._scored = end
 
     @property
     def offsets(self) -> list[int]:
@@ -175,23 +194,20 @@ class HiddenStateRecorder:
                 scored = self.scorer(window)[:, first - begin :].float()
                 rows.append(torch.nn.functional.pad(scored, (first - start, 0), value=float("inf")))
             new = torch.cat(rows)
-        self.scores = new if start == 0 else torch.cat([self.scores, new], dim=1)
+        self._append_scores(new)
 
     def lookup(self, positions: torch.Tensor, row: int | None = None) -> torch.Tensor:
         """Frozen scores of the entries at ``positions`` ``[B, H, n]`` (fp32); ``+inf`` for
         positions not scored yet (their pass has not reached every hooked layer). Positions
         count the columns of the passes (a row's left padding included); ``row``: look up
         that row of the batch only (``positions`` then ``[1, H, n]``)."""
-        b = positions.shape[0]
-        out = torch.full(positions.shape, float("inf"), dtype=torch.float32, device=positions.device)
-        if self.scored == 0:
-            return out
-        scores = self.scores.to(positions.device)
+        if self._scored == 0:
+            return torch.full(positions.shape, float("inf"), dtype=torch.float32, device=positions.device)
+        table = self._table.to(positions.device)
         if row is not None:
-            scores = scores[row : row + 1]
-        known = positions < self.scored
-        values = scores[:, None, :].expand(b, positions.shape[1], -1).gather(2, positions.clamp(max=self.scored - 1))
-        return torch.where(known, values, out)
+            table = table[row : row + 1]
+        table = table[:, None, :].expand(positions.shape[0], positions.shape[1], -1)
+        return table.gather(2, positions.clamp(max=table.shape[-1] - 1))  # past the scored ones: +inf
 
     def wants(self, past_key_values: Any) -> bool:
         return self._cache is None or past_key_values is self._cache()

@@ -90,8 +90,11 @@ class PromptAndWindow(Protector):
     def protected(self, layer: EvictionLayer, budget: int) -> torch.Tensor:
         check_prompt_chunk(layer, budget)
         positions = layer.positions
-        keep = positions >= layer.seen - self.recent_window(budget)
-        return keep | ((positions < layer.prompt_length) & self.keeps_prompt(layer.prompt_length, budget))
+        recent = positions >= layer.seen - self.recent_window(budget)
+        keeps_prompt = self.keeps_prompt(layer.prompt_length, budget)
+        if keeps_prompt is False:  # the usual decode step: a prompt longer than the budget is ranked
+            return recent
+        return recent | ((positions < layer.prompt_length) & keeps_prompt)
 
 
 def within_group_rank(
