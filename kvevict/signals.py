@@ -270,6 +270,8 @@ def column_sums(
 ) -> torch.Tensor:
     """Attention received by each key from every query of the pass, ``[B, Hq, n]`` fp32,
     computed ``chunk`` queries at a time (memory ``chunk × n`` per head)."""
+    if query.shape[-2] <= chunk and window is None:  # one chunk (a decode step): no running total
+        return attention_rows(query, keys, scaling, valid).sum(dim=2)
     total = query.new_zeros(*query.shape[:2], keys.shape[-2], dtype=torch.float32)
     for start, stop, rows, visible_keys, visible_valid in query_chunks(query, keys, valid, chunk):
         n = visible_keys.shape[-2]

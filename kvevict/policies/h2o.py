@@ -20,10 +20,13 @@ RECENT_WINDOW = integer(None, unset="min(128, budget // 4)")
 GROUP = choice("mean", "mean", "max")
 
 
-def h2o_accumulate(accumulated: torch.Tensor, column_sums: torch.Tensor, group: GroupReduce = "mean") -> torch.Tensor:
+def h2o_accumulate(
+    accumulated: torch.Tensor, column_sums: torch.Tensor, group: GroupReduce = "mean", *, in_place: bool = False
+) -> torch.Tensor:
     """H2O's score update: add the attention each key received in this pass, reduced over
-    the GQA group (``[B, Hkv, n]`` += reduce(``[B, Hq, n]``))."""
-    return accumulated + group_reduce(column_sums.float(), accumulated.shape[1], group)
+    the GQA group (``[B, Hkv, n]`` += reduce(``[B, Hq, n]``)); ``in_place``: into ``accumulated``."""
+    received = group_reduce(column_sums.float(), accumulated.shape[1], group)
+    return accumulated.add_(received) if in_place else accumulated + received
 
 
 class CumulativeAttention(Method):
@@ -46,8 +49,8 @@ class CumulativeAttention(Method):
     def observe(self, layer: EvictionLayer, signals: Signals) -> None:
         if signals.column_sums is None:  # a pass that can no longer lead to an eviction (regime=prefill)
             return
-        state = self.state(layer)
-        state[ACCUMULATED] = h2o_accumulate(state[ACCUMULATED], signals.column_sums, self.group)
+        # in place: the state is a view of the cache's storage (no copy back, every layer of every step)
+        h2o_accumulate(self.state(layer)[ACCUMULATED], signals.column_sums, self.group, in_place=True)
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
         return self.state(layer)[ACCUMULATED]

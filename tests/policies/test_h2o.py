@@ -11,6 +11,8 @@ def test_h2o_accumulates_group_reduced_column_sums() -> None:
     sums = torch.tensor([[[1.0, 2.0, 3.0], [3.0, 2.0, 1.0], [0.0, 0.0, 6.0], [2.0, 2.0, 2.0]]])  # [1, Hq=4, 3]
     assert h2o_accumulate(accumulated, sums, "mean").tolist() == [[[3.0, 2.0, 2.0], [1.0, 1.0, 5.0]]]
     assert h2o_accumulate(accumulated, sums, "max").tolist() == [[[4.0, 2.0, 3.0], [2.0, 2.0, 7.0]]]
+    assert h2o_accumulate(accumulated, sums, "mean", in_place=True) is accumulated  # the cache's storage
+    assert accumulated.tolist() == [[[3.0, 2.0, 2.0], [1.0, 1.0, 5.0]]]
 
 
 def test_h2o_scores_equal_the_attention_matrix_column_sums() -> None:
