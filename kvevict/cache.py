@@ -662,9 +662,14 @@ class EvictionLayer(DynamicLayer):
         one ``scatter_`` per storage tensor."""
         last = self.n - 1
         slot = slots[..., None]  # [B, Hkv, 1]
+        indices: dict[tuple[int, ...], torch.Tensor] = {}  # per trailing shape (keys and values share one)
         for storage in (self._keys, self._values, self._positions, *self._state.values()):
-            index = slot.view(*slot.shape, *[1] * (storage.dim() - 3)).expand(*slot.shape, *storage.shape[3:])
-            storage.scatter_(2, index, storage[:, :, last : last + 1].clone())
+            trailing = storage.shape[3:]
+            if trailing not in indices:
+                indices[trailing] = slot.view(*slot.shape, *[1] * len(trailing)).expand(*slot.shape, *trailing)
+            # no copy of the source: a head reads only its own last column, which it writes only
+            # when it drops that very entry (with the same value)
+            storage.scatter_(2, indices[trailing], storage.narrow(2, last, 1))
         for row in self.rows:
             row.width = last
         self.compacted = True
