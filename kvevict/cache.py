@@ -667,9 +667,9 @@ class EvictionLayer(DynamicLayer):
             trailing = storage.shape[3:]
             if trailing not in indices:
                 indices[trailing] = slot.view(*slot.shape, *[1] * len(trailing)).expand(*slot.shape, *trailing)
-            # no copy of the source: a head reads only its own last column, which it writes only
-            # when it drops that very entry (with the same value)
-            storage.scatter_(2, indices[trailing], storage.narrow(2, last, 1))
+            # the source column is copied (one entry per head): torch refuses a scatter whose
+            # source lies inside the written tensor whenever it can see the overlap
+            storage.scatter_(2, indices[trailing], storage.narrow(2, last, 1).clone())
         for row in self.rows:
             row.width = last
         self.compacted = True
