@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kw
 
 from kvevict import attention
 from kvevict.budgets import Budget
-from kvevict.hidden import HiddenStateRecorder
+from kvevict.hidden import HiddenStateRecorder, pass_cache
 from kvevict.models import RotaryTable, check_policy_fits, check_supported
 from kvevict.policies import Method, Policy, make_policy
 from kvevict.signals import LogitSpec, Phase, Signals, compute_signals
@@ -57,7 +57,7 @@ class PrefillHook:
 
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
             owner = ref()
-            if owner is not None and kwargs.get("past_key_values") is owner:
+            if owner is not None and pass_cache(kwargs) is owner:
                 input_ids = kwargs.get("input_ids", args[0] if args else None)
                 with torch.no_grad():
                     owner.finish_prefill(module, input_ids)

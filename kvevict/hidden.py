@@ -213,6 +213,13 @@ class HiddenStateRecorder:
         return self._cache is None or past_key_values is self._cache()
 
 
+def pass_cache(kwargs: dict[str, Any]) -> Any:
+    """The cache a module's forward was called with: ``cache=`` from transformers 5.24 on
+    (which renames ``past_key_values``), ``past_key_values=`` before."""
+    cache = kwargs.get("cache")
+    return kwargs.get("past_key_values") if cache is None else cache
+
+
 def _length(series: torch.Tensor) -> int:
     """Tokens in a ``[B, T]`` series (the initial placeholder is empty)."""
     return series.shape[-1] if series.dim() == 2 else 0
@@ -221,7 +228,7 @@ def _length(series: torch.Tensor) -> int:
 def _hook(recorder: weakref.ref[HiddenStateRecorder], layer: int) -> Callable:
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         me = recorder()
-        if me is None or not me.wants(kwargs.get("past_key_values")):
+        if me is None or not me.wants(pass_cache(kwargs)):
             return
         hidden = output[0] if isinstance(output, tuple) else output
         with torch.no_grad():

@@ -37,6 +37,7 @@ COMMON = {
 }
 CONFIGS = {
     "llama": lambda: LlamaConfig(**COMMON),
+    "llama-mqa": lambda: LlamaConfig(**{**COMMON, "num_key_value_heads": 1}),  # multi-query attention: one KV head
     "mistral": lambda: MistralConfig(**COMMON, sliding_window=None),
     "qwen2": lambda: Qwen2Config(**COMMON, use_sliding_window=False),
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16),  # q/k norms

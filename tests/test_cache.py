@@ -146,14 +146,15 @@ def test_reset_clears_positions_and_state() -> None:
 
 
 @pytest.mark.parametrize("policy", ["h2o", "streamingllm", "tova", "lazyeviction", "epikv", "critical+h2o"])
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize(("batch", "arch"), [(1, "llama"), (3, "llama"), (1, "llama-mqa")])
 def test_a_decode_step_that_drops_one_entry_per_head_lays_storage_out_as_the_general_path(
-    policy: str, batch: int
+    policy: str, batch: int, arch: str
 ) -> None:
     """The one-drop eviction (the dropped entries found by one minimum, or read off a keep
     mask; one scatter per storage tensor) leaves every tensor exactly as the general keep path
-    does: the entry of the last column takes the dropped one's slot."""
-    model = tiny_model()
+    does: the entry of the last column takes the dropped one's slot. One row of one KV head
+    makes the moved column a contiguous piece of the storage it is scattered into."""
+    model = tiny_model(arch)
     fast, general = (kvevict.EvictionCache(model, policy, budget=24, interval=1) for _ in range(2))
     general.policy.drop_lowest = lambda *args: None  # force the keep mask ...
     for layer in general.eviction_layers:
