@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 
 PREFIX = "kvevict_"
 BASE_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+ROW_KERNELS = ("sdpa", "eager")
+"""Kernels whose decode step kvevict may replace by attending with the probabilities the
+policy reads (:meth:`~kvevict.cache.EvictionLayer.decode_row`); flash kernels keep their own."""
 _pending = threading.local()
 
 
@@ -81,6 +84,16 @@ def kernel_spec(query: torch.Tensor, kwargs: dict) -> LogitSpec:
     )
 
 
+def attend(row: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The attention output ``[B, 1, Hq, d]`` (the kernel's layout, the values' dtype) of one
+    query whose probabilities ``row`` ``[B, Hq, 1, n]`` (fp32) are given, over ``values``
+    ``[B, Hkv, n, d]`` (query head ``h`` reads KV head ``h // (Hq / Hkv)``), summed in fp32."""
+    b, hq, _, n = row.shape
+    hkv = values.shape[1]
+    output = row.reshape(b, hkv, hq // hkv, n) @ values.float()
+    return output.reshape(b, hq, 1, -1).transpose(1, 2).to(values.dtype)
+
+
 def _make_attention(base: str) -> Callable:
     def kvevict_attention(module, query, key, value, attention_mask, **kwargs):
         kernel = base_kernel(base, module)
@@ -88,12 +101,16 @@ def _make_attention(base: str) -> Callable:
         if layer is None:  # not an eviction cache: pure pass-through
             return kernel(module, query, key, value, attention_mask, **kwargs)
         layer.begin_pass(attention_mask)
-        attention_mask = _layer_mask(base, attention_mask, query, layer)
-        output, weights = kernel(module, query, key, value, attention_mask, **kwargs)
         spec = kernel_spec(query, kwargs)
+        row = None if base not in ROW_KERNELS or module.training else layer.decode_row(query, spec)
+        if row is None:
+            attention_mask = _layer_mask(base, attention_mask, query, layer)
+            output, weights = kernel(module, query, key, value, attention_mask, **kwargs)
+        else:  # the policy reads this very row: attend by it rather than compute it twice
+            output, weights = attend(row, value), row.to(query.dtype) if base == "eager" else None
         if layer.policy.corrects_output:
             output = layer.correct_output(query, output, spec.scaling)  # before this pass evicts
-        layer.after_attention(query, spec, module)
+        layer.after_attention(query, spec, module, row)
         return output, weights
 
     kvevict_attention.__name__ = f"{PREFIX}{base}"

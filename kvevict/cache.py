@@ -36,7 +36,7 @@ from kvevict.budgets import Budget
 from kvevict.hidden import HiddenStateRecorder, pass_cache
 from kvevict.models import RotaryTable, check_policy_fits, check_supported
 from kvevict.policies import Method, Policy, make_policy
-from kvevict.signals import LogitSpec, Phase, Signals, compute_signals
+from kvevict.signals import LogitSpec, Phase, Signals, attention_rows, compute_signals
 
 SidePassObserver = Callable[["EvictionLayer", torch.Tensor, float, torch.nn.Module | None], None]
 """Receives ``(layer, query, scaling, attention module)`` of each layer during a scoring pass."""
@@ -516,14 +516,39 @@ class EvictionLayer(DynamicLayer):
             rows.append(torch.cat([output[view.rows, : real.start], corrected], dim=1))
         return torch.cat(rows)
 
+    def decode_row(self, query: torch.Tensor, spec: LogitSpec) -> torch.Tensor | None:
+        """The new query's attention probabilities ``[B, Hq, 1, n]`` (fp32) over this layer's
+        entries, when the attention path may attend by them instead of calling the kernel and
+        the policy reads them this step (the last query's row, or column sums, which one query
+        makes the same): a decode step of one view over the whole storage, on a full-attention
+        layer, after the first eviction (until then the model's own kernel runs, bit-identical
+        to no eviction). None otherwise. The kernel's logits would be computed twice, once to
+        attend and once for the signal; this computes them once."""
+        views = self._pass_views
+        if query.shape[-2] != 1 or not self.compacted or self.window is not None or views is None or len(views) != 1:
+            return None
+        view = views[0]
+        if view.keys is not self.keys or not view.num_new:
+            return None
+        phase = view.phase()
+        requirements = self.policy.requirements(phase, view.eviction_due(phase, 1))
+        if not (requirements.last_query_attention or requirements.column_sums):
+            return None
+        return attention_rows(query, view.keys, spec, view.valid)
+
     def after_attention(
-        self, query: torch.Tensor, scaling: float | LogitSpec, module: torch.nn.Module | None = None
+        self,
+        query: torch.Tensor,
+        scaling: float | LogitSpec,
+        module: torch.nn.Module | None = None,
+        row: torch.Tensor | None = None,
     ) -> None:
         """Called by the attention path once this pass attended: for each row, compute the
         signals the policy asked for (with the kernel's logit recipe ``scaling``, see
-        :class:`~kvevict.signals.LogitSpec`), let it observe them, drop what left a sliding
-        window, and evict down to the row's budget when due (or defer that eviction to the
-        end of the prefill forward, :meth:`EvictionCache.finish_prefill`)."""
+        :class:`~kvevict.signals.LogitSpec`; ``row``: the :meth:`decode_row` the pass attended
+        by), let it observe them, drop what left a sliding window, and evict down to the row's
+        budget when due (or defer that eviction to the end of the prefill forward,
+        :meth:`EvictionCache.finish_prefill`)."""
         if self.owner.side_pass is not None:  # a scoring pass of the policy's own (KVzip's repeat)
             self.owner.side_pass(self, query, scaling, module)
             return
@@ -536,7 +561,9 @@ class EvictionLayer(DynamicLayer):
             phase = view.phase()
             due = view.eviction_due(phase, view.num_new)
             requirements = self.policy.requirements(phase, due)
-            signals = compute_signals(requirements, view, phase, query[view.rows, :, -view.num_new :], scaling, module)
+            signals = compute_signals(
+                requirements, view, phase, query[view.rows, :, -view.num_new :], scaling, module, row
+            )
             self.policy.observe(view, signals)
             dropped = view.drop_outside_window()
             deferred = due and phase == "prefill" and self.policy.deferred_prefill

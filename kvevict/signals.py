@@ -310,10 +310,13 @@ def compute_signals(
     query: torch.Tensor,
     scaling: float | LogitSpec,
     module: torch.nn.Module | None = None,
+    last_row: torch.Tensor | None = None,
 ) -> Signals:
     """Compute exactly the signals in ``requirements`` for one pass of one layer, with the
     kernel's logit recipe ``scaling`` (a scale or a :class:`LogitSpec`) and, on a
-    sliding-window layer, the window's mask."""
+    sliding-window layer, the window's mask. ``last_row``: the probabilities ``[B, Hq, 1, n]``
+    of a single-query pass, already computed (the pass attended by them), read instead of
+    computed again."""
     spec = as_spec(scaling)
     keys, valid, num_new = layer.keys, layer.valid, query.shape[-2]
     sliding = SlidingWindow.of(layer, num_new)
@@ -323,11 +326,14 @@ def compute_signals(
         visible = None if sliding is None else sliding.visible(num_new - r, num_new)
         return attention_rows(query[:, :, -r:], keys, spec, valid, visible)
 
-    if requirements.last_query_attention:
+    if last_row is not None:  # one query: its row is also the pass's column sums
+        signals.last_query_attention = last_row[:, :, 0] if requirements.last_query_attention else None
+        signals.column_sums = last_row[:, :, 0] if requirements.column_sums else None
+    if requirements.last_query_attention and last_row is None:
         signals.last_query_attention = rows(1)[:, :, 0]
     if requirements.window:
         signals.window_attention = rows(min(requirements.window, num_new))
-    if requirements.column_sums:
+    if requirements.column_sums and last_row is None:
         signals.column_sums = column_sums(query, keys, spec, valid, window=sliding)
     if requirements.value_norms:
         if module is None or not hasattr(module, "o_proj"):

@@ -260,7 +260,7 @@ def capture_passes(layer) -> list[dict]:
     passes: list[dict] = []
     original = layer.after_attention
 
-    def spy(query, scaling, module=None):
+    def spy(query, scaling, module=None, row=None):
         passes.append(
             {
                 "query": query,
@@ -271,7 +271,7 @@ def capture_passes(layer) -> list[dict]:
                 "positions": layer.positions.clone(),
             }
         )
-        original(query, scaling, module)
+        original(query, scaling, module, row)
 
     layer.after_attention = spy
     return passes

@@ -3,10 +3,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 from transformers import DynamicCache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import repeat_kv
 
 import kvevict
+from kvevict import cache as cache_module
 from kvevict import signals
+from kvevict.attention import attend
 from kvevict.signals import NOTHING, Requirements, attention_rows, column_sums, compute_signals
 from tests.conftest import prompt, tiny_model
 
@@ -63,6 +66,7 @@ def test_attention_work_is_limited_to_what_the_policy_asks(monkeypatch, policy: 
         return original(query, keys, *args)
 
     monkeypatch.setattr(signals, "attention_rows", counting)
+    monkeypatch.setattr(cache_module, "attention_rows", counting)  # a decode step's row, attended by
     model = tiny_model()
     cache = kvevict.EvictionCache(model, policy, budget=None if policy == "full" else 40)
     with torch.no_grad():
@@ -70,6 +74,41 @@ def test_attention_work_is_limited_to_what_the_policy_asks(monkeypatch, policy: 
         for token in range(3):
             model(input_ids=torch.tensor([[token + 5]]), past_key_values=cache)
     assert len(seen) == calls  # 2 layers; snapkv at prefill only, tova at every pass
+
+
+def test_attending_by_given_probabilities_equals_the_sdpa_kernel(qk) -> None:
+    query, keys = qk
+    values = torch.randn_like(keys)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, -1:], keys, values, scale=0.3, enable_gqa=True
+    ).transpose(1, 2)
+    output = attend(attention_rows(query[:, :, -1:], keys, 0.3), values)
+    assert output.shape == expected.shape == (1, 1, 4, 8)
+    torch.testing.assert_close(output, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("policy", "kernel_calls"), [("tova", 2), ("h2o", 2), ("streamingllm", 2 * 4), ("snapkv", 2 * 4)]
+)
+def test_a_decode_step_whose_policy_reads_its_row_attends_by_that_row(
+    monkeypatch, policy: str, kernel_calls: int
+) -> None:
+    """After the first eviction, a decode step of a policy that reads the new query's row
+    attends by the row it computes for the policy; the model's kernel runs otherwise (the
+    prompt, policies that read no attention, and every pass before an eviction)."""
+    calls = []
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    counted = lambda *args, **kwargs: calls.append(1) or sdpa(*args, **kwargs)  # noqa: E731
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", counted)
+    model = tiny_model()
+    for budget, expected in ((40, kernel_calls), (10_000, 2 * 4)):  # no eviction: always the kernel
+        calls.clear()
+        cache = kvevict.EvictionCache(model, policy, budget=budget)
+        with torch.no_grad():
+            model(input_ids=prompt(96), past_key_values=cache)
+            for token in range(3):
+                model(input_ids=torch.tensor([[token + 5]]), past_key_values=cache)
+        assert len(calls) == expected
 
 
 def test_column_sums_never_build_an_n_by_n_matrix(monkeypatch) -> None:

@@ -70,10 +70,10 @@ def test_token_is_scored_after_its_own_pass_and_scores_are_frozen() -> None:
     for layer in cache.layers:
         original = layer.after_attention
 
-        def spy(query, scaling, module=None, layer=layer, original=original):
+        def spy(query, scaling, module=None, row=None, layer=layer, original=original):
             seen_scored.append((layer.seen, cache.hidden.scored))
             assert torch.isinf(cache.hidden.lookup(torch.tensor([[[layer.seen - 1]]]))).all()
-            original(query, scaling, module)
+            original(query, scaling, module, row)
 
         layer.after_attention = spy
     snapshots = []

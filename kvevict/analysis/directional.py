@@ -170,7 +170,12 @@ def _record_passes(layer: object) -> list[dict]:
     """The two passes of ``layer`` (context, question): query and entries before any eviction."""
     passes, original = [], layer.after_attention
 
-    def spy(query: torch.Tensor, scaling: float | LogitSpec, module: torch.nn.Module | None = None) -> None:
+    def spy(
+        query: torch.Tensor,
+        scaling: float | LogitSpec,
+        module: torch.nn.Module | None = None,
+        row: torch.Tensor | None = None,
+    ) -> None:
         passes.append(
             {
                 "query": query,
@@ -180,7 +185,7 @@ def _record_passes(layer: object) -> list[dict]:
                 "positions": layer.positions,
             }
         )
-        original(query, scaling, module)
+        original(query, scaling, module, row)
 
     layer.after_attention = spy
     return passes
