@@ -524,8 +524,10 @@ class EvictionLayer(DynamicLayer):
         layer, after the first eviction (until then the model's own kernel runs, bit-identical
         to no eviction). None otherwise. The kernel's logits would be computed twice, once to
         attend and once for the signal; this computes them once."""
+        if not self.policy.reads_decode_row or query.shape[-2] != 1 or not self.compacted or self.window is not None:
+            return None
         views = self._pass_views
-        if query.shape[-2] != 1 or not self.compacted or self.window is not None or views is None or len(views) != 1:
+        if views is None or len(views) != 1:
             return None
         view = views[0]
         if view.keys is not self.keys or not view.num_new:

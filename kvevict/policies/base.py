@@ -194,6 +194,10 @@ class Scorer(Stage):
     weighted), so one budget can be ranked across layers as they are (``global+``; other
     scorers are standardised per layer first, see :class:`~kvevict.policies.allocation.GlobalBudget`)."""
 
+    distinct_scores: ClassVar[bool] = False
+    """No two entries a head holds ever score the same, and no score is NaN (StreamingLLM's
+    positions): the lowest is then found by one ``argmin``, without breaking ties."""
+
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
         """``[B, Hkv, n]``, fp32 (fp64 where the policy needs its exactness)."""
         raise NotImplementedError
@@ -317,11 +321,14 @@ def keep_top(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return ~(below | (tied & (from_end <= needed[..., None])))
 
 
-def lowest_slots(scores: torch.Tensor) -> torch.Tensor | None:
+def lowest_slots(scores: torch.Tensor, distinct: bool = False) -> torch.Tensor | None:
     """The entry ``[B, H]`` (index along the last dim) of each head's lowest score, the latest
     of those tied with it: the one a stable descending sort ranks last, so what dropping one
     entry per head by :func:`keep_top` drops. None when a score is NaN (the sort's order of
-    NaN is then the reference)."""
+    NaN is then the reference). ``distinct``: the lowest score is known to be unique and not
+    NaN (:attr:`Scorer.distinct_scores`), so one ``argmin`` finds it."""
+    if distinct:
+        return scores.argmin(dim=-1)
     lowest, index = scores.flip(-1).min(dim=-1)  # the first in flipped order is the latest
     if bool(lowest.isnan().any()):
         return None
@@ -348,8 +355,10 @@ class SinksAndWindow(Protector):
         return window_size(self.window, budget, self.cap)
 
     def protected(self, layer: EvictionLayer, budget: int) -> torch.Tensor:
-        pos = layer.positions
-        recent = pos >= layer.seen - self.recent_window(budget)
+        pos, window = layer.positions, self.recent_window(budget)
+        if not window:  # the sinks alone (StreamingLLM's default)
+            return pos < self.sinks
+        recent = pos >= layer.seen - window
         return recent | (pos < self.sinks) if self.sinks else recent
 
 

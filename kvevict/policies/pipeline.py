@@ -174,6 +174,15 @@ class Policy:
             known[phase, evicting] = reduce(Requirements.__or__, needs, NOTHING)
         return known[phase, evicting]
 
+    @cached_property
+    def reads_decode_row(self) -> bool:
+        """Whether a decode step may read the new query's attention row (as such, or as the
+        column sums of its one query)."""
+        return any(
+            needs.last_query_attention or needs.column_sums
+            for needs in (self.requirements("decode", False), self.requirements("decode", True))
+        )
+
     def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
         """Initial per-token state of appended entries, each stage's under its namespace."""
         return {
@@ -209,7 +218,16 @@ class Policy:
         uniform counts, padding or ragged heads, more than one entry over the budget, or a NaN."""
         if not self.keeps_uniform_top or layer.valid is not None or layer.length != budget + 1:
             return None
-        return lowest_slots(self._scores(layer, signals, self.protector.protected(layer, budget)))
+        scores = self._scores(layer, signals, self.protector.protected(layer, budget))
+        return lowest_slots(scores, distinct=self.distinct_scores)
+
+    @cached_property
+    def distinct_scores(self) -> bool:
+        """Whether the scorer's own class declares :attr:`~kvevict.policies.base.Scorer.distinct_scores`
+        (a subclass may score otherwise, so an inherited flag does not count). The lowest of a
+        one-drop eviction is then unique: a budget covers the sinks and the window
+        (:meth:`check_budget`), so one of the ``budget + 1`` entries is not protected."""
+        return vars(type(self.scorer)).get("distinct_scores", False)
 
     @cached_property
     def keeps_uniform_top(self) -> bool:

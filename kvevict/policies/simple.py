@@ -69,6 +69,7 @@ class StreamingLLM(Method):
     name = "streamingllm"
     summary = "keep 4 attention sinks + the most recent tokens"
     batched = True
+    distinct_scores = True  # a head holds each position once
     PARAMS = declare(sinks=integer(4))
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:

@@ -128,3 +128,11 @@ def test_lowest_slots_is_the_entry_a_stable_sort_ranks_last() -> None:
         assert torch.equal(lowest_slots(scores), dropped.to(torch.uint8).argmax(dim=-1))
     ties[0, 1, 3] = float("nan")
     assert lowest_slots(ties) is None
+    distinct = torch.tensor([[[7.0, 3.0, float("inf"), 5.0], [float("inf"), 9.0, 8.0, 10.0]]])
+    assert lowest_slots(distinct, distinct=True).tolist() == lowest_slots(distinct).tolist() == [[1, 2]]
+
+
+def test_streamingllm_scores_are_declared_distinct_and_scores_that_tie_are_not() -> None:
+    """Positions are unique per head, so StreamingLLM's lowest needs no tie-breaking."""
+    assert kvevict.make_policy("streamingllm").distinct_scores
+    assert not any(kvevict.make_policy(name).distinct_scores for name in ("h2o", "tova", "knorm", "epikv"))
