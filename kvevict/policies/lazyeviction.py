@@ -24,17 +24,26 @@ WINDOW_CAP = 32
 
 
 def track_recurrence(
-    timestamp: torch.Tensor, mri: torch.Tensor, attention: torch.Tensor, step: int, alpha: float
+    timestamp: torch.Tensor,
+    mri: torch.Tensor,
+    attention: torch.Tensor,
+    step: int,
+    alpha: float,
+    *,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Recurrence Interval Tracking at decode step ``step`` (int32 state, ``[B, Hkv, n]``).
 
     Where the current query's attention reaches ``alpha`` the timestamp becomes ``step`` and
     the Maximum Recurrence Interval grows to the gap since the previous timestamp:
     ``old = TS; TS[A ≥ α] = t; MRI = max(MRI, TS − old)`` (the gap is 0 where not attended).
+    ``in_place``: into ``timestamp`` and ``mri``.
     """
     attended = attention >= alpha
-    new_timestamp = torch.where(attended, torch.full_like(timestamp, step), timestamp)
-    return new_timestamp, torch.maximum(mri, new_timestamp - timestamp)
+    gap = torch.where(attended, step - timestamp, 0).to(mri.dtype)
+    if in_place:
+        return timestamp.masked_fill_(attended, step), torch.maximum(mri, gap, out=mri)
+    return timestamp.masked_fill(attended, step), torch.maximum(mri, gap)
 
 
 def mri_scores(timestamp: torch.Tensor, mri: torch.Tensor, step: int) -> torch.Tensor:
@@ -100,8 +109,8 @@ class LazyEviction(Method):
         else:  # a token fed at decode step t was produced at step t - 1
             last = layer.decode_step
             timestamp = torch.arange(last - num_new, last, dtype=torch.int32, device=device)
-        zeros = torch.zeros(b, h, num_new, dtype=torch.int32, device=device)
-        return {TIMESTAMP: timestamp.expand(b, h, num_new).contiguous(), MRI: zeros}
+        zeros = torch.zeros((), dtype=torch.int32, device=device)  # written into the layer's state, broadcast
+        return {TIMESTAMP: timestamp.expand(b, h, num_new), MRI: zeros.expand(b, h, num_new)}
 
     def observe(self, layer: EvictionLayer, signals: Signals) -> None:
         if signals.phase != "decode":
@@ -110,9 +119,7 @@ class LazyEviction(Method):
             raise RuntimeError("lazyeviction is not bound to a model (alpha unset): use it through an EvictionCache")
         state = self.state(layer)
         attention = group_reduce(signals.last_query_attention, layer.num_kv_heads, "max")
-        state[TIMESTAMP], state[MRI] = track_recurrence(
-            state[TIMESTAMP], state[MRI], attention, layer.decode_step, self.alpha
-        )
+        track_recurrence(state[TIMESTAMP], state[MRI], attention, layer.decode_step, self.alpha, in_place=True)
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
         state = self.state(layer)
