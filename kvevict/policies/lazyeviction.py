@@ -40,7 +40,7 @@ def track_recurrence(
     ``in_place``: into ``timestamp`` and ``mri``.
     """
     attended = attention >= alpha
-    gap = torch.where(attended, step - timestamp, 0).to(mri.dtype)
+    gap = (step - timestamp).mul_(attended)  # int32; 0 where not attended
     if in_place:
         return timestamp.masked_fill_(attended, step), torch.maximum(mri, gap, out=mri)
     return timestamp.masked_fill(attended, step), torch.maximum(mri, gap)
