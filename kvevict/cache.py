@@ -978,8 +978,11 @@ class _RowHidden:
     def __init__(self, recorder: HiddenStateRecorder, row: int, offset: int):
         self.recorder, self.row, self.offset = recorder, row, offset
 
-    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
-        return self.recorder.lookup(positions + self.offset, row=self.row)
+    def lookup(self, positions: torch.Tensor, end: int | None = None) -> torch.Tensor:
+        if not self.offset:
+            return self.recorder.lookup(positions, row=self.row, end=end)
+        shifted_end = None if end is None else end + self.offset
+        return self.recorder.lookup(positions + self.offset, row=self.row, end=shifted_end)
 
 
 class _SpanOwner:
@@ -1011,8 +1014,11 @@ class _SpanHidden:
     def __init__(self, recorder: HiddenStateRecorder, offsets: list[int]):
         self.recorder, self.offsets = recorder, offsets
 
-    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
-        return self.recorder.lookup(positions + _uniform(self.offsets, positions.device))
+    def lookup(self, positions: torch.Tensor, end: int | None = None) -> torch.Tensor:
+        offsets = _uniform(self.offsets, positions.device)
+        if isinstance(offsets, int) and not offsets:
+            return self.recorder.lookup(positions, end=end)
+        return self.recorder.lookup(positions + offsets, end=None if end is None else end + max(self.offsets))
 
 
 def _uniform(values: list[int], device: torch.device) -> int | torch.Tensor:

@@ -196,18 +196,21 @@ class HiddenStateRecorder:
             new = torch.cat(rows)
         self._append_scores(new)
 
-    def lookup(self, positions: torch.Tensor, row: int | None = None) -> torch.Tensor:
+    def lookup(self, positions: torch.Tensor, row: int | None = None, end: int | None = None) -> torch.Tensor:
         """Frozen scores of the entries at ``positions`` ``[B, H, n]`` (fp32); ``+inf`` for
         positions not scored yet (their pass has not reached every hooked layer). Positions
         count the columns of the passes (a row's left padding included); ``row``: look up
-        that row of the batch only (``positions`` then ``[1, H, n]``)."""
+        that row of the batch only (``positions`` then ``[1, H, n]``); ``end``: every position
+        is below it (the table, ``+inf`` past the scored ones, then needs no clamp when it
+        reaches that far: a decode step's usual case)."""
         if self._scored == 0:
             return torch.full(positions.shape, float("inf"), dtype=torch.float32, device=positions.device)
         table = self._table.to(positions.device)
+        if end is None or end > table.shape[-1]:
+            positions = positions.clamp(max=table.shape[-1] - 1)  # past the table: +inf, as its last column
         if row is not None:
-            table = table[row : row + 1]
-        table = table[:, None, :].expand(positions.shape[0], positions.shape[1], -1)
-        return table.gather(2, positions.clamp(max=table.shape[-1] - 1))  # past the scored ones: +inf
+            return torch.take(table[row], positions)
+        return table[:, None, :].expand(positions.shape[0], positions.shape[1], -1).gather(2, positions)
 
     def wants(self, past_key_values: Any) -> bool:
         return self._cache is None or past_key_values is self._cache()

@@ -119,3 +119,19 @@ def test_the_pass_cache_is_found_under_either_name_transformers_gives_it() -> No
     assert pass_cache({"cache": cache}) is cache  # transformers >= 5.24
     assert pass_cache({"past_key_values": cache, "use_cache": True}) is cache  # before
     assert pass_cache({"input_ids": None}) is None
+
+
+def test_a_lookup_told_where_positions_end_equals_the_clamped_one() -> None:
+    """Positions past the scored ones read ``+inf`` whether the table is clamped or, told that
+    every position lies below ``end``, indexed as is; one row reads what the whole batch does."""
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, kvevict.make_policy("epikv", layers=(0, 1), rolling=4), budget=10_000)
+    with torch.no_grad():
+        model(input_ids=prompt(20).repeat(2, 1), past_key_values=cache)
+    recorder = cache.hidden
+    positions = torch.arange(21).expand(2, 2, 21)  # position 20: not scored
+    clamped = recorder.lookup(positions)
+    assert torch.isinf(clamped[..., 20]).all() and torch.isfinite(clamped[..., 1:20]).all()
+    assert torch.equal(recorder.lookup(positions, end=21), clamped)
+    assert torch.equal(recorder.lookup(positions[:1], row=1, end=21), clamped[1:])
+    assert torch.equal(recorder.lookup(positions[:1] + 500, row=0, end=None), torch.full((1, 2, 21), float("inf")))

@@ -115,7 +115,8 @@ def frozen_scores(layer: EvictionLayer) -> torch.Tensor:
     :class:`~kvevict.policies.selection.PromptAndWindow`, e.g. Segment-HS's quotas)."""
     if layer.budget is not None:
         check_prompt_chunk(layer, layer.budget)
-    return layer.owner.hidden.lookup(layer.positions)
+    seen = getattr(layer, "seen", None)  # rows in lockstep may have seen different numbers (a tensor)
+    return layer.owner.hidden.lookup(layer.positions, end=seen if isinstance(seen, int) else None)
 
 
 class HSVariance(HiddenStatePolicy):

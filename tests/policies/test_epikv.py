@@ -75,7 +75,7 @@ def test_scores_of_the_hidden_state_family() -> None:
 def fake_layer(scores: list[float], prompt_length: int, budget: int | None = None):
     """A decode step (one new token) over entries with these frozen scores."""
     n = len(scores)
-    recorder = SimpleNamespace(lookup=lambda positions: torch.tensor(scores)[positions])
+    recorder = SimpleNamespace(lookup=lambda positions, end=None: torch.tensor(scores)[positions])
     return SimpleNamespace(
         positions=torch.arange(n)[None, None],
         seen=n,

@@ -53,7 +53,7 @@ def fake_layer(policy, values: list[float], classes: dict[int, str], hidden=None
 @pytest.mark.parametrize("policy", ["thinkv", "segment-hs"])
 def test_recent_then_unclassified_then_quotas_then_the_rest(policy: str) -> None:
     values = [4.0, 1.0, 3.0, 2.0, 1.0, 5.0, 2.0, 2.0, 0.0, 0.0, 0.0, 0.0]
-    hidden = SimpleNamespace(lookup=lambda positions: torch.tensor(values)[positions])
+    hidden = SimpleNamespace(lookup=lambda positions, end=None: torch.tensor(values)[positions])
     thinkv = kvevict.make_policy(policy, segment=4, quotas={"R": 2, "E": 1, "T": 0})
     layer = fake_layer(thinkv, values if policy == "thinkv" else [0.0] * 12, {0: "R", 1: "E"}, hidden)
     # recent min(128, 8 // 4) = 10, 11; segment 2 unclassified: 8, 9; R keeps 0 and 2, E keeps 5;
