@@ -563,9 +563,9 @@ class EvictionLayer(DynamicLayer):
             phase = view.phase()
             due = view.eviction_due(phase, view.num_new)
             requirements = self.policy.requirements(phase, due)
-            signals = compute_signals(
-                requirements, view, phase, query[view.rows, :, -view.num_new :], scaling, module, row
-            )
+            whole = view.num_new == query.shape[-2] and view.rows == slice(0, len(self.rows))
+            view_query = query if whole else query[view.rows, :, -view.num_new :]
+            signals = compute_signals(requirements, view, phase, view_query, scaling, module, row)
             self.policy.observe(view, signals)
             dropped = view.drop_outside_window()
             deferred = due and phase == "prefill" and self.policy.deferred_prefill
