@@ -326,7 +326,9 @@ class EvictionLayer(DynamicLayer):
             for i, (row, end) in enumerate(zip(self.rows, ends)):
                 self._keys[i, :, end : end + num_new] = key_states[i]
                 self._values[i, :, end : end + num_new] = value_states[i]
-                self._positions[i, :, end : end + num_new] = torch.arange(row.seen, row.seen + num_new, device=self.device)
+                self._positions[i, :, end : end + num_new] = torch.arange(
+                    row.seen, row.seen + num_new, device=self.device
+                )
                 self._valid[i, :, end : end + num_new] = True
         for row in self.rows:
             row.width += num_new
@@ -952,7 +954,9 @@ def _whole(x: torch.Tensor) -> torch.Tensor:
 
 def _narrowing(rows: slice, columns: slice) -> Callable[[torch.Tensor], torch.Tensor]:
     """``x[rows, :, columns]`` of a ``[B, H, n, ...]`` tensor, as a view."""
-    return lambda x: x.narrow(0, rows.start, rows.stop - rows.start).narrow(2, columns.start, columns.stop - columns.start)
+    return lambda x: x.narrow(0, rows.start, rows.stop - rows.start).narrow(
+        2, columns.start, columns.stop - columns.start
+    )
 
 
 class _RowOwner:

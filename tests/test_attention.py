@@ -98,7 +98,7 @@ def test_a_decode_step_whose_policy_reads_its_row_attends_by_that_row(
     prompt, policies that read no attention, and every pass before an eviction)."""
     calls = []
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
-    counted = lambda *args, **kwargs: calls.append(1) or sdpa(*args, **kwargs)  # noqa: E731
+    counted = lambda *args, **kwargs: calls.append(1) or sdpa(*args, **kwargs)
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", counted)
     model = tiny_model()
     for budget, expected in ((40, kernel_calls), (10_000, 2 * 4)):  # no eviction: always the kernel

@@ -200,7 +200,9 @@ class Policy:
         the hooks run in every layer of every pass, most stages have nothing to do there."""
         known = self.__dict__.setdefault("_overriding_stages", {})
         if hook not in known:
-            known[hook] = tuple(stage for stage in self.stages if getattr(type(stage), hook) is not getattr(Stage, hook))
+            known[hook] = tuple(
+                stage for stage in self.stages if getattr(type(stage), hook) is not getattr(Stage, hook)
+            )
         return known[hook]
 
     def select(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:

@@ -119,7 +119,9 @@ def test_keep_top_drops_the_lowest_and_the_latest_of_ties_as_a_stable_sort_does(
 def test_lowest_slots_is_the_entry_a_stable_sort_ranks_last() -> None:
     """Per head, the lowest score, the latest of those tied with it (what keeping all but one
     by the stable descending sort drops); None when a score is NaN."""
-    ties = torch.tensor([[[1.0, 0.0, 1.0, 0.0, 1.0, 2.0, 0.0, 2.0], [float("inf"), 3.0, -1.0, 5.0, -1.0, 9.0, 0.0, 7.0]]])
+    ties = torch.tensor(
+        [[[1.0, 0.0, 1.0, 0.0, 1.0, 2.0, 0.0, 2.0], [float("inf"), 3.0, -1.0, 5.0, -1.0, 9.0, 0.0, 7.0]]]
+    )
     assert lowest_slots(ties).tolist() == [[6, 4]]
     generator = torch.Generator().manual_seed(1)
     for trial in range(100):
