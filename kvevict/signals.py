@@ -326,15 +326,14 @@ def compute_signals(
         visible = None if sliding is None else sliding.visible(num_new - r, num_new)
         return attention_rows(query[:, :, -r:], keys, spec, valid, visible)
 
-    if last_row is not None:  # one query: its row is also the pass's column sums
-        signals.last_query_attention = last_row[:, :, 0] if requirements.last_query_attention else None
-        signals.column_sums = last_row[:, :, 0] if requirements.column_sums else None
-    if requirements.last_query_attention and last_row is None:
-        signals.last_query_attention = rows(1)[:, :, 0]
+    if requirements.last_query_attention:
+        signals.last_query_attention = (rows(1) if last_row is None else last_row)[:, :, 0]
     if requirements.window:
         signals.window_attention = rows(min(requirements.window, num_new))
-    if requirements.column_sums and last_row is None:
-        signals.column_sums = column_sums(query, keys, spec, valid, window=sliding)
+    if requirements.column_sums:  # of one query given: its row
+        signals.column_sums = (
+            column_sums(query, keys, spec, valid, window=sliding) if last_row is None else last_row[:, :, 0]
+        )
     if requirements.value_norms:
         if module is None or not hasattr(module, "o_proj"):
             raise ValueError("value norms need the attention module's output projection (o_proj)")
