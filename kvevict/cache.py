@@ -33,7 +33,8 @@ from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kw
 
 from kvevict import attention
 from kvevict.budgets import Budget
-from kvevict.hidden import HiddenStateRecorder, pass_cache
+from kvevict.compat import pass_cache
+from kvevict.hidden import HiddenStateRecorder
 from kvevict.models import RotaryTable, check_policy_fits, check_supported
 from kvevict.policies import Method, Policy, make_policy
 from kvevict.signals import LogitSpec, Phase, Signals, attention_rows, compute_signals

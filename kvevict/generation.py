@@ -9,6 +9,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvevict.batching import left_padded, padded_positions
 from kvevict.cache import EvictionCache
+from kvevict.compat import with_cache
 from kvevict.policies import Policy
 
 CONTEXT_QUESTION_SEPARATOR = "\n\n"
@@ -69,7 +70,7 @@ def prefill(
     for start in range(0, ids.shape[-1], step):
         end = start + step
         extra = {} if mask is None else {"attention_mask": mask[:, :end], "position_ids": positions[:, start:end]}
-        output = model(input_ids=ids[:, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1, **extra)
+        output = model(input_ids=ids[:, start:end], **with_cache(cache), use_cache=True, logits_to_keep=1, **extra)
     cache.end_prompt()
     return output.logits[:, -1]
 
@@ -98,7 +99,7 @@ def continue_greedy(
     output = model.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids) if mask is None else mask.to(model.device),
-        past_key_values=cache,
+        **with_cache(cache),
         max_new_tokens=max_new_tokens,
         do_sample=False,
         temperature=None,

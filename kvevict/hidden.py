@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from kvevict.compat import pass_cache
+
 ScoreFunction = Callable[[dict[int, torch.Tensor]], torch.Tensor]
 """Per-token scores ``[B, m]`` from the changes ``{layer: [B, m]}`` of ``m`` consecutive tokens."""
 
@@ -214,13 +216,6 @@ class HiddenStateRecorder:
 
     def wants(self, past_key_values: Any) -> bool:
         return self._cache is None or past_key_values is self._cache()
-
-
-def pass_cache(kwargs: dict[str, Any]) -> Any:
-    """The cache a module's forward was called with: ``cache=`` from transformers 5.24 on
-    (which renames ``past_key_values``), ``past_key_values=`` before."""
-    cache = kwargs.get("cache")
-    return kwargs.get("past_key_values") if cache is None else cache
 
 
 def _length(series: torch.Tensor) -> int:

@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 import kvevict
-from kvevict.hidden import HiddenStateRecorder, decoder_layers, hidden_changes, pass_cache
+from kvevict.hidden import HiddenStateRecorder, decoder_layers, hidden_changes
 from tests.conftest import prompt, tiny_model
 
 
@@ -112,13 +112,6 @@ def test_a_deep_copy_of_the_cache_records_its_own_passes() -> None:
     del twin
     gc.collect()
     assert hooks(model) == [1, 1]
-
-
-def test_the_pass_cache_is_found_under_either_name_transformers_gives_it() -> None:
-    cache = object()
-    assert pass_cache({"cache": cache}) is cache  # transformers >= 5.24
-    assert pass_cache({"past_key_values": cache, "use_cache": True}) is cache  # before
-    assert pass_cache({"input_ids": None}) is None
 
 
 def test_a_lookup_told_where_positions_end_equals_the_clamped_one() -> None:

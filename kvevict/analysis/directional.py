@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from kvevict.bench.report import text_table
+from kvevict.compat import with_cache
 from kvevict.figures import pyplot, save_figure
 from kvevict.moments import MomentStats, accumulate, nc_correct
 from kvevict.signals import LogitSpec, as_spec, attention_logits
@@ -136,9 +137,9 @@ def run_directional(
     for context, question in tqdm(prompts, desc="directional", unit="sample", disable=not progress):
         cache = EvictionCache(model, policy, budget=budget)
         passes = {layer.layer_idx: _record_passes(layer) for layer in cache.eviction_layers}
-        model(input_ids=context.to(model.device), past_key_values=cache)
+        model(input_ids=context.to(model.device), **with_cache(cache))
         cache.end_prompt()  # the question probes the compressed context
-        model(input_ids=question.to(model.device), past_key_values=cache)
+        model(input_ids=question.to(model.device), **with_cache(cache))
         if any(layer.valid is not None for layer in cache.eviction_layers):
             raise ValueError(
                 f"policy {policy!r} gives heads different budgets; the directional analysis compares the same "

@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvevict.bench.report import text_table
+from kvevict.compat import with_cache
 from kvevict.figures import pyplot, save_figure
 from kvevict.policies.allocation import model_fingerprint
 from kvevict.policies.base import Method
@@ -75,13 +76,13 @@ def retrieval_scores(model: PreTrainedModel, prompt_ids: torch.Tensor, target: l
     cache = EvictionCache(model, ArgmaxProbe(), budget=NEVER_EVICT)
     probe: ArgmaxProbe = cache.policy.method
     ids = prompt_ids.to(model.device)
-    model(input_ids=ids[:, :-1], past_key_values=cache)
+    model(input_ids=ids[:, :-1], **with_cache(cache))
     config = model.config.get_text_config(decoder=True)
     hits = torch.zeros(config.num_hidden_layers, config.num_attention_heads)
     fed = ids[:, -1:]
     prompt = ids[0].tolist()
     for token in target:
-        model(input_ids=fed, past_key_values=cache)  # its query predicts `token`
+        model(input_ids=fed, **with_cache(cache))  # its query predicts `token`
         for layer, positions in probe.argmax(cache).items():
             for head, position in enumerate(positions.tolist()):
                 hits[layer, head] += int(position in span and prompt[position] == token)

@@ -24,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from kvevict.bench.report import text_table
+from kvevict.compat import with_cache
 from kvevict.figures import pyplot, save_figure
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ def first_token(
 
     cache = DynamicCache() if policy is None else EvictionCache(model, policy, budget=budget)
     ids = ids.to(model.device)
-    model(input_ids=ids[:, :-1], past_key_values=cache)
+    model(input_ids=ids[:, :-1], **with_cache(cache))
     outputs: list[torch.Tensor] = []
     blocks = model.model.layers
     hooks = [
@@ -65,7 +66,7 @@ def first_token(
         for block in blocks
     ]
     try:
-        out = model(input_ids=ids[:, -1:], past_key_values=cache, output_hidden_states=True)
+        out = model(input_ids=ids[:, -1:], **with_cache(cache), output_hidden_states=True)
     finally:
         for hook in hooks:
             hook.remove()

@@ -15,6 +15,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from kvevict.cache import EvictionCache
+from kvevict.compat import with_cache
 
 
 @dataclass(frozen=True)
@@ -52,14 +53,14 @@ def replay(
     token. ``step_by_step`` feeds the answer one token per pass, as generation does, so
     decode-time eviction happens at the same steps; otherwise it is fed in one pass."""
     ids, answer = ids.to(model.device), answer.to(model.device)
-    logits = [model(input_ids=ids[:, cache.get_seq_length() :], past_key_values=cache).logits[0, -1:]]
+    logits = [model(input_ids=ids[:, cache.get_seq_length() :], **with_cache(cache)).logits[0, -1:]]
     if isinstance(cache, EvictionCache):  # the answer is decoded, not a chunk of the prompt
         cache.end_prompt()
     forced = answer[:-1]
     if step_by_step:
-        logits += [model(input_ids=token.view(1, 1), past_key_values=cache).logits[0, -1:] for token in forced]
+        logits += [model(input_ids=token.view(1, 1), **with_cache(cache)).logits[0, -1:] for token in forced]
     elif forced.numel():
-        logits.append(model(input_ids=forced[None], past_key_values=cache).logits[0])
+        logits.append(model(input_ids=forced[None], **with_cache(cache)).logits[0])
     return torch.cat(logits, dim=0)
 
 

@@ -62,6 +62,7 @@ from transformers import PreTrainedModel
 
 from kvevict.bench.options import comma_separated
 from kvevict.bench.report import text_table
+from kvevict.compat import with_cache
 from kvevict.figures import pyplot, save_figure
 
 PATHS = ("eager-attentions", "attention-free", "attention-requiring", "chunked-snapkv", "chunked-h2o", "chunked-epikv")
@@ -155,7 +156,7 @@ def _run_path(model: PreTrainedModel, path: str, ids: torch.Tensor, budget: int,
     # both keep the whole prompt, so they differ only by what scoring costs during the pass
     policy = make_policy("epikv") if path == "attention-free" else make_policy("h2o", regime="decode")
     with EvictionCache(model, policy, budget=ids.shape[-1]) as cache:
-        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(input_ids=ids, **with_cache(cache), use_cache=True, logits_to_keep=1)
 
 
 def measure_peak(

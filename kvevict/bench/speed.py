@@ -24,6 +24,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from kvevict.bench.options import comma_separated
 from kvevict.cache import EvictionCache
+from kvevict.compat import with_cache
 from kvevict.policies import split_names
 
 POLICIES = ("streamingllm", "epikv", "tova", "h2o", "lazyeviction", "snapkv")
@@ -32,7 +33,7 @@ POLICIES = ("streamingllm", "epikv", "tova", "h2o", "lazyeviction", "snapkv")
 def _step_seconds(model: PreTrainedModel, cache: object, token: torch.Tensor) -> float:
     """Seconds of one single-token pass through ``cache``."""
     start = time.perf_counter()
-    model(input_ids=token, past_key_values=cache, use_cache=True)
+    model(input_ids=token, **with_cache(cache), use_cache=True)
     return time.perf_counter() - start
 
 
@@ -58,9 +59,9 @@ def measure(
         with torch.inference_mode():
             for name in policies:
                 caches[name] = EvictionCache(model, name, budget=entries, interval=1)
-                model(input_ids=ids, past_key_values=caches[name], use_cache=True)
+                model(input_ids=ids, **with_cache(caches[name]), use_cache=True)
             full = DynamicCache()
-            model(input_ids=ids[:, :entries], past_key_values=full, use_cache=True)
+            model(input_ids=ids[:, :entries], **with_cache(full), use_cache=True)
             times: dict[str, list[float]] = {name: [] for name in policies}
             full_times: dict[str, list[float]] = {name: [] for name in policies}
             for _ in range(repeats):

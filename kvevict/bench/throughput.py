@@ -49,6 +49,7 @@ from kvevict.bench.memory import MIB
 from kvevict.bench.options import comma_separated
 from kvevict.bench.report import text_table
 from kvevict.cache import EvictionCache
+from kvevict.compat import with_cache
 from kvevict.figures import pyplot, save_figure
 from kvevict.generation import prefill
 from kvevict.policies import make_policy
@@ -238,7 +239,7 @@ def serve(
         tokens = torch.tensor([[outputs[seq][-1]] for seq in slots], device=model.device)
         served.peak_bytes = max(served.peak_bytes, held() + len(slots) * per_token)  # appended, not yet evicted
         tick = time.perf_counter()
-        logits = model(input_ids=tokens, position_ids=batch.next_positions(), past_key_values=batch).logits[:, -1]
+        logits = model(input_ids=tokens, position_ids=batch.next_positions(), **with_cache(batch)).logits[:, -1]
         served.decode_s += time.perf_counter() - tick
         for seq, token in zip(slots, logits.argmax(-1).tolist()):
             outputs[seq].append(token)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvevict.batching import left_padded, padded_positions
+from kvevict.compat import with_cache
 from kvevict.models import tokenizer_of
 from kvevict.policies.allocation import GlobalBudget
 from kvevict.policies.base import Method, SinksAndWindow, Stage, Stages
@@ -225,7 +226,7 @@ class KVzip(Method):
                     repeats[row][chunk] if chunk < len(repeats.get(row, ())) else None for row in range(len(input_ids))
                 ]
                 with cache.scoring_pass(observe):
-                    decoder(**_repeat_batch(cache, pieces), past_key_values=cache, use_cache=True)
+                    decoder(**_repeat_batch(cache, pieces), **with_cache(cache), use_cache=True)
         finally:
             for hook in hooks:
                 hook.remove()

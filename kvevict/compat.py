@@ -1,0 +1,30 @@
+"""What differs between the transformers releases kvevict supports (``>=5.0,<6``).
+
+transformers 5.24 renamed the cache argument of a model's, a decoder layer's and
+``generate``'s forward from ``past_key_values`` to ``cache``; the old name still works until
+5.40, with a FutureWarning on every call. kvevict's own calls pass the name the installed
+release expects (:func:`with_cache`), and its hooks read either (:func:`pass_cache`). Users
+may pass either name: ``model.generate(..., past_key_values=cache)`` works on every release.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import transformers
+from packaging.version import Version
+
+CACHE_ARGUMENT = "cache" if Version(transformers.__version__) >= Version("5.24.0.dev0") else "past_key_values"
+"""The name of the cache argument of a forward or ``generate`` in the installed transformers."""
+
+
+def with_cache(cache: Any) -> dict[str, Any]:
+    """``model(..., **with_cache(cache))``: ``cache`` under the name the installed transformers expects."""
+    return {CACHE_ARGUMENT: cache}
+
+
+def pass_cache(kwargs: dict[str, Any]) -> Any:
+    """The cache a module's forward was called with: ``cache=`` from transformers 5.24 on,
+    ``past_key_values=`` before (None without one)."""
+    cache = kwargs.get("cache")
+    return kwargs.get("past_key_values") if cache is None else cache
