@@ -1104,12 +1104,7 @@ class EvictionCache(Cache):
         config = model.config.get_text_config(decoder=True)
         self.policy = policy.bound(config)
         """This cache's copy of the policy, bound to the model (the object passed is left as it is)."""
-        self.shared: dict[str, object] = {}
-        """Per-cache policy data shared across layers (e.g. ThinKV's per-token entropy), of
-        the first row; every row of a batch has its own (:meth:`row_shared`)."""
-        self._shared_rows: dict[int, dict[str, object]] = {0: self.shared}
-        self.row_offsets: list[int] = [0]
-        """Left padding of each row of the batch (columns before its first real token)."""
+        self._clear_sequences()
         hidden_layers = self.policy.hidden_layers(config.num_hidden_layers)
         self.hidden = (
             HiddenStateRecorder(
@@ -1123,8 +1118,6 @@ class EvictionCache(Cache):
         """cos/sin of the model's RoPE at any position (ExpectedAttention's future rotations)."""
         self.side_pass: SidePassObserver | None = None
         """Set while a policy runs a scoring pass of its own through this cache (KVzip)."""
-        self.deferred: list[tuple[RowView, Signals]] = []
-        """Row views whose prefill eviction waits for the end of the prefill forward, with their signals."""
         self._prefill_hook = PrefillHook(model, self) if self.policy.deferred_prefill else None
         _, layer_kwargs = get_layer_types_and_kwargs(config)  # check_supported: full or sliding layers only
         layers = [EvictionLayer(self, i, kwargs.get("sliding_window")) for i, kwargs in enumerate(layer_kwargs)]
@@ -1132,6 +1125,26 @@ class EvictionCache(Cache):
 
     def __repr__(self) -> str:
         return f"EvictionCache(policy={self.policy!r}, {self.budget}, interval={self.interval})"
+
+    def _clear_sequences(self) -> None:
+        """The cache-wide data of the sequences held (besides each layer's own)."""
+        self.shared: dict[str, object] = {}
+        """Per-cache policy data shared across layers (e.g. ThinKV's per-token entropy), of
+        the first row; every row of a batch has its own (:meth:`row_shared`)."""
+        self._shared_rows: dict[int, dict[str, object]] = {0: self.shared}
+        self.row_offsets: list[int] = [0]
+        """Left padding of each row of the batch (columns before its first real token)."""
+        self.deferred: list[tuple[RowView, Signals]] = []
+        """Row views whose prefill eviction waits for the end of the prefill forward, with their signals."""
+
+    def reset(self) -> None:
+        """Empty the cache for new sequences: what a fresh cache of the same model and policy
+        holds (every layer, the policy's shared data such as a seeded generator, the recorded
+        hidden states), keeping the hooks installed."""
+        super().reset()
+        self._clear_sequences()
+        if self.hidden is not None:
+            self.hidden.reset()
 
     def close(self) -> None:
         """Remove the hooks from the model (also done on garbage collection)."""

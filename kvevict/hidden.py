@@ -98,15 +98,20 @@ class HiddenStateRecorder:
         self.scorer = scorer
         self.context = context
         self._cache = None if cache is None else weakref.ref(cache)
-        self.changes: dict[int, torch.Tensor] = {i: torch.empty(0) for i in wanted}
+        self.reset()
+        self._modules = {i: modules[i] for i in wanted}
+        self._install()
+
+    def reset(self) -> None:
+        """Forget every token recorded: the next pass starts a new sequence at position 0
+        (what ``EvictionCache.reset()`` needs); the hooks stay."""
+        self.changes: dict[int, torch.Tensor] = {i: torch.empty(0) for i in self.layers}
         """``g_l`` of every token seen, ``{layer: [B, T_l]}`` fp32, by absolute position."""
         self._table = torch.empty(0)
         """Frozen per-token scores ``[B, capacity]`` of the first :attr:`scored` positions, then
         ``+inf`` (at least one column): a lookup is one gather, whatever it asks for."""
         self._scored = 0
         self._last: dict[int, torch.Tensor] = {}
-        self._modules = {i: modules[i] for i in wanted}
-        self._install()
 
     def _install(self) -> None:
         me = weakref.ref(self)

@@ -145,6 +145,26 @@ def test_reset_clears_positions_and_state() -> None:
         )
 
 
+@pytest.mark.parametrize("policy", ["random", "epikv", "thinkv", "lazyeviction", "kvzip"])
+def test_a_reset_cache_gives_what_a_fresh_one_gives(policy: str) -> None:
+    """Everything of the sequences held goes: the layers, the policy's shared data (random's
+    seeded generator, ThinKV's entropies) and the recorded hidden states (EpiKV's frozen scores)."""
+    model = tiny_model()
+    used = kvevict.EvictionCache(model, policy, budget=24)
+    greedy(model, prompt(64, seed=5), used, new_tokens=4)
+    used.reset()
+    fresh = kvevict.EvictionCache(model, policy, budget=24)
+    (reused, reused_logits), (expected, expected_logits) = (
+        greedy(model, prompt(48), cache, new_tokens=6) for cache in (used, fresh)
+    )
+    assert torch.equal(reused, expected)
+    torch.testing.assert_close(reused_logits, expected_logits, rtol=0, atol=0)
+    assert all(torch.equal(a.positions, b.positions) for a, b in zip(used.layers, fresh.layers))
+    if fresh.hidden is not None:
+        assert used.hidden.scored == fresh.hidden.scored
+        torch.testing.assert_close(used.hidden.scores, fresh.hidden.scores, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("policy", ["h2o", "streamingllm", "tova", "lazyeviction", "epikv", "critical+h2o"])
 @pytest.mark.parametrize(("batch", "arch"), [(1, "llama"), (3, "llama"), (1, "llama-mqa")])
 def test_a_decode_step_that_drops_one_entry_per_head_lays_storage_out_as_the_general_path(
