@@ -18,6 +18,16 @@ later query can see (positions ``≤ seen − window``, as transformers'
 model would not see them either), then the policy evicts the rest to the budget as on a
 full layer. It so never holds more than ``min(window, budget)`` + interval entries between
 passes, and its mask is built from positions (:mod:`kvevict.attention`).
+
+When a pass evicts: a layer observes the pass (the policy's signals, e.g. the new query's
+attention row) inside its own attention; a prefill eviction runs there too (or, for policies
+that rescore or allocate across layers, once the prefill forward ends). A decode step's
+eviction of a layer that holds one lockstep view of every row runs when the pass ends
+(:class:`PassHook`), every layer in order: nothing reads a layer between its attention and
+the next pass, so the retained entries are the same, and the layers' evictions run back to
+back, on warm CPU caches, rather than each between two streams of model weights. The
+policy's scores are read then (a hidden-state score of the new token counts at every layer:
+each hooked layer has seen it).
 """
 
 from __future__ import annotations
@@ -43,25 +53,26 @@ SidePassObserver = Callable[["EvictionLayer", torch.Tensor, float, torch.nn.Modu
 """Receives ``(layer, query, scaling, attention module)`` of each layer during a scoring pass."""
 
 
-class PrefillHook:
-    """A forward hook on the model's decoder that ends a deferred prefill eviction once the
-    prefill forward has run through every layer (:meth:`EvictionCache.finish_prefill`).
+class PassHook:
+    """A forward hook on the model's decoder that ends every pass through its cache once the
+    forward has run through every layer (:meth:`EvictionCache.finish_pass`): the decode-step
+    evictions the layers left pending, then a deferred prefill eviction.
 
     Why a hook on the decoder: it is transformers' public extension point that fires after
     the last layer, whichever entry point ran the pass (``model.generate``, ``model(...)``,
     ``model.model(...)``), and it sees the pass's ``input_ids`` and ``past_key_values``, so
     only passes through its own cache act. The hook holds a weak reference to the cache."""
 
-    def __init__(self, model: PreTrainedModel, cache: EvictionCache):
-        decoder = model.get_decoder()
-        ref = weakref.ref(cache)
+    def __init__(self, decoder: torch.nn.Module, cache: EvictionCache):
+        self._decoder, self._cache = decoder, weakref.ref(cache)
+        ref = self._cache
 
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
             owner = ref()
             if owner is not None and pass_cache(kwargs) is owner:
                 input_ids = kwargs.get("input_ids", args[0] if args else None)
                 with torch.no_grad():
-                    owner.finish_prefill(module, input_ids)
+                    owner.finish_pass(module, input_ids)
 
         handle = decoder.register_forward_hook(hook, with_kwargs=True)
         self._finalizer = weakref.finalize(cache, handle.remove)
@@ -69,9 +80,11 @@ class PrefillHook:
     def close(self) -> None:
         self._finalizer()
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> None:
-        """A copy of the cache (made after its prefill) has no deferred eviction to finish."""
-        return
+    def __deepcopy__(self, memo: dict[int, Any]) -> PassHook:
+        """A hook of its own for the copy of the cache (``copy.deepcopy`` of an
+        ``EvictionCache`` maps the cache to its copy in ``memo``), on the same decoder."""
+        cache = self._cache()
+        return PassHook(self._decoder, memo.get(id(cache), cache))
 
 
 class _Row:
@@ -157,6 +170,8 @@ class EvictionLayer(DynamicLayer):
         self._state: dict[str, torch.Tensor] = {}
         self._pass_views: list[RowView] | None = None
         """The row views of the pass under way, from :meth:`begin_pass` to its eviction."""
+        self._pending: tuple[RowView, Signals] | None = None
+        """A decode step's eviction left for the end of the pass (:meth:`evict_pending`)."""
         self._refresh(0)
 
     def _refresh(self, n: int) -> None:
@@ -302,6 +317,8 @@ class EvictionLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._pending is not None:  # a pass that never reached its end (it raised)
+            self.evict_pending()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, num_new = key_states.shape[0], key_states.shape[2]
@@ -574,17 +591,38 @@ class EvictionLayer(DynamicLayer):
             deferred = due and phase == "prefill" and self.policy.deferred_prefill
             if deferred:
                 self.owner.deferred.append((view, signals))
-            elif due and not dropped and self._holds_everything(view):  # a decode step's eviction, usually
-                slots = self.policy.drop_lowest(view, signals, view.budget)
-                if slots is not None:
-                    self._drop_slots(view, slots)
-                    return
+            elif due and not dropped and self._holds_everything(view):  # one view: every row, every entry
+                if phase == "decode" and self.owner.ends_passes:  # at the end of the pass (module docstring)
+                    self._pending = (view, signals)
+                    self.owner.pending.append(self)
+                else:
+                    self._evict_whole(view, signals)
+                return
             keep = self.policy.select(view, signals, view.budget) if due and not deferred else None
             view.write_back()
             rows.append((view, keep))
             changed |= not deferred and (keep is not None or dropped)
         if changed:
             self._keep_rows(rows)
+
+    def evict_pending(self) -> None:
+        """Run the eviction :meth:`after_attention` left for the end of the pass, if any."""
+        if self._pending is not None:
+            view, signals = self._pending
+            self._pending = None
+            self._evict_whole(view, signals)
+
+    def _evict_whole(self, view: RowView, signals: Signals) -> None:
+        """Evict ``view``, the whole storage (:meth:`_holds_everything`), to its budget: one
+        entry per head by its minimum when that is the eviction (a decode step's, usually),
+        else by the policy's selection."""
+        slots = self.policy.drop_lowest(view, signals, view.budget)
+        if slots is not None:
+            self._drop_slots(view, slots)
+            return
+        keep = self.policy.select(view, signals, view.budget)
+        view.write_back()
+        self._keep_rows([(view, keep)])
 
     def _views_of_pass(self) -> list[RowView]:
         """The views :meth:`begin_pass` made for this pass (or new ones, for a pass that did not begin here)."""
@@ -694,7 +732,7 @@ class EvictionLayer(DynamicLayer):
         one ``scatter_`` per storage tensor."""
         last = self.n - 1
         slot = slots[..., None]  # [B, Hkv, 1]
-        indices: dict[tuple[int, ...], torch.Tensor] = {}  # per trailing shape (keys and values share one)
+        indices: dict[tuple[int, ...], torch.Tensor] = {(): slot}  # per trailing shape (keys and values share one)
         for storage in (self._keys, self._values, self._positions, *self._state.values()):
             trailing = storage.shape[3:]
             if trailing not in indices:
@@ -1118,7 +1156,10 @@ class EvictionCache(Cache):
         """cos/sin of the model's RoPE at any position (ExpectedAttention's future rotations)."""
         self.side_pass: SidePassObserver | None = None
         """Set while a policy runs a scoring pass of its own through this cache (KVzip)."""
-        self._prefill_hook = PrefillHook(model, self) if self.policy.deferred_prefill else None
+        self._pass_hook = PassHook(model.get_decoder(), self)
+        self.ends_passes = True
+        """Whether :class:`PassHook` ends the passes (until :meth:`close`; then each layer evicts
+        inside its attention again)."""
         _, layer_kwargs = get_layer_types_and_kwargs(config)  # check_supported: full or sliding layers only
         layers = [EvictionLayer(self, i, kwargs.get("sliding_window")) for i, kwargs in enumerate(layer_kwargs)]
         super().__init__(layers=layers)
@@ -1136,6 +1177,8 @@ class EvictionCache(Cache):
         """Left padding of each row of the batch (columns before its first real token)."""
         self.deferred: list[tuple[RowView, Signals]] = []
         """Row views whose prefill eviction waits for the end of the prefill forward, with their signals."""
+        self.pending: list[EvictionLayer] = []
+        """Layers whose decode-step eviction waits for the end of the pass, in the order they attended."""
 
     def reset(self) -> None:
         """Empty the cache for new sequences: what a fresh cache of the same model and policy
@@ -1150,10 +1193,22 @@ class EvictionCache(Cache):
         """Remove the hooks from the model (also done on garbage collection)."""
         if self.hidden is not None:
             self.hidden.close()
-        if self._prefill_hook is not None:
-            self._prefill_hook.close()
+        self._pass_hook.close()
+        self.ends_passes = False
 
-    # -- deferred prefill eviction --------------------------------------------------------
+    # -- evictions at the end of a pass ----------------------------------------------------
+    def finish_pass(self, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
+        """End a pass that ran through every layer (called by :class:`PassHook`): the
+        decode-step evictions the layers left pending, then a deferred prefill eviction."""
+        self.evict_pending()
+        self.finish_prefill(decoder, input_ids)
+
+    def evict_pending(self) -> None:
+        """Run the decode-step evictions the layers left for the end of the pass, layer by layer."""
+        pending, self.pending = self.pending, []
+        for layer in pending:
+            layer.evict_pending()
+
     def finish_prefill(self, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
         """Evict the layers that deferred their prefill eviction, all at once: the policy
         may first run passes of its own (KVzip's repeat pass), then allocate across layers

@@ -11,10 +11,12 @@ asks for (DESIGN §1.4: no monkey-patching), for the passes that run through its
   tokens at once, stored in fp32 by absolute position; nothing is ever recomputed;
 * once every hooked layer has seen a token, the policy's per-token score of that token is
   computed from the trailing ``hidden_context`` values and frozen (:attr:`scores`);
-* ordering: eviction at layer ``i`` during the pass of token ``t`` runs inside that layer's
-  attention, before any hook has seen token ``t``; so token ``t`` is scored only after its
-  own pass, and :meth:`lookup` reports every unscored position as ``+inf`` (kept). The new
-  token is inside the recent window anyway.
+* ordering: :meth:`lookup` reports every position not scored yet as ``+inf`` (kept). A
+  prefill eviction at layer ``i`` runs inside that layer's attention, so the tokens of the
+  pass in flight have a score only at layers past every hooked one; a decode step's eviction
+  runs when the pass ends (:mod:`kvevict.cache`), when every hook has seen the new token, so
+  its score counts at every layer (it is inside the recent window anyway, unless the window
+  is 0).
 
 Hooks are removed by :meth:`close` (also what ``EvictionCache.close()`` and leaving a
 ``with EvictionCache(...)`` block do) and when the recorder is garbage-collected together

@@ -199,3 +199,71 @@ def test_a_decode_step_that_drops_one_entry_per_head_lays_storage_out_as_the_gen
             assert torch.equal(getattr(mine, name), getattr(theirs, name))
         assert mine.state.keys() == theirs.state.keys()
         assert all(torch.equal(mine.state[key], theirs.state[key]) for key in mine.state)
+
+
+@pytest.mark.parametrize(
+    "policy", ["h2o", "tova", "streamingllm", "lazyeviction", "random[regime=both]", "critical+h2o"]
+)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_decode_eviction_at_the_end_of_the_pass_keeps_what_one_inside_the_layer_keeps(
+    policy: str, batch: int
+) -> None:
+    """Nothing reads a layer between its attention and the next pass, so running a decode
+    step's eviction when the pass ends changes nothing but when it runs."""
+    model = tiny_model()
+    ids = prompt(40).repeat(batch, 1)
+    at_end, in_layer = (kvevict.EvictionCache(model, policy, budget=24, interval=1) for _ in range(2))
+    in_layer.ends_passes = False  # what a closed cache does
+    (tokens, logits), (expected_tokens, expected_logits) = (
+        greedy(model, ids, cache, new_tokens=6) for cache in (at_end, in_layer)
+    )
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
+    for ours, theirs in zip(at_end.eviction_layers, in_layer.eviction_layers):
+        assert torch.equal(ours.positions, theirs.positions) and ours.length == 24
+
+
+def test_a_decode_eviction_waits_for_the_end_of_the_pass() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "h2o", budget=24, interval=1)
+    greedy(model, prompt(40), cache, new_tokens=2)
+    during = []
+    last = model.model.layers[-1]
+    handle = last.register_forward_hook(lambda *args: during.append(cache.layer_lengths()))
+    try:
+        with torch.no_grad():
+            model(input_ids=prompt(1), past_key_values=cache)
+    finally:
+        handle.remove()
+    assert during == [[25, 25]]  # every layer attended over the new entry, none evicted yet
+    assert cache.layer_lengths() == [24, 24] and not cache.pending
+
+
+def test_a_pass_that_raises_leaves_its_evictions_to_the_next_pass() -> None:
+    """A decode pass interrupted after the first layer: that layer's eviction runs when the
+    next pass reaches it, so the next step is still exact."""
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "h2o", budget=24, interval=1)
+    greedy(model, prompt(40), cache, new_tokens=2)
+
+    def fail(*args: object) -> None:
+        raise RuntimeError("interrupted")
+
+    handle = model.model.layers[1].register_forward_pre_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="interrupted"), torch.no_grad():
+            model(input_ids=prompt(1), past_key_values=cache)
+    finally:
+        handle.remove()
+    assert cache.layer_lengths()[0] == 25 and cache.pending  # layer 0 attended, its eviction waits
+    with torch.no_grad():
+        model(input_ids=prompt(1, seed=2), past_key_values=cache)
+    assert cache.layer_lengths() == [24, 24]
+
+
+def test_a_closed_cache_evicts_inside_each_layer() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "h2o", budget=24, interval=1)
+    cache.close()
+    greedy(model, prompt(40), cache, new_tokens=3)
+    assert cache.layer_lengths() == [24, 24] and not cache.pending

@@ -117,7 +117,7 @@ def test_long_contexts_are_repeated_in_chunks_with_the_same_result_when_one_chun
     assert all(bool((positions[..., :4] == torch.arange(4)).all()) for positions in kept[1])
 
 
-def test_prefill_cost_hook_is_removed_on_close_and_copies_do_not_rescore() -> None:
+def test_pass_hooks_are_removed_on_close_and_copies_do_not_rescore() -> None:
     model = tiny_model()
     cache = kvevict.EvictionCache(model, "kvzip", budget=30)
     with warnings.catch_warnings():
@@ -126,7 +126,14 @@ def test_prefill_cost_hook_is_removed_on_close_and_copies_do_not_rescore() -> No
             model(input_ids=prompt(96), past_key_values=cache)
     twin = copy.deepcopy(cache)
     assert twin.layer_lengths() == cache.layer_lengths()
+    rescored = []
+    twin.policy.method.rescore = lambda *args: rescored.append(args)
+    with torch.no_grad():
+        model(input_ids=prompt(1), past_key_values=twin)  # the copy's own hook ends its pass
+    assert not rescored and twin.layer_lengths() == [n + 1 for n in cache.layer_lengths()]  # prefill-only
+    assert len(model.model._forward_hooks) == 2
     cache.close()
+    twin.close()
     assert not model.model._forward_hooks
 
 
