@@ -27,7 +27,9 @@ eviction of a layer that holds one lockstep view of every row runs when the pass
 the next pass, so the retained entries are the same, and the layers' evictions run back to
 back, on warm CPU caches, rather than each between two streams of model weights. The
 policy's scores are read then (a hidden-state score of the new token counts at every layer:
-each hooked layer has seen it).
+each hooked layer has seen it). Where the policy's drop-time stages allow it, the layers
+that hold as many entries are even scored as one batch, their rows stacked
+(:class:`LayerStack`): one score, one minimum for all of them instead of one per layer.
 """
 
 from __future__ import annotations
@@ -170,7 +172,7 @@ class EvictionLayer(DynamicLayer):
         self._state: dict[str, torch.Tensor] = {}
         self._pass_views: list[RowView] | None = None
         """The row views of the pass under way, from :meth:`begin_pass` to its eviction."""
-        self._pending: tuple[RowView, Signals] | None = None
+        self.pending_eviction: tuple[RowView, Signals] | None = None
         """A decode step's eviction left for the end of the pass (:meth:`evict_pending`)."""
         self._refresh(0)
 
@@ -317,7 +319,7 @@ class EvictionLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._pending is not None:  # a pass that never reached its end (it raised)
+        if self.pending_eviction is not None:  # a pass that never reached its end (it raised)
             self.evict_pending()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -593,7 +595,7 @@ class EvictionLayer(DynamicLayer):
                 self.owner.deferred.append((view, signals))
             elif due and not dropped and self._holds_everything(view):  # one view: every row, every entry
                 if phase == "decode" and self.owner.ends_passes:  # at the end of the pass (module docstring)
-                    self._pending = (view, signals)
+                    self.pending_eviction = (view, signals)
                     self.owner.pending.append(self)
                 else:
                     self._evict_whole(view, signals)
@@ -605,12 +607,17 @@ class EvictionLayer(DynamicLayer):
         if changed:
             self._keep_rows(rows)
 
-    def evict_pending(self) -> None:
-        """Run the eviction :meth:`after_attention` left for the end of the pass, if any."""
-        if self._pending is not None:
-            view, signals = self._pending
-            self._pending = None
-            self._evict_whole(view, signals)
+    def evict_pending(self, slots: torch.Tensor | None = None) -> None:
+        """Run the eviction :meth:`after_attention` left for the end of the pass, if any;
+        ``slots``: the entry ``[B, Hkv]`` each head drops, when it was already found (scored
+        with other layers', :class:`LayerStack`)."""
+        if self.pending_eviction is not None:
+            view, signals = self.pending_eviction
+            self.pending_eviction = None
+            if slots is None:
+                self._evict_whole(view, signals)
+            else:
+                self._drop_slots(view, slots)
 
     def _evict_whole(self, view: RowView, signals: Signals) -> None:
         """Evict ``view``, the whole storage (:meth:`_holds_everything`), to its budget: one
@@ -987,6 +994,44 @@ class RowView:
                 self._state[name] = value
 
 
+class LayerStack:
+    """The decode-step evictions several layers left for the end of a pass, as one batch
+    for the policy's drop-time stages (:attr:`~kvevict.policies.base.Stage.stackable`): the
+    rows of every layer's pending view stacked along dim 0, layer after layer, with what such
+    a stage reads (``positions``, ``state`` and the row counters). The views share one
+    :meth:`key`, and each holds its whole layer, every entry real (no ``valid``)."""
+
+    valid = None
+
+    def __init__(self, views: Sequence[RowView]):
+        first = views[0]
+        self.rows_per_layer = first.positions.shape[0]
+        self.positions = torch.cat([view.positions for view in views])
+        self.state = {name: torch.cat([view.state[name] for view in views]) for name in first.state}
+        self.seen, self.prompt_length = (_repeat_rows(x, len(views)) for x in (first.seen, first.prompt_length))
+        self.budget, self.decode_step, self.window, self.device = (
+            first.budget,
+            first.decode_step,
+            first.window,
+            first.device,
+        )
+
+    num_kv_heads = property(lambda self: self.positions.shape[1])
+    length = property(lambda self: self.positions.shape[2])
+
+    @staticmethod
+    def key(view: RowView) -> tuple[object, ...]:
+        """Pending views stack when they hold as many rows, heads and entries, under one
+        budget and window, at one step of the same rows (every layer sees the same tokens)."""
+        rows = (view.rows.start, view.rows.stop)
+        return (view.positions.shape, view.budget, view.window, rows, view.info.seen, view.info.prompt_length)
+
+
+def _repeat_rows(x: int | torch.Tensor, times: int) -> int | torch.Tensor:
+    """A row counter (an int, or ``[B, 1, 1]`` per row) for ``times`` layers' rows stacked."""
+    return x if isinstance(x, int) else x.repeat(times, 1, 1)
+
+
 def _whole(x: torch.Tensor) -> torch.Tensor:
     return x
 
@@ -1160,6 +1205,9 @@ class EvictionCache(Cache):
         self.ends_passes = True
         """Whether :class:`PassHook` ends the passes (until :meth:`close`; then each layer evicts
         inside its attention again)."""
+        self.stacks_pending = True
+        """Whether the end of a pass scores the layers' pending evictions as one batch where
+        the policy allows it (:meth:`evict_pending`); the same entries are kept either way."""
         _, layer_kwargs = get_layer_types_and_kwargs(config)  # check_supported: full or sliding layers only
         layers = [EvictionLayer(self, i, kwargs.get("sliding_window")) for i, kwargs in enumerate(layer_kwargs)]
         super().__init__(layers=layers)
@@ -1204,10 +1252,33 @@ class EvictionCache(Cache):
         self.finish_prefill(decoder, input_ids)
 
     def evict_pending(self) -> None:
-        """Run the decode-step evictions the layers left for the end of the pass, layer by layer."""
+        """Run the decode-step evictions the layers left for the end of the pass: those of
+        layers that stack (:class:`LayerStack`) scored as one batch when the policy's stages
+        allow it (:attr:`~kvevict.policies.Policy.stacks_layers`), the others layer by layer.
+        Each layer keeps what it keeps on its own: the stages treat rows independently."""
         pending, self.pending = self.pending, []
+        if self.stacks_pending and self.policy.stacks_layers and len(pending) > 1:
+            groups: dict[tuple, list[EvictionLayer]] = {}
+            for layer in pending:
+                groups.setdefault(LayerStack.key(layer.pending_eviction[0]), []).append(layer)
+            pending = []
+            for layers in groups.values():
+                if len(layers) == 1 or not self._evict_stacked(layers):
+                    pending.extend(layers)
         for layer in pending:
             layer.evict_pending()
+
+    def _evict_stacked(self, layers: list[EvictionLayer]) -> bool:
+        """Evict ``layers`` (pending, of one :meth:`LayerStack.key`) by one minimum over all their
+        rows; False, having done nothing, when that is not how they evict (a NaN score, ...)."""
+        views, signals = zip(*(layer.pending_eviction for layer in layers))
+        stack = LayerStack(views)
+        slots = self.policy.drop_lowest(stack, Signals.stacked(signals), stack.budget)
+        if slots is None:
+            return False
+        for layer, layer_slots in zip(layers, slots.split(stack.rows_per_layer)):
+            layer.evict_pending(layer_slots)
+        return True
 
     def finish_prefill(self, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
         """Evict the layers that deferred their prefill eviction, all at once: the policy

@@ -18,8 +18,8 @@ the queries and keys handed over are already normed.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 import torch
@@ -114,6 +114,24 @@ class Signals:
     value_norms: torch.Tensor | None = None
     spec: LogitSpec | None = None
     """The kernel's full logit recipe (soft-capping, sinks), of which ``scaling`` is the scale."""
+
+    @classmethod
+    def stacked(cls, many: Sequence[Signals]) -> Signals:
+        """The signals of several layers' passes as one batch: each per-row tensor
+        concatenated along the batch (dim 0) in the order given; the phase, the number of new
+        entries and the logit recipe are the first's (:class:`~kvevict.cache.LayerStack`
+        stacks only passes of one step, and stackable stages read no logit recipe)."""
+        first = many[0]
+        tensors = {
+            name: torch.cat([getattr(signals, name) for signals in many])
+            for name in STACKED_FIELDS
+            if getattr(first, name) is not None
+        }
+        return replace(first, **tensors)
+
+
+STACKED_FIELDS = ("query", "last_query_attention", "window_attention", "column_sums", "value_norms")
+"""The fields of :class:`Signals` that hold one entry per batch row."""
 
 
 class RetainedEntries(Protocol):

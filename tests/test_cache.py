@@ -3,6 +3,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import kvevict
+from kvevict.cache import LayerStack
 from kvevict.policies.h2o import ACCUMULATED
 from tests.conftest import COMMON, greedy, prompt, reference_logits, tiny_model
 
@@ -192,7 +193,9 @@ def test_a_decode_step_that_drops_one_entry_per_head_lays_storage_out_as_the_gen
     if policy == "critical+h2o":
         assert all(slots is None for slots in found)
     else:
-        assert len(found) == (20 + 12 - 24) * len(fast.eviction_layers) and all(slots is not None for slots in found)
+        assert all(slots is not None for slots in found)
+        # each layer's rows at each step: one minimum per layer, or one for the layers stacked
+        assert sum(len(slots) for slots in found) == (20 + 12 - 24) * len(fast.eviction_layers) * batch
     for mine, theirs in zip(fast.eviction_layers, general.eviction_layers):
         assert mine.length == theirs.length == 24
         for name in ("keys", "values", "positions"):
@@ -221,6 +224,79 @@ def test_a_decode_eviction_at_the_end_of_the_pass_keeps_what_one_inside_the_laye
     torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
     for ours, theirs in zip(at_end.eviction_layers, in_layer.eviction_layers):
         assert torch.equal(ours.positions, theirs.positions) and ours.length == 24
+
+
+STACKABLE = ["h2o", "tova", "streamingllm", "lazyeviction"]
+
+
+def generate_stacked_or_not(arch: str, policy: str, batch: int, spy=None):
+    """Greedy generations of ``batch`` different prompts under ``policy`` with the layers'
+    pending evictions scored as one batch, then layer by layer: (tokens, logits, caches)."""
+    model = tiny_model(arch)
+    ids = torch.cat([prompt(40, seed=seed) for seed in range(batch)])
+    stacked, alone = (kvevict.EvictionCache(model, policy, budget=24, interval=1) for _ in range(2))
+    alone.stacks_pending = False
+    runs = [greedy(model, ids, cache, new_tokens=6) for cache in (stacked, alone)]
+    return runs, (stacked, alone)
+
+
+@pytest.fixture
+def scored(monkeypatch) -> list[type]:
+    """The type of every layer (or stack of layers) a policy finds the lowest entries of."""
+    found = []
+    drop_lowest = kvevict.Policy.drop_lowest
+    monkeypatch.setattr(
+        kvevict.Policy, "drop_lowest", lambda self, layer, *a: found.append(type(layer)) or drop_lowest(self, layer, *a)
+    )
+    return found
+
+
+@pytest.mark.parametrize("policy", STACKABLE)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_layers_evicted_as_one_batch_keep_what_each_keeps_alone(policy: str, batch: int, scored: list) -> None:
+    """A stackable policy scores every layer's decode-step eviction at once (one minimum over
+    the layers' rows): each layer keeps the same entries, state and all, as on its own."""
+    ((tokens, logits), (expected_tokens, expected_logits)), (stacked, alone) = generate_stacked_or_not(
+        "llama", policy, batch
+    )
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
+    for ours, theirs in zip(stacked.eviction_layers, alone.eviction_layers):
+        assert ours.length == theirs.length == 24
+        for name in ("keys", "values", "positions"):
+            assert torch.equal(getattr(ours, name), getattr(theirs, name))
+        assert ours.state.keys() == theirs.state.keys()
+        assert all(torch.equal(ours.state[key], theirs.state[key]) for key in ours.state)
+    assert scored.count(LayerStack) == 5  # the 5 decode steps after the first token, once each
+
+
+@pytest.mark.parametrize("policy", ["h2o", "lazyeviction"])
+def test_layers_that_do_not_stack_are_evicted_on_their_own(policy: str, scored: list) -> None:
+    """A hybrid model's sliding and full layers differ in window: each is a group of its own,
+    evicted by itself, with what every layer keeps unchanged."""
+    ((tokens, logits), (expected_tokens, expected_logits)), (stacked, alone) = generate_stacked_or_not(
+        "gemma3", policy, 1
+    )
+    assert LayerStack not in scored and scored
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
+    for ours, theirs in zip(stacked.eviction_layers, alone.eviction_layers):
+        assert torch.equal(ours.positions, theirs.positions)
+
+
+def test_a_stack_that_is_not_a_one_drop_eviction_falls_back_to_each_layer(monkeypatch) -> None:
+    """When the stacked minimum is not the eviction (a NaN score, say: drop_lowest answers
+    None), each layer evicts on its own, exactly as without stacking."""
+    drop_lowest = kvevict.Policy.drop_lowest
+    monkeypatch.setattr(
+        kvevict.Policy,
+        "drop_lowest",
+        lambda self, layer, *a: None if isinstance(layer, LayerStack) else drop_lowest(self, layer, *a),
+    )
+    ((tokens, logits), (expected_tokens, expected_logits)), (stacked, _) = generate_stacked_or_not("llama", "h2o", 2)
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
+    assert [layer.length for layer in stacked.eviction_layers] == [24, 24]
 
 
 def test_a_decode_eviction_waits_for_the_end_of_the_pass() -> None:

@@ -90,6 +90,15 @@ class Stage:
     data, so rows in lockstep can run through them at once (:meth:`EvictionLayer.views`).
     Only the class's own declaration counts (a subclass re-declares it), see
     :attr:`~kvevict.policies.Policy.batched`."""
+    stackable: ClassVar[bool] = False
+    """The stage's drop-time hooks (:meth:`Scorer.score`, :meth:`Protector.protected`) are
+    the same function in every layer, treat rows independently and read only the layer's
+    per-token tensors (``positions``, ``state``, the pass's attention signals) and its row
+    counters (``seen``, ``prompt_length``, ``budget``, ``decode_step``, ``window``): no
+    keys or values, no ``layer_idx``, ``memo`` or ``owner``, and no state written. The
+    decode-step evictions of a pass then score every layer at once, the layers' rows
+    stacked into one batch (:meth:`~kvevict.cache.EvictionCache.evict_pending`). Only the
+    class's own declaration counts, as for :attr:`batched`."""
 
     def __init__(self, **params: object):
         unknown = [key for key in params if key not in self.PARAMS]
@@ -346,6 +355,7 @@ class SinksAndWindow(Protector):
 
     name = "sinks-and-window"
     batched = True
+    stackable = True
 
     def __init__(self, sinks: int = 0, window: int | None = 0, cap: int = 128):
         super().__init__()

@@ -69,6 +69,7 @@ class H2O(CumulativeAttention):
     """
 
     name = "h2o"
+    stackable = True  # its score is the state it accumulated
     comparable_scores = True  # attention probabilities
     summary = "keep heavy hitters by cumulative attention + sinks + a recent window"
     batched = True

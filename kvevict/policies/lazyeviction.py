@@ -81,6 +81,7 @@ class LazyEviction(Method):
     """
 
     name = "lazyeviction"
+    stackable = True
     summary = "lagged eviction every W steps by maximum recurrence interval (seed 001)"
     batched = True
     regimes = ("decode", "both")

@@ -244,6 +244,16 @@ class Policy:
         flag has hooks nobody checked for it, so it does not count)."""
         return all(vars(type(stage)).get("batched", False) for stage in self.stages)
 
+    @cached_property
+    def stacks_layers(self) -> bool:
+        """Whether the decode-step evictions of several layers may be scored as one batch of
+        their rows (:meth:`drop_lowest` on a :class:`~kvevict.cache.LayerStack`): the policy
+        keeps each head's top scores under uniform counts and its scorer's and protector's
+        own classes declare :attr:`~kvevict.policies.base.Stage.stackable`."""
+        return self.keeps_uniform_top and all(
+            vars(type(stage)).get("stackable", False) for stage in (self.scorer, self.protector)
+        )
+
     @property
     def deferred_prefill(self) -> bool:
         """Whether the prefill eviction waits for the end of the prefill forward (the method

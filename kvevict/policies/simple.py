@@ -70,6 +70,7 @@ class StreamingLLM(Method):
     summary = "keep 4 attention sinks + the most recent tokens"
     batched = True
     distinct_scores = True  # a head holds each position once
+    stackable = True
     PARAMS = declare(sinks=integer(4))
 
     def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:

@@ -29,6 +29,7 @@ class TOVA(Method):
     """
 
     name = "tova"
+    stackable = True
     comparable_scores = True  # attention probabilities
     summary = "evict the entry the current query attends least (mean over heads)"
     batched = True

@@ -10,6 +10,7 @@ from transformers import LlamaConfig, Qwen2Config
 import kvevict
 from kvevict.budgets import descending_ranks
 from kvevict.policies.base import keep_top, lowest_slots
+from kvevict.policies.h2o import H2O
 from kvevict.policies.lazyeviction import ALPHA_LLAMA, ALPHA_QWEN
 from tests.conftest import build_policy, greedy, prompt, tiny_model
 
@@ -138,3 +139,17 @@ def test_streamingllm_scores_are_declared_distinct_and_scores_that_tie_are_not()
     """Positions are unique per head, so StreamingLLM's lowest needs no tie-breaking."""
     assert kvevict.make_policy("streamingllm").distinct_scores
     assert not any(kvevict.make_policy(name).distinct_scores for name in ("h2o", "tova", "knorm", "epikv"))
+
+
+def test_a_policy_stacks_layers_when_its_drop_time_stages_declare_it() -> None:
+    """Stacking the layers' evictions needs a scorer and a protector that read nothing of a
+    layer itself, under uniform top-k: declared by each class, never inherited."""
+    assert all(kvevict.make_policy(name).stacks_layers for name in ("h2o", "tova", "streamingllm", "lazyeviction"))
+    # hidden-state scores (the cache's recorder), a shared generator, another allocator or selector
+    refused = ("epikv", "random", "knorm", "adakv+h2o", "critical+h2o", "thinkv")
+    assert not any(kvevict.make_policy(name).stacks_layers for name in refused)
+
+    class Inherited(H2O):
+        name = "h2o-subclass"
+
+    assert not kvevict.Policy(Inherited()).stacks_layers
