@@ -166,6 +166,17 @@ def test_a_reset_cache_gives_what_a_fresh_one_gives(policy: str) -> None:
         torch.testing.assert_close(used.hidden.scores, fresh.hidden.scores, rtol=0, atol=0)
 
 
+def assert_same_storage(cache: kvevict.EvictionCache, expected: kvevict.EvictionCache, length: int) -> None:
+    """Every layer of ``cache`` holds ``length`` entries laid out as ``expected``'s: keys,
+    values, positions and the policy's state."""
+    for ours, theirs in zip(cache.eviction_layers, expected.eviction_layers):
+        assert ours.length == theirs.length == length
+        for name in ("keys", "values", "positions"):
+            assert torch.equal(getattr(ours, name), getattr(theirs, name))
+        assert ours.state.keys() == theirs.state.keys()
+        assert all(torch.equal(ours.state[key], theirs.state[key]) for key in ours.state)
+
+
 @pytest.mark.parametrize("policy", ["h2o", "streamingllm", "tova", "lazyeviction", "epikv", "critical+h2o"])
 @pytest.mark.parametrize(("batch", "arch"), [(1, "llama"), (3, "llama"), (1, "llama-mqa")])
 def test_a_decode_step_that_drops_one_entry_per_head_lays_storage_out_as_the_general_path(
@@ -196,12 +207,7 @@ def test_a_decode_step_that_drops_one_entry_per_head_lays_storage_out_as_the_gen
         assert all(slots is not None for slots in found)
         # each layer's rows at each step: one minimum per layer, or one for the layers stacked
         assert sum(len(slots) for slots in found) == (20 + 12 - 24) * len(fast.eviction_layers) * batch
-    for mine, theirs in zip(fast.eviction_layers, general.eviction_layers):
-        assert mine.length == theirs.length == 24
-        for name in ("keys", "values", "positions"):
-            assert torch.equal(getattr(mine, name), getattr(theirs, name))
-        assert mine.state.keys() == theirs.state.keys()
-        assert all(torch.equal(mine.state[key], theirs.state[key]) for key in mine.state)
+    assert_same_storage(fast, general, 24)
 
 
 @pytest.mark.parametrize(
@@ -261,12 +267,7 @@ def test_layers_evicted_as_one_batch_keep_what_each_keeps_alone(policy: str, bat
     )
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
-    for ours, theirs in zip(stacked.eviction_layers, alone.eviction_layers):
-        assert ours.length == theirs.length == 24
-        for name in ("keys", "values", "positions"):
-            assert torch.equal(getattr(ours, name), getattr(theirs, name))
-        assert ours.state.keys() == theirs.state.keys()
-        assert all(torch.equal(ours.state[key], theirs.state[key]) for key in ours.state)
+    assert_same_storage(stacked, alone, 24)
     assert scored.count(LayerStack) == 5  # the 5 decode steps after the first token, once each
 
 
