@@ -1005,6 +1005,7 @@ class LayerStack:
 
     def __init__(self, views: Sequence[RowView]):
         first = views[0]
+        self.first, self.layers = first, len(views)
         self.rows_per_layer = first.positions.shape[0]
         self.positions = torch.cat([view.positions for view in views])
         self.state = {name: torch.cat([view.state[name] for view in views]) for name in first.state}
@@ -1015,9 +1016,19 @@ class LayerStack:
             first.window,
             first.device,
         )
+        self.num_new, self.passes = first.num_new, first.passes
 
     num_kv_heads = property(lambda self: self.positions.shape[1])
     length = property(lambda self: self.positions.shape[2])
+    owner = property(lambda self: self)  # what a stackable stage reads of the cache: the hidden scores
+
+    def phase(self) -> Phase:
+        return self.first.phase()
+
+    @property
+    def hidden(self) -> _StackedHidden | None:
+        hidden = self.first.owner.hidden
+        return None if hidden is None else _StackedHidden(hidden, self.layers)
 
     @staticmethod
     def key(view: RowView) -> tuple[object, ...]:
@@ -1025,6 +1036,21 @@ class LayerStack:
         budget and window, at one step of the same rows (every layer sees the same tokens)."""
         rows = (view.rows.start, view.rows.stop)
         return (view.positions.shape, view.budget, view.window, rows, view.info.seen, view.info.prompt_length)
+
+
+class _StackedHidden:
+    """The frozen hidden-state scores of a :class:`LayerStack`: each layer's rows looked up
+    as that layer's view looks them up (the layers' heads side by side in one lookup)."""
+
+    def __init__(self, hidden: _RowHidden | _SpanHidden, layers: int):
+        self.hidden, self.layers = hidden, layers
+
+    def lookup(self, positions: torch.Tensor, end: int | None = None) -> torch.Tensor:
+        stacked, heads, n = positions.shape
+        rows = stacked // self.layers
+        side_by_side = positions.view(self.layers, rows, heads, n).transpose(0, 1).reshape(rows, -1, n)
+        scores = self.hidden.lookup(side_by_side, end=end)
+        return scores.view(rows, self.layers, heads, n).transpose(0, 1).reshape(stacked, heads, n)
 
 
 def _repeat_rows(x: int | torch.Tensor, times: int) -> int | torch.Tensor:

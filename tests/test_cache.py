@@ -232,7 +232,7 @@ def test_a_decode_eviction_at_the_end_of_the_pass_keeps_what_one_inside_the_laye
         assert torch.equal(ours.positions, theirs.positions) and ours.length == 24
 
 
-STACKABLE = ["h2o", "tova", "streamingllm", "lazyeviction"]
+STACKABLE = ["h2o", "tova", "streamingllm", "lazyeviction", "epikv", "band-adaptive"]
 
 
 def generate_stacked_or_not(arch: str, policy: str, batch: int, spy=None):

@@ -93,9 +93,11 @@ class Stage:
     stackable: ClassVar[bool] = False
     """The stage's drop-time hooks (:meth:`Scorer.score`, :meth:`Protector.protected`) are
     the same function in every layer, treat rows independently and read only the layer's
-    per-token tensors (``positions``, ``state``, the pass's attention signals) and its row
-    counters (``seen``, ``prompt_length``, ``budget``, ``decode_step``, ``window``): no
-    keys or values, no ``layer_idx``, ``memo`` or ``owner``, and no state written. The
+    per-token tensors (``positions``, ``state``, the pass's attention signals, the frozen
+    hidden-state scores ``owner.hidden.lookup``) and its row counters (``seen``,
+    ``prompt_length``, ``budget``, ``decode_step``, ``window``, ``num_new``, ``passes``,
+    ``phase()``): no keys or values, no ``layer_idx``, ``memo`` or other ``owner`` data, and
+    no state written. The
     decode-step evictions of a pass then score every layer at once, the layers' rows
     stacked into one batch (:meth:`~kvevict.cache.EvictionCache.evict_pending`). Only the
     class's own declaration counts, as for :attr:`batched`."""

@@ -130,6 +130,7 @@ class HSVariance(HiddenStatePolicy):
 
     name = "hs-variance"
     batched = True
+    stackable = True
     summary = "keep prompt + recent; rank decode tokens by rolling-mean hidden-state change g_A - g_B (EpiKV)"
     PARAMS = declare(layers=layer_indices(2), **HiddenStatePolicy.PARAMS)
 
@@ -156,6 +157,7 @@ class EpiKV(HSVariance):
 
     name = "epikv"
     batched = True
+    stackable = True
     summary = "keep prompt + recent; rank decode tokens by rolling z-score of hidden-state change z_A - z_B"
 
     def hidden_scores(self, changes: dict[int, torch.Tensor]) -> torch.Tensor:
@@ -177,6 +179,7 @@ class BandAdaptive(HiddenStatePolicy):
 
     name = "band-adaptive"
     batched = True
+    stackable = True
     summary = "keep prompt + recent; rank by mean rolling z-score of band A (7-13) minus band B (18-25)"
     PARAMS = declare(
         bands=Param(

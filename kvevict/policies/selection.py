@@ -75,6 +75,7 @@ class PromptAndWindow(Protector):
 
     name = "prompt-and-window"
     batched = True
+    stackable = True
 
     def __init__(self, window: int | None):
         super().__init__()
