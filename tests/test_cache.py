@@ -210,6 +210,18 @@ def test_a_decode_step_that_drops_one_entry_per_head_lays_storage_out_as_the_gen
     assert_same_storage(fast, general, 24)
 
 
+def generate_with_and_without(switch: str, arch: str, policy: str, batch: int):
+    """Greedy generations of ``batch`` different prompts under ``policy`` on a cache as it
+    comes, then on one with the boolean attribute ``switch`` off (``ends_passes``,
+    ``stacks_pending``): ``((tokens, logits) of each, (the two caches))``."""
+    model = tiny_model(arch)
+    ids = torch.cat([prompt(40, seed=seed) for seed in range(batch)])
+    default, switched_off = (kvevict.EvictionCache(model, policy, budget=24, interval=1) for _ in range(2))
+    setattr(switched_off, switch, False)
+    runs = [greedy(model, ids, cache, new_tokens=6) for cache in (default, switched_off)]
+    return runs, (default, switched_off)
+
+
 @pytest.mark.parametrize(
     "policy", ["h2o", "tova", "streamingllm", "lazyeviction", "random[regime=both]", "critical+h2o"]
 )
@@ -219,31 +231,14 @@ def test_a_decode_eviction_at_the_end_of_the_pass_keeps_what_one_inside_the_laye
 ) -> None:
     """Nothing reads a layer between its attention and the next pass, so running a decode
     step's eviction when the pass ends changes nothing but when it runs."""
-    model = tiny_model()
-    ids = prompt(40).repeat(batch, 1)
-    at_end, in_layer = (kvevict.EvictionCache(model, policy, budget=24, interval=1) for _ in range(2))
-    in_layer.ends_passes = False  # what a closed cache does
-    (tokens, logits), (expected_tokens, expected_logits) = (
-        greedy(model, ids, cache, new_tokens=6) for cache in (at_end, in_layer)
+    # without ends_passes each layer evicts inside its attention: what a closed cache does
+    ((tokens, logits), (expected_tokens, expected_logits)), (at_end, in_layer) = generate_with_and_without(
+        "ends_passes", "llama", policy, batch
     )
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
     for ours, theirs in zip(at_end.eviction_layers, in_layer.eviction_layers):
         assert torch.equal(ours.positions, theirs.positions) and ours.length == 24
-
-
-STACKABLE = ["h2o", "tova", "streamingllm", "lazyeviction", "epikv", "band-adaptive"]
-
-
-def generate_stacked_or_not(arch: str, policy: str, batch: int, spy=None):
-    """Greedy generations of ``batch`` different prompts under ``policy`` with the layers'
-    pending evictions scored as one batch, then layer by layer: (tokens, logits, caches)."""
-    model = tiny_model(arch)
-    ids = torch.cat([prompt(40, seed=seed) for seed in range(batch)])
-    stacked, alone = (kvevict.EvictionCache(model, policy, budget=24, interval=1) for _ in range(2))
-    alone.stacks_pending = False
-    runs = [greedy(model, ids, cache, new_tokens=6) for cache in (stacked, alone)]
-    return runs, (stacked, alone)
 
 
 @pytest.fixture
@@ -257,13 +252,13 @@ def scored(monkeypatch) -> list[type]:
     return found
 
 
-@pytest.mark.parametrize("policy", STACKABLE)
+@pytest.mark.parametrize("policy", ["h2o", "tova", "streamingllm", "lazyeviction", "epikv", "band-adaptive"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_layers_evicted_as_one_batch_keep_what_each_keeps_alone(policy: str, batch: int, scored: list) -> None:
     """A stackable policy scores every layer's decode-step eviction at once (one minimum over
     the layers' rows): each layer keeps the same entries, state and all, as on its own."""
-    ((tokens, logits), (expected_tokens, expected_logits)), (stacked, alone) = generate_stacked_or_not(
-        "llama", policy, batch
+    ((tokens, logits), (expected_tokens, expected_logits)), (stacked, alone) = generate_with_and_without(
+        "stacks_pending", "llama", policy, batch
     )
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
@@ -275,8 +270,8 @@ def test_layers_evicted_as_one_batch_keep_what_each_keeps_alone(policy: str, bat
 def test_layers_that_do_not_stack_are_evicted_on_their_own(policy: str, scored: list) -> None:
     """A hybrid model's sliding and full layers differ in window: each is a group of its own,
     evicted by itself, with what every layer keeps unchanged."""
-    ((tokens, logits), (expected_tokens, expected_logits)), (stacked, alone) = generate_stacked_or_not(
-        "gemma3", policy, 1
+    ((tokens, logits), (expected_tokens, expected_logits)), (stacked, alone) = generate_with_and_without(
+        "stacks_pending", "gemma3", policy, 1
     )
     assert LayerStack not in scored and scored
     assert torch.equal(tokens, expected_tokens)
@@ -294,7 +289,9 @@ def test_a_stack_that_is_not_a_one_drop_eviction_falls_back_to_each_layer(monkey
         "drop_lowest",
         lambda self, layer, *a: None if isinstance(layer, LayerStack) else drop_lowest(self, layer, *a),
     )
-    ((tokens, logits), (expected_tokens, expected_logits)), (stacked, _) = generate_stacked_or_not("llama", "h2o", 2)
+    ((tokens, logits), (expected_tokens, expected_logits)), (stacked, _) = generate_with_and_without(
+        "stacks_pending", "llama", "h2o", 2
+    )
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
     assert [layer.length for layer in stacked.eviction_layers] == [24, 24]

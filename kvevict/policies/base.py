@@ -97,10 +97,9 @@ class Stage:
     hidden-state scores ``owner.hidden.lookup``) and its row counters (``seen``,
     ``prompt_length``, ``budget``, ``decode_step``, ``window``, ``num_new``, ``passes``,
     ``phase()``): no keys or values, no ``layer_idx``, ``memo`` or other ``owner`` data, and
-    no state written. The
-    decode-step evictions of a pass then score every layer at once, the layers' rows
-    stacked into one batch (:meth:`~kvevict.cache.EvictionCache.evict_pending`). Only the
-    class's own declaration counts, as for :attr:`batched`."""
+    no state written. The decode-step evictions of a pass then score every layer at once,
+    the layers' rows stacked into one batch (:meth:`~kvevict.cache.EvictionCache.evict_pending`).
+    Only the class's own declaration counts, as for :attr:`batched`."""
 
     def __init__(self, **params: object):
         unknown = [key for key in params if key not in self.PARAMS]
