@@ -21,15 +21,18 @@ passes, and its mask is built from positions (:mod:`kvevict.attention`).
 
 When a pass evicts: a layer observes the pass (the policy's signals, e.g. the new query's
 attention row) inside its own attention; a prefill eviction runs there too (or, for policies
-that rescore or allocate across layers, once the prefill forward ends). A decode step's
-eviction of a layer that holds one lockstep view of every row runs when the pass ends
-(:class:`PassHook`), every layer in order: nothing reads a layer between its attention and
-the next pass, so the retained entries are the same, and the layers' evictions run back to
-back, on warm CPU caches, rather than each between two streams of model weights. The
-policy's scores are read then (a hidden-state score of the new token counts at every layer:
-each hooked layer has seen it). Where the policy's drop-time stages allow it, the layers
-that hold as many entries are even scored as one batch, their rows stacked
-(:class:`LayerStack`): one score, one minimum for all of them instead of one per layer.
+that rescore or allocate across layers, once the prefill forward ends). A decode step of a
+full layer that holds one lockstep view of every row leaves all its per-token work for the
+end of the pass (:class:`PassHook`): the new entries' state, the observation of the signals
+its attention computed, the eviction. Nothing reads a layer's state between its attention
+and the next pass, so the retained entries are the same, and this work runs back to back
+for every layer, on warm CPU caches, rather than each piece between two streams of model
+weights. The policy's scores are read then (a hidden-state score of the new token counts at
+every layer: each hooked layer has seen it). Where the policy's stages allow it, the layers
+that hold as many entries end their step as one batch of their rows (:class:`LayerStack`),
+their storage one tensor per kind (:class:`LayerArena`): one write of the new state, one
+observation, one minimum and one refill of the dropped slots for all of them, instead of
+one of each per layer.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Self
 
 import torch
@@ -87,6 +91,18 @@ class PassHook:
         ``EvictionCache`` maps the cache to its copy in ``memo``), on the same decoder."""
         cache = self._cache()
         return PassHook(self._decoder, memo.get(id(cache), cache))
+
+
+@dataclass
+class _PendingPass:
+    """A layer's decode step whose per-token work waits for the end of the pass
+    (:meth:`EvictionLayer.observe_pending`)."""
+
+    view: RowView
+    signals: Signals | None = None
+    """The pass's signals, once the layer attended."""
+    due: bool = False
+    """Whether the pass evicts."""
 
 
 class _Row:
@@ -172,6 +188,8 @@ class EvictionLayer(DynamicLayer):
         self._state: dict[str, torch.Tensor] = {}
         self._pass_views: list[RowView] | None = None
         """The row views of the pass under way, from :meth:`begin_pass` to its eviction."""
+        self.pending_pass: _PendingPass | None = None
+        """A decode step's work left for the end of the pass (:meth:`observe_pending`)."""
         self.pending_eviction: tuple[RowView, Signals] | None = None
         """A decode step's eviction left for the end of the pass (:meth:`evict_pending`)."""
         self._refresh(0)
@@ -190,6 +208,10 @@ class EvictionLayer(DynamicLayer):
         padded to the longest and its padding is masked out of attention and selection.
         ``None`` while every entry is real."""
         self.state = {name: value.narrow(2, 0, n) for name, value in self._state.items()}
+
+    def storage(self) -> dict[str, torch.Tensor]:
+        """Every per-entry storage tensor but :attr:`valid` (whole capacity), by name."""
+        return {"keys": self._keys, "values": self._values, "positions": self._positions, **self._state}
 
     @property
     def policy(self) -> Policy:
@@ -319,7 +341,8 @@ class EvictionLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.pending_eviction is not None:  # a pass that never reached its end (it raised)
+        if self.pending_pass is not None or self.pending_eviction is not None:  # a pass that raised
+            self.observe_pending()
             self.evict_pending()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -413,7 +436,22 @@ class EvictionLayer(DynamicLayer):
                     self._start_row(row)
                 elif self.prompt_pass and self.owner.side_pass is None:
                     self._continue_prompt(row)
-        views, names = self.views(), len(self._state)
+        views = self.views()
+        if self._ends_with_pass(views):  # its state, observation and eviction wait for the end of the pass
+            self.pending_pass = _PendingPass(views[0])
+            self.owner.pending.append(self)
+            self._pass_views = views
+        else:
+            self._pass_views = self._start_tokens(views)
+        for row in self.rows:
+            row.peak = max(row.peak, row.width)
+            if row.passes > 1 and not self.prompt_pass:
+                row.decode_peak = max(row.decode_peak, row.width)
+
+    def _start_tokens(self, views: list[RowView]) -> list[RowView]:
+        """Write the policy's initial state of the pass's new entries; returns the views of
+        the pass (made again when a state entry is new: a view made before it lacks it)."""
+        names = len(self._state)
         for view in views:
             if not view.num_new:
                 continue
@@ -424,14 +462,47 @@ class EvictionLayer(DynamicLayer):
                     )
                 end = view.columns.stop
                 self._state[name][view.rows, :, end - view.num_new : end] = value
-        if len(self._state) != names:  # the others were written in place, into what `state` shows
-            self._refresh(self.n)
-        # the views of this pass, until it evicts (a view made before a new state entry lacks it)
-        self._pass_views = views if len(self._state) == names else self.views()
-        for row in self.rows:
-            row.peak = max(row.peak, row.width)
-            if row.passes > 1 and not self.prompt_pass:
-                row.decode_peak = max(row.decode_peak, row.width)
+        if len(self._state) == names:  # written in place, into what `state` and the views show
+            return views
+        self._refresh(self.n)
+        return self.views()
+
+    def _ends_with_pass(self, views: list[RowView]) -> bool:
+        """Whether this pass is a decode step of one view holding the whole storage on a full
+        layer, whose every per-token step (the new entries' state, the observation, the
+        eviction) may wait for the end of the pass (:class:`PassHook`): nothing reads the
+        layer's state before then (no output correction, no scoring pass of the policy's own)."""
+        return (
+            self.owner.ends_passes
+            and self.owner.side_pass is None
+            and self.window is None
+            and len(views) == 1
+            and views[0].num_new > 0
+            and views[0].phase() == "decode"
+            and self._holds_everything(views[0])
+            and not self.policy.corrects_output
+        )
+
+    def pending_view(self) -> RowView | None:
+        """The view of the decode step this layer left for the end of the pass, if any."""
+        if self.pending_pass is not None:
+            return self.pending_pass.view
+        return None if self.pending_eviction is None else self.pending_eviction[0]
+
+    def observe_pending(self) -> None:
+        """The per-token work a decode step left for the end of the pass (:meth:`_ends_with_pass`):
+        the new entries' state, then the policy's observation of the pass's signals (when the
+        layer attended), and the eviction then due waits in :attr:`pending_eviction`."""
+        pending, self.pending_pass = self.pending_pass, None
+        if pending is None:
+            return
+        view = self._start_tokens([pending.view])[0]
+        if pending.signals is None:  # the pass raised before this layer attended
+            return
+        self.policy.observe(view, pending.signals)
+        view.write_back()
+        if pending.due:
+            self.pending_eviction = (view, pending.signals)
 
     def _drop_padding(self, pads: list[int]) -> None:
         """Take this pass's left padding (``pads[b]`` columns of row ``b``) out of the rows, in
@@ -578,6 +649,13 @@ class EvictionLayer(DynamicLayer):
             return
         rows, changed = [], False
         views, self._pass_views = self._views_of_pass(), None
+        if self.pending_pass is not None:  # observed and evicted at the end of the pass
+            view = self.pending_pass.view
+            phase = view.phase()
+            self.pending_pass.due = due = view.eviction_due(phase, view.num_new)
+            requirements = self.policy.requirements(phase, due)
+            self.pending_pass.signals = compute_signals(requirements, view, phase, query, scaling, module, row)
+            return
         for view in views:
             if not view.num_new:  # only padding in this pass: nothing to observe or evict
                 rows.append((view, None))
@@ -607,17 +685,12 @@ class EvictionLayer(DynamicLayer):
         if changed:
             self._keep_rows(rows)
 
-    def evict_pending(self, slots: torch.Tensor | None = None) -> None:
-        """Run the eviction :meth:`after_attention` left for the end of the pass, if any;
-        ``slots``: the entry ``[B, Hkv]`` each head drops, when it was already found (scored
-        with other layers', :class:`LayerStack`)."""
+    def evict_pending(self) -> None:
+        """Run the eviction :meth:`after_attention` or :meth:`observe_pending` left for the end of the pass, if any."""
         if self.pending_eviction is not None:
             view, signals = self.pending_eviction
             self.pending_eviction = None
-            if slots is None:
-                self._evict_whole(view, signals)
-            else:
-                self._drop_slots(view, slots)
+            self._evict_whole(view, signals)
 
     def _evict_whole(self, view: RowView, signals: Signals) -> None:
         """Evict ``view``, the whole storage (:meth:`_holds_everything`), to its budget: one
@@ -747,6 +820,11 @@ class EvictionLayer(DynamicLayer):
             # the source column is copied (one entry per head): torch refuses a scatter whose
             # source lies inside the written tensor whenever it can see the overlap
             storage.scatter_(2, indices[trailing], storage.narrow(2, last, 1).clone())
+        self.dropped_last()
+
+    def dropped_last(self) -> None:
+        """The entry of the last column took an evicted slot in every head (:meth:`_fill_from_last`)."""
+        last = self.n - 1
         for row in self.rows:
             row.width = last
         self.compacted = True
@@ -995,20 +1073,24 @@ class RowView:
 
 
 class LayerStack:
-    """The decode-step evictions several layers left for the end of a pass, as one batch
-    for the policy's drop-time stages (:attr:`~kvevict.policies.base.Stage.stackable`): the
-    rows of every layer's pending view stacked along dim 0, layer after layer, with what such
-    a stage reads (``positions``, ``state`` and the row counters). The views share one
-    :meth:`key`, and each holds its whole layer, every entry real (no ``valid``)."""
+    """The decode steps several layers left for the end of a pass, as one batch for the
+    policy's stackable stages (:attr:`~kvevict.policies.base.Stage.stackable`): the rows of
+    every layer stacked along dim 0, layer after layer, with what such a stage reads
+    (``positions``, ``state`` and the row counters). The views share one :meth:`key`, each
+    holds its whole layer, every entry real (no ``valid``), and the layers' storage is one
+    :class:`LayerArena`: ``positions`` and ``state`` are views of it, so a stage's in-place
+    writes land in every layer at once."""
 
     valid = None
 
-    def __init__(self, views: Sequence[RowView]):
+    def __init__(self, views: Sequence[RowView], arena: LayerArena):
         first = views[0]
         self.first, self.layers = first, len(views)
         self.rows_per_layer = first.positions.shape[0]
-        self.positions = torch.cat([view.positions for view in views])
-        self.state = {name: torch.cat([view.state[name] for view in views]) for name in first.state}
+        n = first.length
+        self.positions = arena.stacked(arena.positions, n)
+        self.state = {name: arena.stacked(arena.state[name], n) for name in first.state}
+        self._stored = dict(self.state)
         self.seen, self.prompt_length = (_repeat_rows(x, len(views)) for x in (first.seen, first.prompt_length))
         self.budget, self.decode_step, self.window, self.device = (
             first.budget,
@@ -1030,12 +1112,113 @@ class LayerStack:
         hidden = self.first.owner.hidden
         return None if hidden is None else _StackedHidden(hidden, self.layers)
 
+    def replaced(self) -> dict[str, torch.Tensor]:
+        """The state entries a stage replaced (rather than wrote in place), by name."""
+        return {name: value for name, value in self.state.items() if value is not self._stored.get(name)}
+
     @staticmethod
     def key(view: RowView) -> tuple[object, ...]:
         """Pending views stack when they hold as many rows, heads and entries, under one
         budget and window, at one step of the same rows (every layer sees the same tokens)."""
         rows = (view.rows.start, view.rows.stop)
         return (view.positions.shape, view.budget, view.window, rows, view.info.seen, view.info.prompt_length)
+
+
+class LayerArena:
+    """The storage of several layers as one tensor per kind ``[L, B, Hkv, capacity, ...]``
+    (keys, values, positions, each per-token state entry), each layer's own storage the view
+    of its slice.
+
+    Why: at the end of a pass the layers of a :class:`LayerStack` write the new entries'
+    state, are observed and refill their evicted slots together, by one operation per kind
+    rather than one per layer (on a CPU each operation costs microseconds of dispatch, more
+    than moving one entry). A layer that replaces a storage tensor (growing it, a general
+    eviction that compacts it, a batch change) just leaves the arena (:meth:`holds`), and the
+    stack then runs layer by layer until its layers are moved into a new arena.
+
+    Moving layers in costs one copy of their storage, one kind at a time (each layer's old
+    tensor is freed as it moves): the memory briefly holds one kind twice."""
+
+    def __init__(self, layers: Sequence[EvictionLayer]):
+        self.layers = tuple(layers)
+        self.capacity = max(layer._capacity for layer in layers)
+        self.keys = self._adopt("_keys")
+        self.values = self._adopt("_values")
+        self.positions = self._adopt("_positions")
+        self.state = {name: self._adopt("_state", name) for name in layers[0]._state}
+        for layer in layers:
+            layer._capacity = self.capacity
+        self._held = [layer.storage() for layer in layers]
+
+    def _adopt(self, kind: str, name: str | None = None) -> torch.Tensor:
+        """One kind of storage of every layer, as slices of one new tensor (of the largest capacity)."""
+
+        def get(layer: EvictionLayer) -> torch.Tensor:
+            return getattr(layer, kind) if name is None else layer._state[name]
+
+        like = get(self.layers[0])
+        block = like.new_zeros(len(self.layers), *like.shape[:2], self.capacity, *like.shape[3:])
+        for i, layer in enumerate(self.layers):
+            old = get(layer)
+            block[i].narrow(2, 0, old.shape[2]).copy_(old)
+            if name is None:
+                setattr(layer, kind, block[i])
+            else:
+                layer._state[name] = block[i]
+            layer._refresh(layer.n)  # the old tensor's views go with it
+        return block
+
+    @staticmethod
+    def fits(layers: Sequence[EvictionLayer]) -> bool:
+        """Whether ``layers`` (more than one, every entry real) hold storage of one layout (capacities may differ)."""
+        first = layers[0]
+
+        def layout(layer: EvictionLayer) -> list[tuple[object, ...]]:
+            return [(name, x.shape[:2], x.shape[3:], x.dtype, x.device) for name, x in layer.storage().items()]
+
+        return len(layers) > 1 and all(
+            layer._valid is None and layer.n == first.n and layout(layer) == layout(first) for layer in layers
+        )
+
+    def holds(self, layers: Sequence[EvictionLayer]) -> bool:
+        """Whether the storage of ``layers`` is (still) this arena's, every tensor of it."""
+        if tuple(layers) != self.layers:
+            return False
+        for layer, held in zip(layers, self._held):
+            storage = layer.storage()
+            if storage.keys() != held.keys() or any(storage[name] is not held[name] for name in held):
+                return False
+        return True
+
+    @staticmethod
+    def stacked(block: torch.Tensor, n: int) -> torch.Tensor:
+        """``block`` ``[L, B, ...]``'s first ``n`` entries with the layers' rows stacked: ``[L·B, Hkv, n, ...]`` (a view)."""
+        return block.narrow(3, 0, n).flatten(0, 1)
+
+    def _blocks(self) -> list[torch.Tensor]:
+        return [self.keys, self.values, self.positions, *self.state.values()]
+
+    def write_new(self, stack: LayerStack, values: dict[str, torch.Tensor]) -> None:
+        """The new entries' state ``{name: [L·B, Hkv, num_new, ...]}`` (entries the arena holds) into every layer's last columns."""
+        for name, value in values.items():
+            block = self.state[name]
+            new = block.narrow(3, stack.length - stack.num_new, stack.num_new)
+            new.copy_(value.reshape(*block.shape[:3], *value.shape[2:]))
+
+    def write_back(self, stack: LayerStack) -> None:
+        """Copy the state entries a stage replaced into the layers."""
+        for name, value in stack.replaced().items():
+            self.stacked(self.state[name], stack.length).copy_(value)
+
+    def fill(self, slots: torch.Tensor, last: int) -> None:
+        """Drop entry ``slots`` ``[L·B, Hkv]`` of every head of every layer: the entry of column
+        ``last`` takes its slot (:meth:`EvictionLayer._fill_from_last`, for all layers at once)."""
+        for block in self._blocks():
+            index = slots.view(*block.shape[:3], 1, *[1] * (block.dim() - 4)).expand(
+                *block.shape[:3], 1, *block.shape[4:]
+            )
+            # a copy of the source column: torch refuses a scatter whose source overlaps what it writes
+            block.scatter_(3, index, block.narrow(3, last, 1).clone())
 
 
 class _StackedHidden:
@@ -1252,7 +1435,9 @@ class EvictionCache(Cache):
         self.deferred: list[tuple[RowView, Signals]] = []
         """Row views whose prefill eviction waits for the end of the prefill forward, with their signals."""
         self.pending: list[EvictionLayer] = []
-        """Layers whose decode-step eviction waits for the end of the pass, in the order they attended."""
+        """Layers whose decode step waits for the end of the pass, in the order they attended."""
+        self._arenas: dict[tuple[int, ...], LayerArena] = {}
+        """The storage of layers that stack, by their indices (:class:`LayerArena`)."""
 
     def reset(self) -> None:
         """Empty the cache for new sequences: what a fresh cache of the same model and policy
@@ -1269,6 +1454,7 @@ class EvictionCache(Cache):
             self.hidden.close()
         self._pass_hook.close()
         self.ends_passes = False
+        self._arenas = {}  # the layers keep their storage; nothing stacks any more
 
     # -- evictions at the end of a pass ----------------------------------------------------
     def finish_pass(self, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
@@ -1278,32 +1464,68 @@ class EvictionCache(Cache):
         self.finish_prefill(decoder, input_ids)
 
     def evict_pending(self) -> None:
-        """Run the decode-step evictions the layers left for the end of the pass: those of
-        layers that stack (:class:`LayerStack`) scored as one batch when the policy's stages
-        allow it (:attr:`~kvevict.policies.Policy.stacks_layers`), the others layer by layer.
-        Each layer keeps what it keeps on its own: the stages treat rows independently."""
-        pending, self.pending = self.pending, []
-        if self.stacks_pending and self.policy.stacks_layers and len(pending) > 1:
-            groups: dict[tuple, list[EvictionLayer]] = {}
-            for layer in pending:
-                groups.setdefault(LayerStack.key(layer.pending_eviction[0]), []).append(layer)
-            pending = []
-            for layers in groups.values():
-                if len(layers) == 1 or not self._evict_stacked(layers):
-                    pending.extend(layers)
-        for layer in pending:
+        """End the decode steps the layers left for the end of the pass: each layer's new
+        entries' state, the policy's observation, then the eviction then due. Where the
+        policy's stages allow it (:attr:`~kvevict.policies.Policy.stacks_layers`) the layers
+        of one :meth:`LayerStack.key` whose storage is one :class:`LayerArena` run it as one
+        batch of their rows (:meth:`_end_stacked`); the others, layer by layer, all observing
+        before any evicts. Each layer keeps what it keeps on its own: the stages treat rows
+        independently. Layers that could have stacked are moved into an arena for the next pass."""
+        layers = [layer for layer in dict.fromkeys(self.pending) if layer.pending_view() is not None]
+        self.pending = []  # (a layer whose pass raised may be listed twice)
+        # an arena a layer left would keep the others' old storage alive for nothing
+        self._arenas = {key: arena for key, arena in self._arenas.items() if arena.holds(arena.layers)}
+        stacking = self.stacks_pending and self.policy.stacks_layers
+        groups: dict[tuple, list[EvictionLayer]] = {}
+        for layer in layers:
+            groups.setdefault(LayerStack.key(layer.pending_view()) if stacking else (layer,), []).append(layer)
+        alone = []
+        for group in groups.values():
+            arena = self._arenas.get(tuple(layer.layer_idx for layer in group))
+            if arena is None or not self._end_stacked(group, arena):
+                alone.append(group)
+        for group in alone:
+            for layer in group:
+                layer.observe_pending()
+        for layer in layers:  # a stack whose minimum is not the eviction left each layer's own
             layer.evict_pending()
+        for group in alone:
+            if stacking and LayerArena.fits(group):
+                self._arenas[tuple(layer.layer_idx for layer in group)] = LayerArena(group)
 
-    def _evict_stacked(self, layers: list[EvictionLayer]) -> bool:
-        """Evict ``layers`` (pending, of one :meth:`LayerStack.key`) by one minimum over all their
-        rows; False, having done nothing, when that is not how they evict (a NaN score, ...)."""
-        views, signals = zip(*(layer.pending_eviction for layer in layers))
-        stack = LayerStack(views)
-        slots = self.policy.drop_lowest(stack, Signals.stacked(signals), stack.budget)
-        if slots is None:
+    def _end_stacked(self, layers: list[EvictionLayer], arena: LayerArena) -> bool:
+        """End the pending decode steps of ``layers`` (of one :meth:`LayerStack.key`, stored in
+        ``arena``) as one batch of their rows: the new entries' state written by one copy per
+        state entry, one observation, one minimum, and the dropped slots refilled by one
+        ``scatter_`` per storage entry (:meth:`LayerArena.fill`). False, having done nothing,
+        when the layers' steps differ in what is left (some observed inside their layer). A
+        stacked minimum that is not the eviction (a NaN score, ...) leaves each layer's own."""
+        passes = [layer.pending_pass for layer in layers]
+        if all(p is not None and p.signals is not None for p in passes):
+            views, signals, due = [p.view for p in passes], [p.signals for p in passes], passes[0].due
+        elif all(p is None and layer.pending_eviction is not None for p, layer in zip(passes, layers)):
+            (views, signals), due = zip(*(layer.pending_eviction for layer in layers)), True
+        else:
             return False
-        for layer, layer_slots in zip(layers, slots.split(stack.rows_per_layer)):
-            layer.evict_pending(layer_slots)
+        stack, stacked = LayerStack(views, arena), Signals.stacked(signals)
+        if passes[0] is not None:
+            values = self.policy.new_tokens(stack, stack.num_new)
+            if values.keys() - arena.state.keys():  # a state entry new to the layers: each makes its own
+                return False
+            arena.write_new(stack, values)
+            self.policy.observe(stack, stacked)
+            arena.write_back(stack)
+            for layer, view, layer_signals in zip(layers, views, signals):
+                layer.pending_pass = None
+                layer.pending_eviction = (view, layer_signals) if due else None
+        if not due:
+            return True
+        slots = self.policy.drop_lowest(stack, stacked, stack.budget)
+        if slots is not None:
+            arena.fill(slots, stack.length - 1)
+            for layer in layers:
+                layer.pending_eviction = None
+                layer.dropped_last()
         return True
 
     def finish_prefill(self, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:

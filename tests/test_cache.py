@@ -4,7 +4,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import kvevict
 from kvevict.cache import LayerStack
-from kvevict.policies.h2o import ACCUMULATED
+from kvevict.policies.h2o import ACCUMULATED, H2O
 from tests.conftest import COMMON, greedy, prompt, reference_logits, tiny_model
 
 
@@ -210,15 +210,17 @@ def test_a_decode_step_that_drops_one_entry_per_head_lays_storage_out_as_the_gen
     assert_same_storage(fast, general, 24)
 
 
-def generate_with_and_without(switch: str, arch: str, policy: str, batch: int):
+def generate_with_and_without(
+    switch: str, arch: str, policy: str | kvevict.Policy, batch: int, interval: int = 1, new_tokens: int = 6
+):
     """Greedy generations of ``batch`` different prompts under ``policy`` on a cache as it
     comes, then on one with the boolean attribute ``switch`` off (``ends_passes``,
     ``stacks_pending``): ``((tokens, logits) of each, (the two caches))``."""
     model = tiny_model(arch)
     ids = torch.cat([prompt(40, seed=seed) for seed in range(batch)])
-    default, switched_off = (kvevict.EvictionCache(model, policy, budget=24, interval=1) for _ in range(2))
+    default, switched_off = (kvevict.EvictionCache(model, policy, budget=24, interval=interval) for _ in range(2))
     setattr(switched_off, switch, False)
-    runs = [greedy(model, ids, cache, new_tokens=6) for cache in (default, switched_off)]
+    runs = [greedy(model, ids, cache, new_tokens=new_tokens) for cache in (default, switched_off)]
     return runs, (default, switched_off)
 
 
@@ -263,7 +265,83 @@ def test_layers_evicted_as_one_batch_keep_what_each_keeps_alone(policy: str, bat
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
     assert_same_storage(stacked, alone, 24)
-    assert scored.count(LayerStack) == 5  # the 5 decode steps after the first token, once each
+    # the 5 decode steps after the first token: the first evicts layer by layer and moves the
+    # layers into one arena, each later one scores them at once
+    assert scored.count(LayerStack) == 4
+
+
+@pytest.mark.parametrize("policy", ["h2o", "lazyeviction"])
+def test_layers_stacked_between_evictions_observe_what_each_observes_alone(policy: str, scored: list) -> None:
+    """At an interval of 4 most steps only write the new entries' state and observe (one
+    batch for all layers), and every 4th also evicts: the same entries and state as alone."""
+    ((tokens, logits), (expected_tokens, expected_logits)), (stacked, alone) = generate_with_and_without(
+        "stacks_pending", "llama", policy, 2, interval=4, new_tokens=14
+    )
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
+    for ours, theirs in zip(stacked.eviction_layers, alone.eviction_layers):
+        assert ours.length == theirs.length
+        assert torch.equal(ours.positions, theirs.positions) and torch.equal(ours.keys, theirs.keys)
+        assert all(torch.equal(ours.state[key], theirs.state[key]) for key in theirs.state)
+    assert LayerStack in scored
+
+
+def shares_one_arena(cache: kvevict.EvictionCache) -> bool:
+    """Whether every layer's keys, values, positions and state lie in one tensor per kind."""
+    layers = cache.eviction_layers
+    return all(
+        len({layer.storage()[name].untyped_storage().data_ptr() for layer in layers}) == 1
+        for name in layers[0].storage()
+    )
+
+
+def test_layers_that_stack_are_stored_in_one_arena_which_a_layer_may_leave() -> None:
+    """After a decode step the layers that stacked share one tensor per storage kind. A layer
+    that replaces its storage (here: it grows) leaves it; that step ends layer by layer, the
+    next arena takes the layers in again, and nothing held changes."""
+    model = tiny_model()
+    ids = prompt(40)
+    caches = stacked, alone = [kvevict.EvictionCache(model, "h2o", budget=24, interval=1) for _ in range(2)]
+    alone.stacks_pending = False
+    for cache in caches:
+        greedy(model, ids, cache, new_tokens=3)
+    assert shares_one_arena(stacked) and not shares_one_arena(alone)
+    for cache in caches:
+        layer = cache.eviction_layers[1]
+        layer._reserve(layer._capacity + 8)
+    assert not shares_one_arena(stacked)
+    with torch.no_grad():
+        for step in range(3):
+            outputs = [model(input_ids=prompt(1, seed=step), past_key_values=cache).logits for cache in caches]
+            torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+    assert shares_one_arena(stacked) and len(stacked._arenas) == 1
+    assert_same_storage(stacked, alone, 24)
+
+
+class LateState(H2O):
+    """H2O that starts keeping one more state entry in the middle of decoding."""
+
+    stackable = True
+
+    def new_tokens(self, layer, num_new: int) -> dict[str, torch.Tensor]:
+        state = super().new_tokens(layer, num_new)
+        if layer.phase() == "decode" and layer.decode_step >= 4:
+            state["late"] = torch.ones_like(state[ACCUMULATED])
+        return state
+
+
+def test_a_state_entry_new_to_stacked_layers_is_made_by_each_layer(scored: list) -> None:
+    """A stackable stage whose new state entry no layer holds yet: that step ends layer by
+    layer (each makes the entry), later steps stack again with the entry in the arena."""
+    ((tokens, logits), (expected_tokens, expected_logits)), (stacked, alone) = generate_with_and_without(
+        "stacks_pending", "llama", kvevict.Policy(LateState()), 1, new_tokens=8
+    )
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
+    assert_same_storage(stacked, alone, 24)
+    assert "h2o/late" in stacked.eviction_layers[0].state and shares_one_arena(stacked)
+    # 7 decode steps: the first and the one that makes the new entry end layer by layer
+    assert scored.count(LayerStack) == 5
 
 
 @pytest.mark.parametrize("policy", ["h2o", "lazyeviction"])

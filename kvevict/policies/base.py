@@ -91,15 +91,16 @@ class Stage:
     Only the class's own declaration counts (a subclass re-declares it), see
     :attr:`~kvevict.policies.Policy.batched`."""
     stackable: ClassVar[bool] = False
-    """The stage's drop-time hooks (:meth:`Scorer.score`, :meth:`Protector.protected`) are
-    the same function in every layer, treat rows independently and read only the layer's
-    per-token tensors (``positions``, ``state``, the pass's attention signals, the frozen
-    hidden-state scores ``owner.hidden.lookup``) and its row counters (``seen``,
-    ``prompt_length``, ``budget``, ``decode_step``, ``window``, ``num_new``, ``passes``,
-    ``phase()``): no keys or values, no ``layer_idx``, ``memo`` or other ``owner`` data, and
-    no state written. The decode-step evictions of a pass then score every layer at once,
-    the layers' rows stacked into one batch (:meth:`~kvevict.cache.EvictionCache.evict_pending`).
-    Only the class's own declaration counts, as for :attr:`batched`."""
+    """The stage's per-token hooks (:meth:`new_tokens`, :meth:`observe`, :meth:`Scorer.score`,
+    :meth:`Protector.protected`) are the same function in every layer, treat rows
+    independently and read only the layer's per-token tensors (``positions``, ``state``, the
+    pass's attention signals, the frozen hidden-state scores ``owner.hidden.lookup``) and its
+    row counters (``seen``, ``prompt_length``, ``budget``, ``decode_step``, ``window``,
+    ``num_new``, ``passes``, ``phase()``): no keys or values, no ``layer_idx``, ``memo`` or
+    other ``owner`` data; ``new_tokens`` has no side effect and ``observe`` writes only
+    ``state``. The decode steps of a pass then end every layer at once, the layers' rows
+    stacked into one batch (:meth:`~kvevict.cache.EvictionCache.evict_pending`). Only the
+    class's own declaration counts, as for :attr:`batched`."""
 
     def __init__(self, **params: object):
         unknown = [key for key in params if key not in self.PARAMS]

@@ -246,12 +246,16 @@ class Policy:
 
     @cached_property
     def stacks_layers(self) -> bool:
-        """Whether the decode-step evictions of several layers may be scored as one batch of
-        their rows (:meth:`drop_lowest` on a :class:`~kvevict.cache.LayerStack`): the policy
-        keeps each head's top scores under uniform counts and its scorer's and protector's
-        own classes declare :attr:`~kvevict.policies.base.Stage.stackable`."""
-        return self.keeps_uniform_top and all(
-            vars(type(stage)).get("stackable", False) for stage in (self.scorer, self.protector)
+        """Whether the decode steps of several layers may end as one batch of their rows
+        (:class:`~kvevict.cache.LayerStack`: the new entries' state, the observation and
+        :meth:`drop_lowest`): the policy keeps each head's top scores under uniform counts, no
+        stage watches evictions, and the own classes of its scorer, its protector and every
+        stage that keeps per-token state declare :attr:`~kvevict.policies.base.Stage.stackable`."""
+        hooked = {self.scorer, self.protector, *self._overriding("new_tokens"), *self._overriding("observe")}
+        return (
+            self.keeps_uniform_top
+            and not self.watches_evictions
+            and all(vars(type(stage)).get("stackable", False) for stage in hooked)
         )
 
     @property
