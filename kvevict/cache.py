@@ -38,7 +38,7 @@ one of each per layer.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Self
@@ -810,16 +810,7 @@ class EvictionLayer(DynamicLayer):
         """Drop entry ``slots[b, h]`` ``[B, Hkv]`` of every head (all real, aligned): the entry of
         the last column takes its slot, as the general path of :meth:`_keep_rows` moves it, by
         one ``scatter_`` per storage tensor."""
-        last = self.n - 1
-        slot = slots[..., None]  # [B, Hkv, 1]
-        indices: dict[tuple[int, ...], torch.Tensor] = {(): slot}  # per trailing shape (keys and values share one)
-        for storage in (self._keys, self._values, self._positions, *self._state.values()):
-            trailing = storage.shape[3:]
-            if trailing not in indices:
-                indices[trailing] = slot.view(*slot.shape, *[1] * len(trailing)).expand(*slot.shape, *trailing)
-            # the source column is copied (one entry per head): torch refuses a scatter whose
-            # source lies inside the written tensor whenever it can see the overlap
-            storage.scatter_(2, indices[trailing], storage.narrow(2, last, 1).clone())
+        _move_last_into(self.storage().values(), slots, self.n - 1)
         self.dropped_last()
 
     def dropped_last(self) -> None:
@@ -1213,12 +1204,22 @@ class LayerArena:
     def fill(self, slots: torch.Tensor, last: int) -> None:
         """Drop entry ``slots`` ``[L·B, Hkv]`` of every head of every layer: the entry of column
         ``last`` takes its slot (:meth:`EvictionLayer._fill_from_last`, for all layers at once)."""
-        for block in self._blocks():
-            index = slots.view(*block.shape[:3], 1, *[1] * (block.dim() - 4)).expand(
-                *block.shape[:3], 1, *block.shape[4:]
-            )
-            # a copy of the source column: torch refuses a scatter whose source overlaps what it writes
-            block.scatter_(3, index, block.narrow(3, last, 1).clone())
+        blocks = [self.keys, self.values, self.positions, *self.state.values()]
+        _move_last_into(blocks, slots.view(*self.keys.shape[:3]), last)
+
+
+def _move_last_into(storages: Iterable[torch.Tensor], slots: torch.Tensor, last: int) -> None:
+    """In each of ``storages`` (entries along dim ``slots.dim()``), the entry at ``last`` takes
+    slot ``slots[...]`` of its head: one ``scatter_`` per tensor."""
+    slot = slots[..., None]
+    indices: dict[tuple[int, ...], torch.Tensor] = {(): slot}  # per trailing shape (keys and values share one)
+    for storage in storages:
+        trailing = storage.shape[slot.dim() :]
+        if trailing not in indices:
+            indices[trailing] = slot.view(*slot.shape, *[1] * len(trailing)).expand(*slot.shape, *trailing)
+        # the source column is copied (one entry per head): torch refuses a scatter whose
+        # source lies inside the written tensor whenever it can see the overlap
+        storage.scatter_(slots.dim(), indices[trailing], storage.narrow(slots.dim(), last, 1).clone())
 
 
 class _StackedHidden:
@@ -1490,8 +1491,10 @@ class EvictionCache(Cache):
         for layer in layers:  # a stack whose minimum is not the eviction left each layer's own
             layer.evict_pending()
         for group in alone:
-            if stacking and LayerArena.fits(group):
-                self._arenas[tuple(layer.layer_idx for layer in group)] = LayerArena(group)
+            key = tuple(layer.layer_idx for layer in group)
+            held = key in self._arenas and self._arenas[key].holds(group)  # still (a step that did not stack)
+            if stacking and not held and LayerArena.fits(group):
+                self._arenas[key] = LayerArena(group)
 
     def _end_stacked(self, layers: list[EvictionLayer], arena: LayerArena) -> bool:
         """End the pending decode steps of ``layers`` (of one :meth:`LayerStack.key`, stored in

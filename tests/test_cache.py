@@ -279,10 +279,7 @@ def test_layers_stacked_between_evictions_observe_what_each_observes_alone(polic
     )
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
-    for ours, theirs in zip(stacked.eviction_layers, alone.eviction_layers):
-        assert ours.length == theirs.length
-        assert torch.equal(ours.positions, theirs.positions) and torch.equal(ours.keys, theirs.keys)
-        assert all(torch.equal(ours.state[key], theirs.state[key]) for key in theirs.state)
+    assert_same_storage(stacked, alone, alone.eviction_layers[0].length)
     assert LayerStack in scored
 
 
