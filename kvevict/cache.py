@@ -142,6 +142,29 @@ class _Row:
         self.memo: dict[str, object] = {}
 
 
+class _Columns:
+    """Views of a layer's storage for one column count ``n``: its first ``n`` columns (what
+    :attr:`EvictionLayer.keys`, ... expose) and, once asked for, column ``n`` (where a decode
+    step appends). Why keep them: making a view is a dispatch, which costs microseconds on a
+    CPU whose caches the model's weights just streamed through, in every layer of every
+    pass; a decode step at interval 1 alternates between two column counts."""
+
+    __slots__ = ("_next", "_storage", "keys", "n", "positions", "state", "valid", "values")
+
+    def __init__(self, storage: tuple[torch.Tensor | None, ...], names: Iterable[str], n: int):
+        keys, values, positions, valid, *state = storage
+        self._storage, self.n, self._next = storage, n, None
+        self.keys, self.values, self.positions = (x.narrow(2, 0, n) for x in (keys, values, positions))
+        self.valid = None if valid is None else valid.narrow(2, 0, n)
+        self.state = {name: value.narrow(2, 0, n) for name, value in zip(names, state)}
+
+    def next_column(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Column ``n`` of the keys, values and positions ``[B, Hkv, 1, ...]`` (the storage has room for it)."""
+        if self._next is None:
+            self._next = tuple(x.narrow(2, self.n, 1) for x in self._storage[:3])
+        return self._next
+
+
 class EvictionLayer(DynamicLayer):
     """One attention layer of an :class:`EvictionCache`: full attention, or a sliding
     window of ``window`` positions (a query at ``p`` sees keys at ``> p − window``).
@@ -192,22 +215,37 @@ class EvictionLayer(DynamicLayer):
         """A decode step's work left for the end of the pass (:meth:`observe_pending`)."""
         self.pending_eviction: tuple[RowView, Signals] | None = None
         """A decode step's eviction left for the end of the pass (:meth:`evict_pending`)."""
+        self._viewed: tuple[torch.Tensor | None, ...] = ()
+        self._column_views: dict[int, _Columns] = {}
         self._refresh(0)
 
     def _refresh(self, n: int) -> None:
         """Expose the first ``n`` storage columns as :attr:`keys`, :attr:`values`, ..."""
         self.n = n
-        self.keys = self._keys.narrow(2, 0, n)  # `narrow`: the same view as [:, :, :n], for less (every pass)
-        self.values = self._values.narrow(2, 0, n)
-        self.positions = self._positions.narrow(2, 0, n)
+        columns = self._columns(n)
+        self.keys, self.values = columns.keys, columns.values
+        self.positions = columns.positions
         """Absolute position of each entry in its own sequence ``[B, Hkv, n]`` (the model's RoPE
         position; negative for left padding, which is never valid)."""
-        self.valid = None if self._valid is None else self._valid.narrow(2, 0, n)
+        self.valid = columns.valid
         """``[B, Hkv, n]`` bool once rows or heads hold different numbers of entries (left
         padding, head-wise budgets, ``keep=`` with prompts of different lengths): each is
         padded to the longest and its padding is masked out of attention and selection.
         ``None`` while every entry is real."""
-        self.state = {name: value.narrow(2, 0, n) for name, value in self._state.items()}
+        self.state = dict(columns.state)
+
+    def _columns(self, n: int) -> _Columns:
+        """The views of the first ``n`` storage columns, made anew only when a storage tensor
+        was replaced (compared by identity, so a kept view never outlives its tensor)."""
+        storage = (self._keys, self._values, self._positions, self._valid, *self._state.values())
+        if len(storage) != len(self._viewed) or any(a is not b for a, b in zip(storage, self._viewed)):
+            self._viewed, self._column_views = storage, {}
+        columns = self._column_views.get(n)
+        if columns is None:
+            if len(self._column_views) == 2:  # the two column counts a decode step alternates between
+                del self._column_views[next(iter(self._column_views))]
+            columns = self._column_views[n] = _Columns(storage, self._state.keys(), n)
+        return columns
 
     def storage(self) -> dict[str, torch.Tensor]:
         """Every per-entry storage tensor but :attr:`valid` (whole capacity), by name."""
@@ -356,12 +394,15 @@ class EvictionLayer(DynamicLayer):
         ends = [row.start + row.width for row in self.rows]
         self._reserve(max(ends) + num_new)
         if all(end == self.n for end in ends):  # rows end together: one slice
-            self._keys[:, :, self.n : self.n + num_new] = key_states
-            self._values[:, :, self.n : self.n + num_new] = value_states
             seen = _uniform([row.seen for row in self.rows], self.device)
-            if isinstance(seen, int) and num_new == 1:  # a decode step
-                self._positions[:, :, self.n] = seen
+            if isinstance(seen, int) and num_new == 1:  # a decode step: into the kept views of column n
+                keys, values, positions = self._columns(self.n).next_column()
+                keys.copy_(key_states)
+                values.copy_(value_states)
+                positions.fill_(seen)
             else:
+                self._keys[:, :, self.n : self.n + num_new] = key_states
+                self._values[:, :, self.n : self.n + num_new] = value_states
                 self._positions[:, :, self.n : self.n + num_new] = seen + torch.arange(num_new, device=self.device)
             if self._valid is not None:
                 self._valid[:, :, self.n : self.n + num_new] = True
