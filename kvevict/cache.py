@@ -325,17 +325,18 @@ class EvictionLayer(DynamicLayer):
         layer (a sliding window drops per row), has as many real tokens in this pass, passes
         and tokens after its prompt; prompt lengths may differ."""
         rows, first = self.rows, self.rows[0]
-        step = first.seen - first.prompt_length
-        lockstep = all(
-            row.start == 0
-            and row.width == self.n
-            and (row.budget, row.interval, row.new, row.passes)
-            == (first.budget, first.interval, first.new, first.passes)
-            and row.seen - row.prompt_length == step
-            for row in rows
-        )
-        if len(rows) > 1 and self.policy.batched and self.window is None and self.valid is None and lockstep:
-            return [RowView(self, 0, len(rows))]
+        if len(rows) > 1 and self.policy.batched and self.window is None and self.valid is None:
+            step = first.seen - first.prompt_length
+            lockstep = all(
+                row.start == 0
+                and row.width == self.n
+                and (row.budget, row.interval, row.new, row.passes)
+                == (first.budget, first.interval, first.new, first.passes)
+                and row.seen - row.prompt_length == step
+                for row in rows
+            )
+            if lockstep:
+                return [RowView(self, 0, len(rows))]
         return [RowView(self, i) for i in range(len(rows))]
 
     # -- transformers' layer API ------------------------------------------------------

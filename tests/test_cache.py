@@ -315,6 +315,23 @@ def test_layers_that_stack_are_stored_in_one_arena_which_a_layer_may_leave() -> 
     assert_same_storage(stacked, alone, 24)
 
 
+def test_a_decode_step_reuses_the_views_of_storage_until_a_tensor_is_replaced() -> None:
+    """At interval 1 a step appends (one more column) and evicts (one less): the layer's views
+    of both column counts are kept, not made again, while its storage tensors are the same."""
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "streamingllm", budget=24, interval=1)
+    greedy(model, prompt(40), cache, new_tokens=3)
+    layer = cache.eviction_layers[1]
+    exposed = (layer.keys, layer.values, layer.positions)
+    with torch.no_grad():
+        model(input_ids=prompt(1), past_key_values=cache)
+        assert all(now is before for now, before in zip((layer.keys, layer.values, layer.positions), exposed))
+        layer._reserve(layer._capacity + 8)  # new tensors: views of the old ones must not be kept
+        model(input_ids=prompt(1, seed=1), past_key_values=cache)
+    for view, storage in ((layer.keys, layer._keys), (layer.values, layer._values), (layer.positions, layer._positions)):
+        assert view.data_ptr() == storage.data_ptr() and view.shape[2] == 24
+
+
 class LateState(H2O):
     """H2O that starts keeping one more state entry in the middle of decoding."""
 
