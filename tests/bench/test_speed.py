@@ -22,6 +22,18 @@ def test_measure_reports_each_policy_and_batch_against_the_full_cache() -> None:
     assert table.count("\n") == 5 and "| h2o | 2 |" in table
 
 
+def test_the_ratio_is_the_median_of_each_pairs_ratio() -> None:
+    # pairs 2/1, 3/2, 10/4: ratios 2, 1.5, 2.5 (the ratio of the medians would be 3/2)
+    assert speed.paired_ratio([2.0, 3.0, 10.0], [1.0, 2.0, 4.0]) == 2.0
+    assert speed.paired_ratio([4.0, 1.0], [2.0, 1.0]) == 1.5
+
+
+@pytest.mark.parametrize(("times", "full"), [([], []), ([1.0], [1.0, 2.0])])
+def test_unpaired_steps_are_refused(times: list[float], full: list[float]) -> None:
+    with pytest.raises(ValueError, match="paired steps needed"):
+        speed.paired_ratio(times, full)
+
+
 @pytest.mark.parametrize("flag", ["--batch-sizes=1,x", "--entries=0"])
 def test_bad_options_exit_with_usage_error(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:  # argparse's own exit, or main's return value
