@@ -328,7 +328,11 @@ def test_a_decode_step_reuses_the_views_of_storage_until_a_tensor_is_replaced() 
         assert all(now is before for now, before in zip((layer.keys, layer.values, layer.positions), exposed))
         layer._reserve(layer._capacity + 8)  # new tensors: views of the old ones must not be kept
         model(input_ids=prompt(1, seed=1), past_key_values=cache)
-    for view, storage in ((layer.keys, layer._keys), (layer.values, layer._values), (layer.positions, layer._positions)):
+    for view, storage in (
+        (layer.keys, layer._keys),
+        (layer.values, layer._values),
+        (layer.positions, layer._positions),
+    ):
         assert view.data_ptr() == storage.data_ptr() and view.shape[2] == 24
 
 
