@@ -1228,9 +1228,6 @@ class LayerArena:
         """``block`` ``[L, B, ...]``'s first ``n`` entries with the layers' rows stacked: ``[L·B, Hkv, n, ...]`` (a view)."""
         return block.narrow(3, 0, n).flatten(0, 1)
 
-    def _blocks(self) -> list[torch.Tensor]:
-        return [self.keys, self.values, self.positions, *self.state.values()]
-
     def write_new(self, stack: LayerStack, values: dict[str, torch.Tensor]) -> None:
         """The new entries' state ``{name: [L·B, Hkv, num_new, ...]}`` (entries the arena holds) into every layer's last columns."""
         for name, value in values.items():
