@@ -653,13 +653,16 @@ class EvictionLayer(DynamicLayer):
 
     def decode_row(self, query: torch.Tensor, spec: LogitSpec) -> torch.Tensor | None:
         """The new query's attention probabilities ``[B, Hq, 1, n]`` (fp32) over this layer's
-        entries, when the attention path may attend by them instead of calling the kernel and
-        the policy reads them this step (the last query's row, or column sums, which one query
-        makes the same): a decode step of one view over the whole storage, on a full-attention
-        layer, after the first eviction (until then the model's own kernel runs, bit-identical
-        to no eviction). None otherwise. The kernel's logits would be computed twice, once to
-        attend and once for the signal; this computes them once."""
-        if not self.policy.reads_decode_row or query.shape[-2] != 1 or not self.compacted or self.window is not None:
+        entries, when the attention path may attend by them instead of calling the kernel: a
+        decode step of one view over the whole storage, on a full-attention layer, after the
+        first eviction (until then the model's own kernel runs, bit-identical to no eviction),
+        and either the policy reads them this step (the last query's row, or column sums,
+        which one query makes the same: the kernel would compute the logits a second time) or
+        the step runs on a CPU, where one grouped product per KV head attends a single query
+        faster than the kernel does (``kvevict bench decode-speed``). None otherwise."""
+        if query.shape[-2] != 1 or not self.compacted or self.window is not None:
+            return None
+        if query.device.type != "cpu" and not self.policy.reads_decode_row:
             return None
         views = self._pass_views
         if views is None or len(views) != 1:
@@ -667,10 +670,11 @@ class EvictionLayer(DynamicLayer):
         view = views[0]
         if view.keys is not self.keys or not view.num_new:
             return None
-        phase = view.phase()
-        requirements = self.policy.requirements(phase, view.eviction_due(phase, 1))
-        if not (requirements.last_query_attention or requirements.column_sums):
-            return None
+        if query.device.type != "cpu":
+            phase = view.phase()
+            requirements = self.policy.requirements(phase, view.eviction_due(phase, 1))
+            if not (requirements.last_query_attention or requirements.column_sums):
+                return None
         return attention_rows(query, view.keys, spec, view.valid)
 
     def after_attention(
