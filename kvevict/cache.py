@@ -37,6 +37,7 @@ one of each per layer.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -238,7 +239,7 @@ class EvictionLayer(DynamicLayer):
         """The views of the first ``n`` storage columns, made anew only when a storage tensor
         was replaced (compared by identity, so a kept view never outlives its tensor)."""
         storage = (self._keys, self._values, self._positions, self._valid, *self._state.values())
-        if len(storage) != len(self._viewed) or any(a is not b for a, b in zip(storage, self._viewed)):
+        if len(storage) != len(self._viewed) or not all(map(operator.is_, storage, self._viewed)):
             self._viewed, self._column_views = storage, {}
         columns = self._column_views.get(n)
         if columns is None:
@@ -394,7 +395,7 @@ class EvictionLayer(DynamicLayer):
             self.prompt_pass = self._is_prompt_pass(num_new)
         ends = [row.start + row.width for row in self.rows]
         self._reserve(max(ends) + num_new)
-        if all(end == self.n for end in ends):  # rows end together: one slice
+        if ends.count(self.n) == len(ends):  # rows end together: one slice
             seen = _uniform([row.seen for row in self.rows], self.device)
             if isinstance(seen, int) and num_new == 1:  # a decode step: into the kept views of column n
                 keys, values, positions = self._columns(self.n).next_column()
@@ -422,7 +423,7 @@ class EvictionLayer(DynamicLayer):
         self.tokens += num_new
         self.passes += 1
         self._num_new = num_new
-        self._refresh(max(row.start + row.width for row in self.rows))
+        self._refresh(max(ends) + num_new)
         attention.mark_pending(self, self.keys)
         return self.keys, self.values
 
@@ -1364,7 +1365,7 @@ class _SpanHidden:
 
 def _uniform(values: list[int], device: torch.device) -> int | torch.Tensor:
     """``values`` (one per row) as an int when they agree, else ``[B, 1, 1]`` (broadcasting with positions)."""
-    if all(value == values[0] for value in values):
+    if values.count(values[0]) == len(values):
         return values[0]
     return torch.tensor(values, device=device)[:, None, None]
 
