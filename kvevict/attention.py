@@ -90,8 +90,8 @@ def attend(row: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     ``[B, Hkv, n, d]`` (query head ``h`` reads KV head ``h // (Hq / Hkv)``), summed in fp32."""
     b, hq, _, n = row.shape
     hkv = values.shape[1]
-    output = row.reshape(b, hkv, hq // hkv, n) @ values.float()
-    return output.reshape(b, hq, 1, -1).transpose(1, 2).to(values.dtype)
+    output = torch.bmm(row.reshape(b * hkv, hq // hkv, n), values.float().flatten(0, 1))
+    return output.view(b, 1, hq, -1).to(values.dtype)
 
 
 def _make_attention(base: str) -> Callable:
