@@ -659,8 +659,9 @@ class EvictionLayer(DynamicLayer):
         first eviction (until then the model's own kernel runs, bit-identical to no eviction),
         and either the policy reads them this step (the last query's row, or column sums,
         which one query makes the same: the kernel would compute the logits a second time) or
-        the step runs on a CPU, where one grouped product per KV head attends a single query
-        faster than the kernel does (``kvevict bench decode-speed``). None otherwise."""
+        the step runs on a CPU, where one grouped product per KV head attends a single query as
+        fast as the sdpa kernel at batch 1 and faster at batch 8 (paired steps on SmolLM2, see
+        the README's decode-step cost). None otherwise."""
         if query.shape[-2] != 1 or not self.compacted or self.window is not None:
             return None
         if query.device.type != "cpu" and not self.policy.reads_decode_row:
