@@ -662,9 +662,10 @@ class EvictionLayer(DynamicLayer):
         the step runs on a CPU, where one grouped product per KV head attends a single query as
         fast as the sdpa kernel at batch 1 and faster at batch 8 (paired steps on SmolLM2, see
         the README's decode-step cost). None otherwise."""
+        on_cpu = query.device.type == "cpu"
         if query.shape[-2] != 1 or not self.compacted or self.window is not None:
             return None
-        if query.device.type != "cpu" and not self.policy.reads_decode_row:
+        if not (on_cpu or self.policy.reads_decode_row):
             return None
         views = self._pass_views
         if views is None or len(views) != 1:
@@ -672,7 +673,7 @@ class EvictionLayer(DynamicLayer):
         view = views[0]
         if view.keys is not self.keys or not view.num_new:
             return None
-        if query.device.type != "cpu":
+        if not on_cpu:  # the policy reads the row only at some steps (an eviction's, say)
             phase = view.phase()
             requirements = self.policy.requirements(phase, view.eviction_due(phase, 1))
             if not (requirements.last_query_attention or requirements.column_sums):

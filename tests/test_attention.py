@@ -96,7 +96,8 @@ def test_a_decode_step_after_the_first_eviction_attends_by_its_row_on_a_cpu(monk
     monkeypatch.setattr(cache_module, "attention_rows", lambda query, *args: rows.append(1) or original(query, *args))
     model = tiny_model()
     for budget, expected in ((40, 2), (10_000, 2 * 4)):  # no eviction: always the kernel
-        calls.clear(), rows.clear()
+        calls.clear()
+        rows.clear()
         cache = kvevict.EvictionCache(model, policy, budget=budget)
         with torch.no_grad():
             model(input_ids=prompt(96), past_key_values=cache)
