@@ -51,35 +51,32 @@ BAND_A, BAND_B = (7, 13), (18, 25)
 
 
 # -- rolling statistics (pure functions over the last dimension) ------------------------------
-def _rolling_sums(x: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Trailing-window sums of ``x`` and ``x²`` and the window sizes, in float64."""
+def _rolling_moments(x: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trailing-window means of ``x`` and of ``x²``, in float64 (the window of ``t`` holds
+    ``min(t + 1, window)`` values). A decode step scores one token from a window of 64 this
+    way, so the operation count, not their size, is the cost: one cumulative sum of ``x`` and
+    ``x²`` together, with ``window`` zeros in front so each window is one difference of slices."""
     if window < 1:
         raise ValueError(f"rolling window must be >= 1, got {window}")
     x = x.double()
-    t = torch.arange(x.shape[-1], device=x.device)
-    start = (t + 1 - window).clamp(min=0)
-    count = (t + 1 - start).double()
-
-    def sums(values: torch.Tensor) -> torch.Tensor:
-        cumulative = torch.nn.functional.pad(values.cumsum(dim=-1), (1, 0))
-        return cumulative[..., t + 1] - cumulative[..., start]
-
-    return sums(x), sums(x * x), count
+    n = x.shape[-1]
+    cumulative = torch.nn.functional.pad(torch.stack([x, x * x]).cumsum(dim=-1), (window, 0))
+    count = torch.arange(1, n + 1, dtype=torch.float64, device=x.device).clamp_(max=window)
+    mean, square_mean = (cumulative[..., window:] - cumulative[..., :n]).div_(count)
+    return mean, square_mean
 
 
 def rolling_mean(x: torch.Tensor, window: int = ROLLING) -> torch.Tensor:
     """Mean of the trailing ``window`` values, the current one included (fewer at the start)."""
-    total, _, count = _rolling_sums(x, window)
-    return (total / count).float()
+    return _rolling_moments(x, window)[0].float()
 
 
 def rolling_zscore(x: torch.Tensor, window: int = ROLLING, eps: float = EPSILON) -> torch.Tensor:
     """Eq. 3: ``(x(t) − μ(t)) / (σ(t) + ε)`` over the trailing ``window`` values, the current
     one included; ``σ`` is the population standard deviation."""
-    total, squares, count = _rolling_sums(x, window)
-    mean = total / count
-    std = (squares / count - mean * mean).clamp(min=0).sqrt()
-    return ((x.double() - mean) / (std + eps)).float()
+    mean, square_mean = _rolling_moments(x, window)
+    std = (square_mean - mean * mean).clamp_(min=0).sqrt_()
+    return ((x.double() - mean) / std.add_(eps)).float()
 
 
 def stacked_changes(changes: dict[int, torch.Tensor], layers: Sequence[int]) -> torch.Tensor:
