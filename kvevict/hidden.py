@@ -59,12 +59,11 @@ def hidden_changes(hidden: torch.Tensor, previous: torch.Tensor | None = None) -
     it the first token's change is 0 (it has no predecessor).
     """
     hidden = hidden.float()
-    before = hidden[:, :-1] if previous is None else torch.cat([previous.float()[:, None], hidden[:, :-1]], dim=1)
-    changes = (hidden[:, 1:] if previous is None else hidden) - before
-    norms = changes.norm(dim=-1)
     if previous is None:
-        norms = torch.cat([norms.new_zeros(norms.shape[0], 1), norms], dim=1)
-    return norms
+        return torch.nn.functional.pad(torch.linalg.vector_norm(hidden[:, 1:] - hidden[:, :-1], dim=-1), (1, 0))
+    previous = previous.float()[:, None]
+    before = previous if hidden.shape[1] == 1 else torch.cat([previous, hidden[:, :-1]], dim=1)  # a decode step: one token
+    return torch.linalg.vector_norm(hidden - before, dim=-1)
 
 
 class HiddenStateRecorder:
@@ -177,7 +176,7 @@ class HiddenStateRecorder:
             for row, pad in enumerate(self.offsets):
                 if pad:
                     changes[row, pad] = 0.0
-        self._last[layer] = hidden[:, -1].detach().float()
+        self._last[layer] = hidden[:, -1].float()
         old = self.changes[layer]
         self.changes[layer] = changes if old.numel() == 0 else torch.cat([old, changes], dim=1)
         self._score_new_tokens()
