@@ -216,9 +216,8 @@ class HiddenStateRecorder:
         table = self._table.to(positions.device)
         if end is None or end > table.shape[-1]:
             positions = positions.clamp(max=table.shape[-1] - 1)  # past the table: +inf, as its last column
-        if row is not None:
-            return torch.take(table[row], positions)
-        return table[:, None, :].expand(positions.shape[0], positions.shape[1], -1).gather(2, positions)
+        rows = table[:, None, :] if row is None else table[row : row + 1, None, :]
+        return rows.expand(positions.shape[0], positions.shape[1], -1).gather(2, positions)  # (faster than take)
 
     def wants(self, past_key_values: Any) -> bool:
         return self._cache is None or past_key_values is self._cache()
