@@ -62,7 +62,8 @@ def hidden_changes(hidden: torch.Tensor, previous: torch.Tensor | None = None) -
     if previous is None:
         return torch.nn.functional.pad(torch.linalg.vector_norm(hidden[:, 1:] - hidden[:, :-1], dim=-1), (1, 0))
     previous = previous.float()[:, None]
-    before = previous if hidden.shape[1] == 1 else torch.cat([previous, hidden[:, :-1]], dim=1)  # a decode step: one token
+    # a decode step's one token needs no cat
+    before = previous if hidden.shape[1] == 1 else torch.cat([previous, hidden[:, :-1]], dim=1)
     return torch.linalg.vector_norm(hidden - before, dim=-1)
 
 
