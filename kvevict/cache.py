@@ -42,6 +42,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Self
 
 import torch
@@ -239,7 +240,7 @@ class EvictionLayer(DynamicLayer):
         """The views of the first ``n`` storage columns, made anew only when a storage tensor
         was replaced (compared by identity, so a kept view never outlives its tensor)."""
         storage = (self._keys, self._values, self._positions, self._valid, *self._state.values())
-        if len(storage) != len(self._viewed) or not all(map(operator.is_, storage, self._viewed)):
+        if not _same_objects(storage, self._viewed):
             self._viewed, self._column_views = storage, {}
         columns = self._column_views.get(n)
         if columns is None:
@@ -1188,7 +1189,7 @@ class LayerArena:
         self.state = {name: self._adopt("_state", name) for name in layers[0]._state}
         for layer in layers:
             layer._capacity = self.capacity
-        self._held = [layer.storage() for layer in layers]
+        self._held = self._storage_of(layers)
 
     def _adopt(self, kind: str, name: str | None = None) -> torch.Tensor:
         """One kind of storage of every layer, as slices of one new tensor (of the largest capacity)."""
@@ -1222,13 +1223,13 @@ class LayerArena:
 
     def holds(self, layers: Sequence[EvictionLayer]) -> bool:
         """Whether the storage of ``layers`` is (still) this arena's, every tensor of it."""
-        if tuple(layers) != self.layers:
-            return False
-        for layer, held in zip(layers, self._held):
-            storage = layer.storage()
-            if storage.keys() != held.keys() or any(storage[name] is not held[name] for name in held):
-                return False
-        return True
+        return tuple(layers) == self.layers and _same_objects(self._storage_of(layers), self._held)
+
+    @staticmethod
+    def _storage_of(layers: Sequence[EvictionLayer]) -> tuple[object, ...]:
+        """What :meth:`EvictionLayer.storage` holds of every layer, flat: tensors and state
+        names (compared by identity at every decode step's end)."""
+        return tuple(chain.from_iterable(map(_storage_objects, layers)))
 
     @staticmethod
     def stacked(block: torch.Tensor, n: int) -> torch.Tensor:
@@ -1286,6 +1287,17 @@ class _StackedHidden:
 def _repeat_rows(x: int | torch.Tensor, times: int) -> int | torch.Tensor:
     """A row counter (an int, or ``[B, 1, 1]`` per row) for ``times`` layers' rows stacked."""
     return x if isinstance(x, int) else x.repeat(times, 1, 1)
+
+
+def _storage_objects(layer: EvictionLayer) -> tuple[object, ...]:
+    """What :meth:`EvictionLayer.storage` holds, flat: its tensors and state names."""
+    return (layer._keys, layer._values, layer._positions, *layer._state, *layer._state.values())
+
+
+def _same_objects(these: tuple[object, ...], those: tuple[object, ...]) -> bool:
+    """Whether two tuples hold the very same objects, in order (a renamed or replaced entry,
+    even an equal one, does not count: the answer errs on the side of 'changed')."""
+    return len(these) == len(those) and all(map(operator.is_, these, those))
 
 
 def _whole(x: torch.Tensor) -> torch.Tensor:
