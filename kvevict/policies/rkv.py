@@ -87,7 +87,7 @@ def rkv_redundancy(
         for h in range(keys.shape[1]):
             real = slice(None) if valid is None else valid[b, h]
             k = keys[b, h][real].float()
-            k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+            k = k / (torch.linalg.vector_norm(k, dim=-1, keepdim=True) + 1e-8)
             sim = k @ k.T
             sim.fill_diagonal_(0.0)
             near = sim > threshold

@@ -44,7 +44,7 @@ class Random(Method):
 
 def knorm_scores(keys: torch.Tensor) -> torch.Tensor:
     """KNorm (Devoto et al., 2024): score ``-‖k‖₂``; low-norm keys draw attention, so they stay."""
-    return -keys.float().norm(dim=-1)
+    return -torch.linalg.vector_norm(keys.float(), dim=-1)
 
 
 class KNorm(Method):
