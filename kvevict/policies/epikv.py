@@ -74,9 +74,10 @@ def rolling_mean(x: torch.Tensor, window: int = ROLLING) -> torch.Tensor:
 def rolling_zscore(x: torch.Tensor, window: int = ROLLING, eps: float = EPSILON) -> torch.Tensor:
     """Eq. 3: ``(x(t) − μ(t)) / (σ(t) + ε)`` over the trailing ``window`` values, the current
     one included; ``σ`` is the population standard deviation."""
+    x = x.double()  # once: the moments' own conversion is then a no-op
     mean, square_mean = _rolling_moments(x, window)
     std = (square_mean - mean * mean).clamp_(min=0).sqrt_()
-    return ((x.double() - mean) / std.add_(eps)).float()
+    return ((x - mean) / std.add_(eps)).float()
 
 
 def stacked_changes(changes: dict[int, torch.Tensor], layers: Sequence[int]) -> torch.Tensor:
