@@ -219,12 +219,20 @@ class EvictionLayer(DynamicLayer):
         """A decode step's eviction left for the end of the pass (:meth:`evict_pending`)."""
         self._viewed: tuple[torch.Tensor | None, ...] = ()
         self._column_views: dict[int, _Columns] = {}
+        self._steady_pass = False
+        """Whether the pass under way appended by the steady path (:meth:`settle`)."""
         self._refresh(0)
 
     def _refresh(self, n: int) -> None:
-        """Expose the first ``n`` storage columns as :attr:`keys`, :attr:`values`, ..."""
+        """Expose the first ``n`` storage columns as :attr:`keys`, :attr:`values`, ... Every
+        change of the storage ends here, so this also drops the steady record (:meth:`settle`;
+        the two that do not end here at once, :meth:`_reserve` and :meth:`_ensure_valid`, drop it
+        themselves)."""
         self.n = n
-        columns = self._columns(n)
+        self._steady: tuple[_Columns, bool] | None = None
+        """The views of column ``n`` and whether the storage was made under ``inference_mode``,
+        while the next decode step may take the steady path (:meth:`settle`)."""
+        self._exposed = columns = self._columns(n)
         self.keys, self.values = columns.keys, columns.values
         self.positions = columns.positions
         """Absolute position of each entry in its own sequence ``[B, Hkv, n]`` (the model's RoPE
@@ -367,6 +375,7 @@ class EvictionLayer(DynamicLayer):
         self._valid = None if self._valid is None else grow(self._valid)
         self._state = {name: grow(value) for name, value in self._state.items()}
         self._capacity = capacity
+        self._steady = None  # its views are of the old tensors
 
     def _leave_inference_mode(self) -> None:
         """Storage is written in place, which torch forbids on tensors made under ``inference_mode``
@@ -382,13 +391,27 @@ class EvictionLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        steady = self._steady
+        self._steady_pass = (
+            steady is not None
+            and key_states.shape[2] == 1
+            and key_states.shape[0] == len(self.rows)
+            and self.owner.side_pass is None
+            and self.owner.ends_passes
+            and not (steady[1] and not torch.is_inference_mode_enabled())  # else _leave_inference_mode
+        )
+        if self._steady_pass:  # a decode step as the last one: into the kept views of column n
+            keys, values, positions = steady[0].next_column()
+            keys.copy_(key_states)
+            values.copy_(value_states)
+            positions.fill_(self.rows[0].seen)
+            return self._appended(1, self.n + 1)
         if self.pending_pass is not None or self.pending_eviction is not None:  # a pass that raised
             self.observe_pending()
             self.evict_pending()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, num_new = key_states.shape[0], key_states.shape[2]
-        self._pass_views = None
         self._leave_inference_mode()
         if b != len(self.rows):
             raise ValueError(f"batch size changed from {len(self.rows)} to {b}: an EvictionCache holds one batch")
@@ -417,6 +440,10 @@ class EvictionLayer(DynamicLayer):
                     row.seen, row.seen + num_new, device=self.device
                 )
                 self._valid[i, :, end : end + num_new] = True
+        return self._appended(num_new, max(ends) + num_new)
+
+    def _appended(self, num_new: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Count the ``num_new`` columns every row just appended and expose the first ``n``."""
         for row in self.rows:
             row.width += num_new
             row.seen += num_new
@@ -424,9 +451,32 @@ class EvictionLayer(DynamicLayer):
         self.tokens += num_new
         self.passes += 1
         self._num_new = num_new
-        self._refresh(max(ends) + num_new)
+        self._pass_views = None
+        self._refresh(n)
         attention.mark_pending(self, self.keys)
         return self.keys, self.values
+
+    def settle(self) -> None:
+        """A decode step of this layer ended at the end of its pass (:meth:`_ends_with_pass`):
+        record whether the next one may take the steady path, which decides nothing anew.
+
+        Why: in the steady state of decoding (one view holding the whole storage, every row
+        aligned at one position, room for one more column) each step of each layer would make
+        the same checks — prompt chunk or not, rows' ends, room, padding, lockstep, whether the
+        step waits for the end of the pass — at a few microseconds each (on a CPU whose caches
+        the model's weights just streamed through), in every layer of every step. They cannot
+        change before the next pass unless the storage does, and every change of the storage
+        drops the record (:meth:`_refresh`). What the pass itself brings is still checked: one
+        new token per row, no padding in the model's mask (:meth:`begin_pass`), no scoring
+        pass, the passes still ending here, the same ``inference_mode``."""
+        rows, n = self.rows, self.n
+        if (
+            self.owner.steady_steps
+            and self._valid is None
+            and n < self._capacity
+            and all(row.start == 0 and row.width == n and row.seen == rows[0].seen for row in rows)
+        ):
+            self._steady = (self._exposed, self._keys.is_inference())
 
     def _is_prompt_pass(self, num_new: int) -> bool:
         """Whether a pass of ``num_new`` tokens (about to be appended) continues the prompt.
@@ -469,6 +519,7 @@ class EvictionLayer(DynamicLayer):
         ``generate`` gives real token ``i`` of a row the RoPE position ``i`` (the cumulative
         sum of the mask), so a row's positions count its real tokens only."""
         real = _real_columns(attention_mask, self._num_new, len(self.rows))
+        steady = self._steady_pass and real is None  # one view holds the whole storage, as in the last pass
         if real is not None:
             self._drop_padding((self._num_new - real.sum(dim=-1)).tolist())
         if self.passes == 1:
@@ -480,8 +531,8 @@ class EvictionLayer(DynamicLayer):
                     self._start_row(row)
                 elif self.prompt_pass and self.owner.side_pass is None:
                     self._continue_prompt(row)
-        views = self.views()
-        if self._ends_with_pass(views):  # its state, observation and eviction wait for the end of the pass
+        views = [RowView(self, 0, len(self.rows))] if steady else self.views()
+        if steady or self._ends_with_pass(views):  # its state, observation and eviction wait for the end of the pass
             self.pending_pass = _PendingPass(views[0])
             self.owner.pending.append(self)
             self._pass_views = views
@@ -663,7 +714,7 @@ class EvictionLayer(DynamicLayer):
         the step runs on a CPU, where one grouped product per KV head attends a single query as
         fast as the sdpa kernel at batch 1 and faster at batch 8 (paired steps on SmolLM2, see
         the README's decode-step cost). None otherwise."""
-        on_cpu = query.device.type == "cpu"
+        on_cpu = query.is_cpu
         if query.shape[-2] != 1 or not self.compacted or self.window is not None:
             return None
         if not (on_cpu or self.policy.reads_decode_row):
@@ -939,6 +990,7 @@ class EvictionLayer(DynamicLayer):
         """Materialise :attr:`valid` (each row's columns ``start .. start + width`` are real)."""
         if self._valid is not None:
             return
+        self._steady = None  # a step with a valid mask is not one like the last
         self._valid = torch.zeros(self._positions.shape, dtype=torch.bool, device=self.device)
         for i, row in enumerate(self.rows):
             self._valid[i, :, row.start : row.start + row.width] = True
@@ -1476,6 +1528,9 @@ class EvictionCache(Cache):
         self.stacks_pending = True
         """Whether the end of a pass scores the layers' pending evictions as one batch where
         the policy allows it (:meth:`evict_pending`); the same entries are kept either way."""
+        self.steady_steps = True
+        """Whether a decode step like the last one skips the checks that one made
+        (:meth:`EvictionLayer.settle`); the same entries are kept either way."""
         _, layer_kwargs = get_layer_types_and_kwargs(config)  # check_supported: full or sliding layers only
         layers = [EvictionLayer(self, i, kwargs.get("sliding_window")) for i, kwargs in enumerate(layer_kwargs)]
         super().__init__(layers=layers)
@@ -1532,6 +1587,7 @@ class EvictionCache(Cache):
         independently. Layers that could have stacked are moved into an arena for the next pass."""
         layers = [layer for layer in dict.fromkeys(self.pending) if layer.pending_view() is not None]
         self.pending = []  # (a layer whose pass raised may be listed twice)
+        whole_steps = [layer for layer in layers if layer.pending_pass is not None]  # (not just their eviction)
         # an arena a layer left would keep the others' old storage alive for nothing
         self._arenas = {key: arena for key, arena in self._arenas.items() if arena.holds(arena.layers)}
         stacking = self.stacks_pending and self.policy.stacks_layers
@@ -1553,6 +1609,8 @@ class EvictionCache(Cache):
             held = key in self._arenas and self._arenas[key].holds(group)  # still (a step that did not stack)
             if stacking and not held and LayerArena.fits(group):
                 self._arenas[key] = LayerArena(group)
+        for layer in whole_steps:  # once nothing moves their storage any more in this pass
+            layer.settle()
 
     def _end_stacked(self, layers: list[EvictionLayer], arena: LayerArena) -> bool:
         """End the pending decode steps of ``layers`` (of one :meth:`LayerStack.key`, stored in

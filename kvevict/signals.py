@@ -338,9 +338,12 @@ def compute_signals(
     of a single-query pass, already computed (the pass attended by them), read instead of
     computed again."""
     spec = as_spec(scaling)
-    keys, valid, num_new = layer.keys, layer.valid, query.shape[-2]
-    sliding = SlidingWindow.of(layer, num_new)
+    num_new = query.shape[-2]
     signals = Signals(phase=phase, num_new=num_new, query=query, scaling=spec.scaling, spec=spec)
+    if not requirements.any:  # most decode steps of most policies
+        return signals
+    keys, valid = layer.keys, layer.valid
+    sliding = SlidingWindow.of(layer, num_new)
 
     def rows(r: int) -> torch.Tensor:  # the last r queries' rows
         visible = None if sliding is None else sliding.visible(num_new - r, num_new)

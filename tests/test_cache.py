@@ -211,11 +211,11 @@ def test_a_decode_step_that_drops_one_entry_per_head_lays_storage_out_as_the_gen
 
 
 def generate_with_and_without(
-    switch: str, arch: str, policy: str | kvevict.Policy, batch: int, interval: int = 1, new_tokens: int = 6
+    switch: str, arch: str, policy: str | kvevict.Policy, batch: int, interval: int | None = 1, new_tokens: int = 6
 ):
     """Greedy generations of ``batch`` different prompts under ``policy`` on a cache as it
     comes, then on one with the boolean attribute ``switch`` off (``ends_passes``,
-    ``stacks_pending``): ``((tokens, logits) of each, (the two caches))``."""
+    ``stacks_pending``, ``steady_steps``): ``((tokens, logits) of each, (the two caches))``."""
     model = tiny_model(arch)
     ids = torch.cat([prompt(40, seed=seed) for seed in range(batch)])
     default, switched_off = (kvevict.EvictionCache(model, policy, budget=24, interval=interval) for _ in range(2))
@@ -241,6 +241,42 @@ def test_a_decode_eviction_at_the_end_of_the_pass_keeps_what_one_inside_the_laye
     torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
     for ours, theirs in zip(at_end.eviction_layers, in_layer.eviction_layers):
         assert torch.equal(ours.positions, theirs.positions) and ours.length == 24
+
+
+@pytest.mark.parametrize(
+    ("policy", "interval"),
+    [("h2o", 1), ("tova", 1), ("streamingllm", 1), ("epikv", 1), ("lazyeviction", None), ("h2o", 4)],
+)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_steady_decode_step_keeps_what_a_checked_one_keeps(policy: str, interval: int | None, batch: int) -> None:
+    """A decode step like the last one skips the checks that one made: the same tokens,
+    logits and entries as checking every step, at every interval (a step that needs more
+    room than the storage has is checked again)."""
+    ((tokens, logits), (expected_tokens, expected_logits)), (steady, checked) = generate_with_and_without(
+        "steady_steps", "llama", policy, batch, interval=interval, new_tokens=12
+    )
+    assert torch.equal(tokens, expected_tokens)
+    torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
+    for ours, theirs in zip(steady.eviction_layers, checked.eviction_layers):
+        assert torch.equal(ours.positions, theirs.positions)
+        assert ours._steady is not None and theirs._steady is None  # the path each took at the last step
+
+
+def test_a_steady_decode_step_after_inference_mode_leaves_it() -> None:
+    """Storage made under ``inference_mode`` is copied into ordinary tensors before a step
+    outside it writes into it, steady or not: no error, and what a cache filled outside it gives."""
+    model = tiny_model()
+    caches = [kvevict.EvictionCache(model, "streamingllm", budget=24, interval=1) for _ in range(2)]
+    logits = []
+    for cache, mode in zip(caches, (torch.inference_mode, torch.no_grad)):
+        with mode():
+            model(input_ids=prompt(40), past_key_values=cache)
+            for step in range(3):
+                model(input_ids=torch.full((1, 1), step + 5), past_key_values=cache)
+        with torch.no_grad():
+            logits.append(model(input_ids=torch.full((1, 1), 9), past_key_values=cache).logits)
+    assert not caches[0].eviction_layers[0].keys.is_inference()
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
 
 
 @pytest.fixture
@@ -328,6 +364,7 @@ def test_a_decode_step_reuses_the_views_of_storage_until_a_tensor_is_replaced() 
         assert all(now is before for now, before in zip((layer.keys, layer.values, layer.positions), exposed))
         layer._reserve(layer._capacity + 8)  # new tensors: views of the old ones must not be kept
         model(input_ids=prompt(1, seed=1), past_key_values=cache)
+    assert int(layer.positions.max()) == 43  # the last step's entry (40 + 2 + 2 tokens seen) is in the new tensors
     for view, storage in (
         (layer.keys, layer._keys),
         (layer.values, layer._values),
