@@ -96,16 +96,15 @@ def attend(row: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 def _make_attention(base: str) -> Callable:
     def kvevict_attention(module, query, key, value, attention_mask, **kwargs):
-        kernel = base_kernel(base, module)
         layer = _take_pending(module, key)
         if layer is None:  # not an eviction cache: pure pass-through
-            return kernel(module, query, key, value, attention_mask, **kwargs)
+            return base_kernel(base, module)(module, query, key, value, attention_mask, **kwargs)
         layer.begin_pass(attention_mask)
         spec = kernel_spec(query, kwargs)
         row = None if base not in ROW_KERNELS or module.training else layer.decode_row(query, spec)
         if row is None:
             attention_mask = _layer_mask(base, attention_mask, query, layer)
-            output, weights = kernel(module, query, key, value, attention_mask, **kwargs)
+            output, weights = base_kernel(base, module)(module, query, key, value, attention_mask, **kwargs)
         else:  # the policy reads this very row: attend by it rather than compute it twice
             output, weights = attend(row, value), row.to(query.dtype) if base == "eager" else None
         if layer.policy.corrects_output:
