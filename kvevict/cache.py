@@ -151,11 +151,11 @@ class _Columns:
     CPU whose caches the model's weights just streamed through, in every layer of every
     pass; a decode step at interval 1 alternates between two column counts."""
 
-    __slots__ = ("_next", "_storage", "keys", "n", "positions", "state", "valid", "values")
+    __slots__ = ("_grown", "_names", "_next", "_storage", "keys", "n", "positions", "state", "valid", "values")
 
     def __init__(self, storage: tuple[torch.Tensor | None, ...], names: Iterable[str], n: int):
         keys, values, positions, valid, *state = storage
-        self._storage, self.n, self._next = storage, n, None
+        self._storage, self._names, self.n, self._next, self._grown = storage, tuple(names), n, None, None
         self.keys, self.values, self.positions = (x.narrow(2, 0, n) for x in (keys, values, positions))
         self.valid = None if valid is None else valid.narrow(2, 0, n)
         self.state = {name: value.narrow(2, 0, n) for name, value in zip(names, state)}
@@ -165,6 +165,12 @@ class _Columns:
         if self._next is None:
             self._next = tuple(x.narrow(2, self.n, 1) for x in self._storage[:3])
         return self._next
+
+    def grown(self) -> _Columns:
+        """The views of the same storage's first ``n + 1`` columns (a decode step's append)."""
+        if self._grown is None:
+            self._grown = _Columns(self._storage, self._names, self.n + 1)
+        return self._grown
 
 
 class EvictionLayer(DynamicLayer):
@@ -228,11 +234,15 @@ class EvictionLayer(DynamicLayer):
         change of the storage ends here, so this also drops the steady record (:meth:`settle`;
         the two that do not end here at once, :meth:`_reserve` and :meth:`_ensure_valid`, drop it
         themselves)."""
-        self.n = n
         self._steady: tuple[_Columns, bool] | None = None
-        """The views of column ``n`` and whether the storage was made under ``inference_mode``,
-        while the next decode step may take the steady path (:meth:`settle`)."""
-        self._exposed = columns = self._columns(n)
+        """The views of the first ``n`` columns and whether the storage was made under
+        ``inference_mode``, while the next decode step may take the steady path (:meth:`settle`)."""
+        self._expose(self._columns(n))
+
+    def _expose(self, columns: _Columns) -> None:
+        """Expose the views ``columns`` (of the current storage) as :attr:`keys`, :attr:`values`, ..."""
+        self.n = columns.n
+        self._exposed = columns
         self.keys, self.values = columns.keys, columns.values
         self.positions = columns.positions
         """Absolute position of each entry in its own sequence ``[B, Hkv, n]`` (the model's RoPE
@@ -405,7 +415,7 @@ class EvictionLayer(DynamicLayer):
             keys.copy_(key_states)
             values.copy_(value_states)
             positions.fill_(self.rows[0].seen)
-            return self._appended(1, self.n + 1)
+            return self._appended(1, steady[0].grown())
         if self.pending_pass is not None or self.pending_eviction is not None:  # a pass that raised
             self.observe_pending()
             self.evict_pending()
@@ -440,10 +450,10 @@ class EvictionLayer(DynamicLayer):
                     row.seen, row.seen + num_new, device=self.device
                 )
                 self._valid[i, :, end : end + num_new] = True
-        return self._appended(num_new, max(ends) + num_new)
+        return self._appended(num_new, self._columns(max(ends) + num_new))
 
-    def _appended(self, num_new: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Count the ``num_new`` columns every row just appended and expose the first ``n``."""
+    def _appended(self, num_new: int, columns: _Columns) -> tuple[torch.Tensor, torch.Tensor]:
+        """Count the ``num_new`` columns every row just appended and expose ``columns``."""
         for row in self.rows:
             row.width += num_new
             row.seen += num_new
@@ -452,7 +462,8 @@ class EvictionLayer(DynamicLayer):
         self.passes += 1
         self._num_new = num_new
         self._pass_views = None
-        self._refresh(n)
+        self._steady = None
+        self._expose(columns)
         attention.mark_pending(self, self.keys)
         return self.keys, self.values
 
