@@ -166,6 +166,13 @@ class _Columns:
             self._next = tuple(x.narrow(2, self.n, 1) for x in self._storage[:3])
         return self._next
 
+    def append(self, keys: torch.Tensor, values: torch.Tensor, position: int) -> None:
+        """Write one decode step's entry ``[B, Hkv, 1, ...]`` of every row, at ``position``, into column ``n``."""
+        new_keys, new_values, new_positions = self.next_column()
+        new_keys.copy_(keys)
+        new_values.copy_(values)
+        new_positions.fill_(position)
+
     def grown(self) -> _Columns:
         """The views of the same storage's first ``n + 1`` columns (a decode step's append)."""
         if self._grown is None:
@@ -411,10 +418,7 @@ class EvictionLayer(DynamicLayer):
             and not (steady[1] and not torch.is_inference_mode_enabled())  # else _leave_inference_mode
         )
         if self._steady_pass:  # a decode step as the last one: into the kept views of column n
-            keys, values, positions = steady[0].next_column()
-            keys.copy_(key_states)
-            values.copy_(value_states)
-            positions.fill_(self.rows[0].seen)
+            steady[0].append(key_states, value_states, self.rows[0].seen)
             return self._appended(1, steady[0].grown())
         if self.pending_pass is not None or self.pending_eviction is not None:  # a pass that raised
             self.observe_pending()
@@ -432,10 +436,7 @@ class EvictionLayer(DynamicLayer):
         if ends.count(self.n) == len(ends):  # rows end together: one slice
             seen = _uniform([row.seen for row in self.rows], self.device)
             if isinstance(seen, int) and num_new == 1:  # a decode step: into the kept views of column n
-                keys, values, positions = self._columns(self.n).next_column()
-                keys.copy_(key_states)
-                values.copy_(value_states)
-                positions.fill_(seen)
+                self._columns(self.n).append(key_states, value_states, seen)
             else:
                 self._keys[:, :, self.n : self.n + num_new] = key_states
                 self._values[:, :, self.n : self.n + num_new] = value_states
