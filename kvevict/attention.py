@@ -3,7 +3,7 @@
 For every base kernel (``sdpa``, ``eager``, ``flash_attention_*``) kvevict registers
 ``kvevict_<base>`` with transformers' ``AttentionInterface`` (and the base's mask builder
 with ``AttentionMaskInterface``). The wrapper calls the model's own kernel unchanged; only
-when the keys it receives come straight from an :class:`~kvevict.cache.EvictionLayer`
+when the keys it receives come straight from an :class:`~kvevict.layer.EvictionLayer`
 does it (1) size the mask to that layer's actual key length, (2) after the kernel ran,
 compute the signals the policy asked for — the last query's attention row, the window
 queries' rows, or column sums computed in query chunks, never an n×n matrix — and
@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
@@ -24,23 +24,47 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvevict.signals import LogitSpec, heads_mask, window_mask
 
-if TYPE_CHECKING:
-    from kvevict.cache import EvictionLayer
+
+class AttendedLayer(Protocol):
+    """What the attention path reads of an eviction layer (:class:`~kvevict.layer.EvictionLayer`),
+    kept structural so that this module imports no layer."""
+
+    layer_idx: int
+    keys: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor | None
+    compacted: bool
+    window: int | None
+
+    @property
+    def policy(self) -> Any: ...
+    @property
+    def length(self) -> int: ...
+    @property
+    def padded(self) -> bool: ...
+    def query_positions(self, q: int) -> torch.Tensor: ...
+    def begin_pass(self, attention_mask: torch.Tensor | None) -> None: ...
+    def decode_row(self, query: torch.Tensor, spec: LogitSpec) -> torch.Tensor | None: ...
+    def correct_output(self, query: torch.Tensor, output: torch.Tensor, scaling: float) -> torch.Tensor: ...
+    def after_attention(
+        self, query: torch.Tensor, scaling: LogitSpec, module: torch.nn.Module, row: torch.Tensor | None
+    ) -> None: ...
+
 
 PREFIX = "kvevict_"
 BASE_KERNELS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
 ROW_KERNELS = ("sdpa", "eager")
 """Kernels whose decode step kvevict may replace by attending with the probabilities the
-policy reads (:meth:`~kvevict.cache.EvictionLayer.decode_row`); flash kernels keep their own."""
+policy reads (:meth:`~kvevict.driver.PolicyDriver.decode_row`); flash kernels keep their own."""
 _pending = threading.local()
 
 
-def mark_pending(layer: EvictionLayer, keys: torch.Tensor) -> None:
+def mark_pending(layer: AttendedLayer, keys: torch.Tensor) -> None:
     """Record that ``keys`` (just returned by ``layer.update``) are about to be attended."""
     _pending.entry = (layer, keys)
 
 
-def _take_pending(module: torch.nn.Module, keys: torch.Tensor) -> EvictionLayer | None:
+def _take_pending(module: torch.nn.Module, keys: torch.Tensor) -> AttendedLayer | None:
     """The eviction layer whose ``update`` produced ``keys``, or None for any other cache.
 
     The layer is matched by the attention module's ``layer_idx``; if its keys reach the
@@ -127,7 +151,7 @@ def check_flash(base: str, ragged: bool) -> None:
         )
 
 
-def _layer_mask(base: str, mask: torch.Tensor | None, query: torch.Tensor, layer: EvictionLayer) -> torch.Tensor | None:
+def _layer_mask(base: str, mask: torch.Tensor | None, query: torch.Tensor, layer: AttendedLayer) -> torch.Tensor | None:
     """The mask of an eviction layer's pass, from the layer itself: an entry is visible to a
     query when it is real (``valid``), not after the query's position and, on a sliding-window
     layer, inside the query's window (:func:`~kvevict.signals.window_mask`); each query also

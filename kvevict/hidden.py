@@ -70,6 +70,12 @@ def hidden_changes(hidden: torch.Tensor, previous: torch.Tensor | None = None) -
 class HiddenStateRecorder:
     """Records ``g_l`` of every token on the hooked ``layers`` and freezes per-token scores.
 
+    Each row of the batch keeps its own series, by the absolute position of its own tokens
+    (a row's left padding is not recorded): rows may have seen different numbers of tokens,
+    so a row can join a running batch (:meth:`splice`) or leave it (:meth:`remove_rows`) with
+    its statistics. Series and score table grow geometrically, and a step scores only its new
+    tokens from the trailing ``context`` changes: O(1) amortised work per decode step.
+
     Args:
         model: the causal LM whose decoder layers are hooked.
         layers: decoder layer indices to hook (only these).
@@ -78,6 +84,8 @@ class HiddenStateRecorder:
             (None: record the changes only).
         context: how many earlier tokens a score depends on (e.g. 63 for a 64-token window).
         cache: record only the passes whose ``past_key_values`` is this object (None: all).
+            Its ``pass_tokens()`` says how many of a pass's last columns are each row's real
+            tokens (the rest is left padding); without a cache every column is real.
     """
 
     def __init__(
@@ -105,15 +113,15 @@ class HiddenStateRecorder:
         self._install()
 
     def reset(self) -> None:
-        """Forget every token recorded: the next pass starts a new sequence at position 0
+        """Forget every token recorded: the next pass starts new sequences at position 0
         (what ``EvictionCache.reset()`` needs); the hooks stay."""
-        self.changes: dict[int, torch.Tensor] = {i: torch.empty(0) for i in self.layers}
-        """``g_l`` of every token seen, ``{layer: [B, T_l]}`` fp32, by absolute position."""
-        self._table = torch.empty(0)
-        """Frozen per-token scores ``[B, capacity]`` of the first :attr:`scored` positions, then
-        ``+inf`` (at least one column): a lookup is one gather, whatever it asks for."""
-        self._scored = 0
+        self._series = {i: _Series() for i in self.layers}
+        """``g_l`` of every row's tokens, by absolute position, per hooked layer."""
+        self._table = _Series(fill=float("inf"))
+        """Frozen per-token scores of each row's first ``scored`` positions, then ``+inf`` (at
+        least one column): a lookup is one gather, whatever it asks for."""
         self._last: dict[int, torch.Tensor] = {}
+        """The hidden state ``[B, D]`` of each row's last token, per hooked layer."""
 
     def _install(self) -> None:
         me = weakref.ref(self)
@@ -124,8 +132,8 @@ class HiddenStateRecorder:
         """A copy with its own hooks, recording for the copy of its cache (``copy.deepcopy`` of an
         ``EvictionCache`` maps the cache to its copy in ``memo``) and sharing the model."""
         twin = copy.copy(self)
-        twin.changes = {i: t.clone() for i, t in self.changes.items()}
-        twin._table = self._table.clone()
+        twin._series = {i: series.copy() for i, series in self._series.items()}
+        twin._table = self._table.copy()
         twin._last = {i: t.clone() for i, t in self._last.items()}
         if self._cache is not None:
             cache = self._cache()
@@ -143,78 +151,80 @@ class HiddenStateRecorder:
         self._finalizer()
 
     @property
+    def changes(self) -> dict[int, torch.Tensor]:
+        """``g_l`` of every token seen, ``{layer: [B, T]}`` fp32 by absolute position (``T``: the
+        longest row's tokens; a shorter row's later columns are 0)."""
+        return {i: series.view() for i, series in self._series.items()}
+
+    @property
     def scored(self) -> int:
-        """Positions ``0 .. scored - 1`` have a frozen score."""
-        return self._scored
+        """Positions ``0 .. scored - 1`` of the longest-scored row have a frozen score."""
+        return max(self._table.lengths, default=0)
 
     @property
     def scores(self) -> torch.Tensor:
-        """Frozen per-token scores ``[B, T]`` of the first ``T`` = :attr:`scored` positions."""
-        return self._table[:, : self._scored] if self._scored else self._table
+        """Frozen per-token scores ``[B, T]`` of the first ``T`` = :attr:`scored` positions (``+inf``
+        past a row's own scored ones)."""
+        return self._table.view()
 
-    def _append_scores(self, new: torch.Tensor) -> None:
-        """Freeze ``new`` ``[B, m]``, the scores of the next ``m`` positions (grown geometrically,
-        so each step's append is O(1) amortised and a column of ``+inf`` always follows)."""
-        start, end = self._scored, self._scored + new.shape[1]
-        if self._table.dim() != 2 or self._table.shape[1] <= end:
-            table = new.new_full((new.shape[0], max(64, 2 * end)), float("inf"))
-            if start:
-                table[:, :start] = self._table[:, :start]
-            self._table = table
-        self._table[:, start:end] = new
-        self._scored = end
-
-    @property
-    def offsets(self) -> list[int]:
-        """Left padding of each row of the cache's batch (the first pass's padding columns)."""
+    def _real_tokens(self, batch: int, columns: int) -> list[int]:
+        """How many of a pass's last ``columns`` are each row's real tokens."""
         cache = None if self._cache is None else self._cache()
-        return getattr(cache, "row_offsets", None) or [0]
+        counts = getattr(cache, "pass_tokens", None)
+        return [columns] * batch if counts is None else counts()
 
     def record(self, layer: int, hidden: torch.Tensor) -> None:
-        """Append the changes of the tokens of one pass ``[B, n, D]`` through ``layer``."""
-        changes = hidden_changes(hidden, self._last.get(layer))
-        if layer not in self._last:  # a row's first real token has no predecessor, padding or not
-            for row, pad in enumerate(self.offsets):
-                if pad:
-                    changes[row, pad] = 0.0
-        self._last[layer] = hidden[:, -1].float()
-        old = self.changes[layer]
-        self.changes[layer] = changes if old.numel() == 0 else torch.cat([old, changes], dim=1)
+        """Append the changes of the tokens of one pass ``[B, n, D]`` through ``layer`` (each row's
+        real tokens are the last ones of the pass; the first one of a row has no predecessor)."""
+        series, n = self._series[layer], hidden.shape[1]
+        real = self._real_tokens(hidden.shape[0], n)
+        last = self._last.get(layer)
+        lengths = series.rows_or(len(real))
+        if real.count(n) == len(real) and (last is None) == (lengths.count(0) == len(real)):
+            changes = hidden_changes(hidden, last)  # every row: n real tokens, all with or all without history
+            series.append(changes)
+        else:
+            for row, count in enumerate(real):
+                if count:
+                    previous = None if last is None or not series.lengths[row] else last[row : row + 1]
+                    series.append_row(row, hidden_changes(hidden[row : row + 1, n - count :], previous)[0])
+        newest = hidden[:, -1].float()
+        if last is not None and real.count(0):  # a row without real tokens keeps its last one
+            newest = torch.where(torch.tensor([c > 0 for c in real], device=newest.device)[:, None], newest, last)
+        self._last[layer] = newest
         self._score_new_tokens()
 
     def _score_new_tokens(self) -> None:
         if self.scorer is None:
             return
-        ready = min(_length(self.changes[i]) for i in self.layers)
-        start = self.scored
-        if ready <= start:
-            return
-        offsets = self.offsets
-        if not any(offsets):
+        batch = max(len(series.lengths) for series in self._series.values())
+        ready = [min(row) for row in zip(*(series.rows_or(batch) for series in self._series.values()))]
+        starts = self._table.rows_or(len(ready))
+        if ready.count(ready[0]) == len(ready) and starts.count(starts[0]) == len(starts):
+            spans = [(slice(None), starts[0], ready[0])]  # every row at once (the usual case)
+        else:
+            spans = [(slice(row, row + 1), start, end) for row, (start, end) in enumerate(zip(starts, ready))]
+        for rows, start, end in spans:
+            if end <= start:
+                continue
             begin = max(0, start - self.context)
-            window = {i: self.changes[i][:, begin:ready] for i in self.layers}
+            window = {i: series.view()[rows, begin:end] for i, series in self._series.items()}
             new = self.scorer(window)[:, start - begin :].float()
-        else:  # score each row on its own tokens, as alone (padding is neither scored nor context)
-            rows = []
-            for row, pad in enumerate(offsets):
-                first = max(start, pad)
-                begin = max(pad, first - self.context)
-                window = {i: self.changes[i][row : row + 1, begin:ready] for i in self.layers}
-                scored = self.scorer(window)[:, first - begin :].float()
-                rows.append(torch.nn.functional.pad(scored, (first - start, 0), value=float("inf")))
-            new = torch.cat(rows)
-        self._append_scores(new)
+            if isinstance(rows, slice) and rows.start is None:
+                self._table.append(new)
+            else:
+                self._table.append_row(rows.start, new[0])
 
     def lookup(self, positions: torch.Tensor, row: int | None = None, end: int | None = None) -> torch.Tensor:
         """Frozen scores of the entries at ``positions`` ``[B, H, n]`` (fp32); ``+inf`` for
-        positions not scored yet (their pass has not reached every hooked layer). Positions
-        count the columns of the passes (a row's left padding included); ``row``: look up
-        that row of the batch only (``positions`` then ``[1, H, n]``); ``end``: every position
+        positions not scored yet (their pass has not reached every hooked layer). ``row``: look
+        up that row of the batch only (``positions`` then ``[1, H, n]``); ``end``: every position
         is below it (the table, ``+inf`` past the scored ones, then needs no clamp when it
         reaches that far: a decode step's usual case)."""
-        if self._scored == 0:
+        table = self._table.buffer
+        if table.dim() != 2 or not self.scored:
             return torch.full(positions.shape, float("inf"), dtype=torch.float32, device=positions.device)
-        table = self._table.to(positions.device)
+        table = table.to(positions.device)
         if end is None or end > table.shape[-1]:
             positions = positions.clamp(max=table.shape[-1] - 1)  # past the table: +inf, as its last column
         rows = table[:, None, :] if row is None else table[row : row + 1, None, :]
@@ -223,10 +233,107 @@ class HiddenStateRecorder:
     def wants(self, past_key_values: Any) -> bool:
         return self._cache is None or past_key_values is self._cache()
 
+    # -- rows of a batch that runs on -------------------------------------------------------
+    def splice(self, row: int, source: HiddenStateRecorder) -> None:
+        """Row ``row`` (the batch size: a new last row) takes the only row of ``source`` (a
+        recorder of the same layers): its changes, scores and last hidden states."""
+        for i, series in self._series.items():
+            series.put_row(row, source._series[i])
+        self._table.put_row(row, source._table)
+        for i, last in source._last.items():
+            mine = self._last.get(i)
+            if mine is None:
+                mine = last.new_zeros(len(self._table.lengths), last.shape[-1])
+            if row == mine.shape[0]:
+                mine = torch.cat([mine, last])
+            else:
+                mine = mine.clone()
+                mine[row] = last[0]
+            self._last[i] = mine
 
-def _length(series: torch.Tensor) -> int:
-    """Tokens in a ``[B, T]`` series (the initial placeholder is empty)."""
-    return series.shape[-1] if series.dim() == 2 else 0
+    def remove_rows(self, kept: Sequence[int]) -> None:
+        """Keep only batch rows ``kept``, in that order."""
+        for series in (*self._series.values(), self._table):
+            series.select_rows(kept)
+        index = torch.tensor(list(kept), dtype=torch.long)
+        self._last = {i: last[index.to(last.device)] for i, last in self._last.items()}
+
+
+class _Series:
+    """Per-row series ``[B, capacity]`` fp32, row ``b`` holding ``lengths[b]`` values (then
+    ``fill``), grown geometrically so that appending is O(1) amortised."""
+
+    def __init__(self, fill: float = 0.0):
+        self.fill = fill
+        self.buffer = torch.empty(0)
+        self.lengths: list[int] = []
+
+    def copy(self) -> _Series:
+        twin = _Series(self.fill)
+        twin.buffer, twin.lengths = self.buffer.clone(), list(self.lengths)
+        return twin
+
+    def rows_or(self, batch: int) -> list[int]:
+        """The rows' lengths (zeros for a batch not seen yet)."""
+        return self.lengths or [0] * batch
+
+    def view(self) -> torch.Tensor:
+        """``[B, longest]``: every row's values (a shorter row's later columns hold ``fill``)."""
+        return self.buffer[:, : max(self.lengths, default=0)] if self.buffer.dim() == 2 else self.buffer
+
+    def _room(self, batch: int, needed: int, like: torch.Tensor) -> None:
+        """Rows for ``batch`` and columns for ``needed`` values, copying the old ones once."""
+        if self.buffer.dim() == 2 and self.buffer.shape[0] == batch and self.buffer.shape[1] > needed:
+            if self.buffer.is_inference() and not torch.is_inference_mode_enabled():
+                self.buffer = self.buffer.clone()  # written in place later, outside inference_mode
+            return
+        old = self.buffer
+        capacity = max(64, 2 * needed)
+        self.buffer = like.new_full((batch, capacity), self.fill)
+        if old.dim() == 2 and old.numel():
+            rows, columns = min(batch, old.shape[0]), min(capacity, old.shape[1])
+            self.buffer[:rows, :columns] = old[:rows, :columns]
+        self.lengths += [0] * (batch - len(self.lengths))
+
+    def append(self, values: torch.Tensor) -> None:
+        """The next values ``[B, m]`` of every row, each after its own last one."""
+        batch, m = values.shape
+        lengths = self.lengths or [0] * batch
+        self._room(batch, max(lengths) + m, values)
+        if lengths.count(lengths[0]) == batch:  # rows of one length: one slice
+            self.buffer[:, lengths[0] : lengths[0] + m] = values
+        elif m == 1:  # a decode step of rows at different positions: one scatter
+            rows = torch.arange(batch, device=values.device)
+            self.buffer[rows, torch.tensor(lengths, device=values.device)] = values[:, 0]
+        else:
+            for row, start in enumerate(lengths):
+                self.buffer[row, start : start + m] = values[row]
+        self.lengths = [length + m for length in lengths]
+
+    def append_row(self, row: int, values: torch.Tensor) -> None:
+        """The next values ``[m]`` of row ``row`` (of a batch at least ``row + 1`` rows)."""
+        batch = max(row + 1, len(self.lengths), self.buffer.shape[0] if self.buffer.dim() == 2 else 0)
+        self.lengths += [0] * (batch - len(self.lengths))
+        start = self.lengths[row]
+        end = start + values.shape[0]
+        self._room(batch, max(end, max(self.lengths)), values)
+        self.buffer[row, start:end] = values
+        self.lengths[row] = end
+
+    def put_row(self, row: int, source: _Series) -> None:
+        """Row ``row`` (or a new last row) holds the only row of ``source``."""
+        length = source.lengths[0] if source.lengths else 0
+        batch = max(row + 1, len(self.lengths))
+        self._room(batch, max([length, *self.lengths]), source.buffer if source.buffer.dim() == 2 else self.buffer)
+        self.buffer[row] = self.fill
+        if length:
+            self.buffer[row, :length] = source.buffer[0, :length]
+        self.lengths[row] = length
+
+    def select_rows(self, kept: Sequence[int]) -> None:
+        if self.buffer.dim() == 2:
+            self.buffer = self.buffer[torch.tensor(list(kept), dtype=torch.long, device=self.buffer.device)]
+        self.lengths = [self.lengths[i] for i in kept] if self.lengths else []
 
 
 def _hook(recorder: weakref.ref[HiddenStateRecorder], layer: int) -> Callable:

@@ -119,7 +119,7 @@ class Signals:
     def stacked(cls, many: Sequence[Signals]) -> Signals:
         """The signals of several layers' passes as one batch: each per-row tensor
         concatenated along the batch (dim 0) in the order given; the phase, the number of new
-        entries and the logit recipe are the first's (:class:`~kvevict.cache.LayerStack`
+        entries and the logit recipe are the first's (:class:`~kvevict.rows.LayerStack`
         stacks only passes of one step, and stackable stages read no logit recipe)."""
         first = many[0]
         tensors = {

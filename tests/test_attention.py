@@ -7,7 +7,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import repeat_kv
 
 import kvevict
-from kvevict import cache as cache_module
+from kvevict import driver as driver_module
 from kvevict import signals
 from kvevict.attention import attend
 from kvevict.signals import NOTHING, Requirements, attention_rows, column_sums, compute_signals
@@ -92,8 +92,8 @@ def test_a_decode_step_after_the_first_eviction_attends_by_its_row_on_a_cpu(monk
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     counted = lambda *args, **kwargs: calls.append(1) or sdpa(*args, **kwargs)
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", counted)
-    original = cache_module.attention_rows
-    monkeypatch.setattr(cache_module, "attention_rows", lambda query, *args: rows.append(1) or original(query, *args))
+    original = driver_module.attention_rows
+    monkeypatch.setattr(driver_module, "attention_rows", lambda query, *args: rows.append(1) or original(query, *args))
     model = tiny_model()
     for budget, expected in ((40, 2), (10_000, 2 * 4)):  # no eviction: always the kernel
         calls.clear()

@@ -1,10 +1,14 @@
+import gc
+import weakref
+
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import kvevict
-from kvevict.cache import LayerStack
 from kvevict.policies.h2o import ACCUMULATED, H2O
+from kvevict.rows import LayerStack
+from kvevict.storage import Columns
 from tests.conftest import COMMON, greedy, prompt, reference_logits, tiny_model
 
 
@@ -323,8 +327,8 @@ def shares_one_arena(cache: kvevict.EvictionCache) -> bool:
     """Whether every layer's keys, values, positions and state lie in one tensor per kind."""
     layers = cache.eviction_layers
     return all(
-        len({layer.storage()[name].untyped_storage().data_ptr() for layer in layers}) == 1
-        for name in layers[0].storage()
+        len({layer.storage.entries()[name].untyped_storage().data_ptr() for layer in layers}) == 1
+        for name in layers[0].storage.entries()
     )
 
 
@@ -341,7 +345,7 @@ def test_layers_that_stack_are_stored_in_one_arena_which_a_layer_may_leave() -> 
     assert shares_one_arena(stacked) and not shares_one_arena(alone)
     for cache in caches:
         layer = cache.eviction_layers[1]
-        layer._reserve(layer._capacity + 8)
+        layer.storage.reserve(layer.n, layer.storage.capacity + 8)
     assert not shares_one_arena(stacked)
     with torch.no_grad():
         for step in range(3):
@@ -362,13 +366,15 @@ def test_a_decode_step_reuses_the_views_of_storage_until_a_tensor_is_replaced() 
     with torch.no_grad():
         model(input_ids=prompt(1), past_key_values=cache)
         assert all(now is before for now, before in zip((layer.keys, layer.values, layer.positions), exposed))
-        layer._reserve(layer._capacity + 8)  # new tensors: views of the old ones must not be kept
+        layer.storage.reserve(
+            layer.n, layer.storage.capacity + 8
+        )  # new tensors: views of the old ones must not be kept
         model(input_ids=prompt(1, seed=1), past_key_values=cache)
     assert int(layer.positions.max()) == 43  # the last step's entry (40 + 2 + 2 tokens seen) is in the new tensors
     for view, storage in (
-        (layer.keys, layer._keys),
-        (layer.values, layer._values),
-        (layer.positions, layer._positions),
+        (layer.keys, layer.storage.keys),
+        (layer.values, layer.storage.values),
+        (layer.positions, layer.storage.positions),
     ):
         assert view.data_ptr() == storage.data_ptr() and view.shape[2] == 24
 
@@ -474,3 +480,49 @@ def test_a_closed_cache_evicts_inside_each_layer() -> None:
     cache.close()
     greedy(model, prompt(40), cache, new_tokens=3)
     assert cache.layer_lengths() == [24, 24] and not cache.pending
+
+
+def forward_hooks(model: torch.nn.Module) -> int:
+    return sum(len(module._forward_hooks) for module in model.modules())
+
+
+@pytest.mark.parametrize("policy", ["full", "h2o", "epikv", "kvzip", "snapkv", "moment-nc+h2o"])
+def test_a_dropped_cache_is_freed_at_once_without_the_garbage_collector(policy: str) -> None:
+    """No reference cycle runs through a cache: with the cyclic collector paused, ``del cache``
+    frees its storage and removes its hooks from the model (a plain DynamicCache is freed so)."""
+    model = tiny_model()
+    budget = None if policy == "full" else 40
+    gc.collect()
+    gc.disable()
+    try:
+        before = forward_hooks(model)
+        cache = kvevict.EvictionCache(model, policy, budget=budget)
+        greedy(model, prompt(60), cache, new_tokens=4)
+        assert forward_hooks(model) > before
+        keys = [weakref.ref(layer.storage.keys) for layer in cache.eviction_layers]
+        dropped = weakref.ref(cache)
+        del cache
+        assert dropped() is None
+        assert all(key() is None for key in keys)
+        assert forward_hooks(model) == before
+    finally:
+        gc.enable()
+
+
+def test_long_decoding_keeps_a_bounded_number_of_views_and_reallocations() -> None:
+    """O(1) work per decode step: a layer keeps views of at most two column counts however long
+    it decodes, and the hidden-state recorder's series grow geometrically (a few reallocations
+    over hundreds of steps, not one per step)."""
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "epikv", budget=10_000)  # grows: every step appends a column
+    recorder = cache.hidden
+    buffers: set[int] = set()
+    with torch.no_grad():
+        logits = model(input_ids=prompt(20), past_key_values=cache).logits[:, -1]
+        for _ in range(300):
+            logits = model(input_ids=logits.argmax(-1, keepdim=True), past_key_values=cache).logits[:, -1]
+            buffers.add(recorder._series[recorder.layers[0]].buffer.data_ptr())
+    views = [obj for obj in gc.get_objects() if isinstance(obj, Columns)]
+    assert len(views) <= 2 * len(cache.eviction_layers)
+    assert len(buffers) <= 4  # 64 → 128 → 256 → 512 columns for 320 tokens
+    assert recorder.scored == 320

@@ -14,9 +14,11 @@ BUDGET = 40
 STEPS = 4
 
 
-def alone(model, ids: torch.Tensor, policy: str, steps: int) -> tuple[kvevict.EvictionCache, list[torch.Tensor]]:
+def alone(
+    model, ids: torch.Tensor, policy: str, steps: int, budget: int = BUDGET
+) -> tuple[kvevict.EvictionCache, list[torch.Tensor]]:
     """A batch-1 cache holding ``ids`` (compressed in chunks) and the logits of ``steps`` greedy steps after it."""
-    cache = kvevict.EvictionCache(model, policy, budget=BUDGET)
+    cache = kvevict.EvictionCache(model, policy, budget=budget)
     logits = [prefill(model, ids, cache, chunk=16)]
     with torch.no_grad():
         for _ in range(steps):
@@ -30,7 +32,11 @@ def batch_step(model, cache: kvevict.EvictionCache, tokens: torch.Tensor) -> tor
         return model(input_ids=tokens, position_ids=cache.next_positions(), past_key_values=cache).logits[:, -1]
 
 
-@pytest.mark.parametrize("policy", ["snapkv", "h2o", "tova", "adakv+snapkv", "lazyeviction", "streamingllm"])
+@pytest.mark.parametrize(
+    "policy",
+    ["snapkv", "h2o", "tova", "adakv+snapkv", "lazyeviction", "streamingllm"]
+    + ["epikv", "band-adaptive", "hs-variance", "attn-x-hs", "segment-hs"],  # hidden-state statistics per row
+)
 def test_spliced_rows_go_on_exactly_as_alone(policy: str) -> None:
     model = tiny_model()
     prompts = [prompt(n, seed=seed) for seed, n in enumerate((90, 75, 101))]
@@ -73,7 +79,32 @@ def test_splice_refuses_what_cannot_join_the_batch() -> None:
         batch.splice(3, same)
     with pytest.raises(ValueError, match="leaving at least one"):
         batch.remove_rows([0])
-    epikv = kvevict.EvictionCache(model, "epikv", budget=BUDGET)
-    prefill(model, prompt(40), epikv)
-    with pytest.raises(ValueError, match="cannot be spliced"):
-        epikv.splice(1, epikv.__class__(model, "epikv", budget=BUDGET))
+    with pytest.raises(ValueError, match="needs both caches to hold a prefilled sequence"):
+        batch.splice(1, kvevict.EvictionCache(model, "snapkv", budget=BUDGET))
+
+
+@pytest.mark.parametrize("policy", ["epikv", "band-adaptive", "hs-variance", "attn-x-hs", "segment-hs"])
+def test_rows_scored_by_hidden_states_join_and_leave_with_their_statistics(policy: str) -> None:
+    """Short prompts and a small budget, so that decode tokens are evicted by their hidden-state
+    scores (beyond the recent window): a row spliced into a batch decoding at another position,
+    and the batch after a row left, go on exactly as alone."""
+    model, budget, steps = tiny_model(), 24, 12
+    prompts = [prompt(n, seed=seed) for seed, n in enumerate((8, 6, 10))]
+    references = [alone(model, ids, policy, 3 * steps, budget)[1] for ids in prompts]
+    batch, logits = alone(model, prompts[0], policy, steps, budget)
+    newcomer = kvevict.EvictionCache(model, policy, budget=budget)
+    first = prefill(model, prompts[1], newcomer, chunk=16)
+    batch.splice(1, newcomer)
+    last, done = torch.cat([logits[-1], first]), [steps, 0]
+    for _ in range(steps):
+        last = batch_step(model, batch, last.argmax(-1, keepdim=True))
+        done = [d + 1 for d in done]
+        for row, index in enumerate((0, 1)):
+            torch.testing.assert_close(last[row], references[index][done[row]][0], rtol=0, atol=1e-5)
+    assert min(batch.layer_lengths()) == budget  # decode tokens were evicted by their scores
+    batch.remove_rows([0])
+    last = last[1:]
+    for _ in range(steps):
+        last = batch_step(model, batch, last.argmax(-1, keepdim=True))
+        done[1] += 1
+        torch.testing.assert_close(last[0], references[1][done[1]][0], rtol=0, atol=1e-5)

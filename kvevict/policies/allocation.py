@@ -5,7 +5,7 @@ keeps (:meth:`~kvevict.policies.base.Allocator.counts`); the scores, the protect
 the per-token state and the selection (top-k, CriticalKV, MomentKV's MI loop, ThinKV's and
 LagKV's quotas: every selector takes per-head counts) stay ``X``'s. Heads that keep
 different numbers are padded to the longest head of their layer with a validity mask
-(``EvictionLayer.valid``), so attention and later selections see exactly the real entries;
+(``EntryView.valid``), so attention and later selections see exactly the real entries;
 ``EvictionCache.layer_bytes()`` reports the bytes allocated and the bytes of real entries
 per layer. The allocation math is in :mod:`kvevict.budgets`.
 """
@@ -27,8 +27,8 @@ from kvevict.policies.params import Param, declare, integer, number
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kvevict.cache import EvictionLayer
     from kvevict.policies.pipeline import Policy
+    from kvevict.views import EntryView
 
 
 class AdaKV(Allocator):
@@ -51,7 +51,7 @@ class AdaKV(Allocator):
             )
 
     def counts(
-        self, layer: EvictionLayer, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
+        self, layer: EntryView, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
     ) -> torch.Tensor:
         return adakv_counts(scores, budget, self.safeguard)
 
@@ -75,7 +75,7 @@ class PyramidKV(Allocator):
         self._num_layers = config.num_hidden_layers
 
     def counts(
-        self, layer: EvictionLayer, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
+        self, layer: EntryView, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
     ) -> torch.Tensor:
         window = int(protected.sum(dim=-1).max())  # entries a head must keep (sinks + recent window)
         schedule = pyramid_budgets(budget, window, layer.length, self._num_layers, self.beta)
@@ -158,7 +158,7 @@ class HeadKV(Allocator):
         )
 
     def counts(
-        self, layer: EvictionLayer, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
+        self, layer: EntryView, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
     ) -> torch.Tensor:
         if self._importance is None:
             raise RuntimeError("headkv is not bound to a model: use it through an EvictionCache")
@@ -212,13 +212,13 @@ class GlobalBudget(Allocator):
                 f"{policy.regime!r} (use regime=prefill)"
             )
 
-    def allocate_layers(self, layers: list[EvictionLayer], scores: list[torch.Tensor], comparable: bool) -> None:
+    def allocate_layers(self, layers: list[EntryView], scores: list[torch.Tensor], comparable: bool) -> None:
         """Store in each layer's memo what its heads keep under one pool ``L·H·B`` (:func:`global_counts`)."""
         ranked = scores if comparable else [standardize(layer_scores) for layer_scores in scores]
         for layer, counts in zip(layers, global_counts(ranked, layers[0].budget, self.safeguard)):
             self.memo(layer)["counts"] = counts
 
     def counts(
-        self, layer: EvictionLayer, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
+        self, layer: EntryView, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
     ) -> torch.Tensor:
         return self.memo(layer).pop("counts")

@@ -36,8 +36,8 @@ from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kvevict.cache import EvictionCache, EvictionLayer
     from kvevict.policies.pipeline import Policy
+    from kvevict.views import CacheSide, EntryView, ScoringCache
 
 Slot = Literal["scorer", "protector", "allocator", "selector", "corrector", "observer"]
 
@@ -87,7 +87,7 @@ class Stage:
     batched: ClassVar[bool] = False
     """The stage's hooks treat the rows of a layer (dim 0) independently, read ``seen`` and
     ``prompt_length`` as ints or ``[B, 1, 1]`` tensors, and keep no ``memo`` or ``shared``
-    data, so rows in lockstep can run through them at once (:meth:`EvictionLayer.views`).
+    data, so rows in lockstep can run through them at once (:meth:`EntryView.views`).
     Only the class's own declaration counts (a subclass re-declares it), see
     :attr:`~kvevict.policies.Policy.batched`."""
     stackable: ClassVar[bool] = False
@@ -99,7 +99,7 @@ class Stage:
     ``num_new``, ``passes``, ``phase()``): no keys or values, no ``layer_idx``, ``memo`` or
     other ``owner`` data; ``new_tokens`` has no side effect and ``observe`` writes only
     ``state``. The decode steps of a pass then end every layer at once, the layers' rows
-    stacked into one batch (:meth:`~kvevict.cache.EvictionCache.evict_pending`). Only the
+    stacked into one batch (:meth:`~kvevict.passes.PassEnds.evict_pending`). Only the
     class's own declaration counts, as for :attr:`batched`."""
 
     def __init__(self, **params: object):
@@ -152,15 +152,15 @@ class Stage:
         an eviction; ``regime``: when the policy evicts)."""
         return NOTHING
 
-    def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
+    def new_tokens(self, layer: EntryView, num_new: int) -> dict[str, torch.Tensor]:
         """Initial per-token state ``{key: [B, Hkv, num_new, ...]}`` of appended entries (stored
         under this stage's namespace; read it with :meth:`state`)."""
         return {}
 
-    def observe(self, layer: EvictionLayer, signals: Signals) -> None:
+    def observe(self, layer: EntryView, signals: Signals) -> None:
         """Update state from the signals of a pass (after attention, before any eviction)."""
 
-    def on_evict(self, layer: EvictionLayer, evicted: torch.Tensor) -> None:
+    def on_evict(self, layer: EntryView, evicted: torch.Tensor) -> None:
         """Called with the entries about to be dropped, ``[B, Hkv, n]`` bool, while the layer
         still holds them."""
 
@@ -179,16 +179,16 @@ class Stage:
         raise NotImplementedError(f"{self.name} reads no hidden states")
 
     # -- namespaced storage -------------------------------------------------------------------
-    def state(self, layer: EvictionLayer) -> Namespaced:
+    def state(self, layer: EntryView) -> Namespaced:
         """This stage's per-token state in ``layer`` (``[B, Hkv, n, ...]`` tensors, gathered
         with the entries on every eviction)."""
         return Namespaced(layer, "state", self.namespace)
 
-    def memo(self, layer: EvictionLayer) -> Namespaced:
+    def memo(self, layer: EntryView) -> Namespaced:
         """This stage's per-layer data that is not per token (e.g. recent queries)."""
         return Namespaced(layer, "memo", self.namespace)
 
-    def shared(self, cache: EvictionCache) -> Namespaced:
+    def shared(self, cache: CacheSide) -> Namespaced:
         """This stage's per-cache data shared by every layer (e.g. a random generator)."""
         return Namespaced(cache, "shared", self.namespace)
 
@@ -209,7 +209,7 @@ class Scorer(Stage):
     """No two entries a head holds ever score the same, and no score is NaN (StreamingLLM's
     positions): the lowest is then found by one ``argmin``, without breaking ties."""
 
-    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+    def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         """``[B, Hkv, n]``, fp32 (fp64 where the policy needs its exactness)."""
         raise NotImplementedError
 
@@ -228,7 +228,7 @@ class Protector(Stage):
         """Smallest budget that leaves room for the protected entries."""
         return self.sinks + self.recent_window(budget)
 
-    def protected(self, layer: EvictionLayer, budget: int) -> torch.Tensor:
+    def protected(self, layer: EntryView, budget: int) -> torch.Tensor:
         """``[B, Hkv, n]`` bool."""
         raise NotImplementedError
 
@@ -239,7 +239,7 @@ class Allocator(Stage):
     slot = "allocator"
 
     def counts(
-        self, layer: EvictionLayer, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
+        self, layer: EntryView, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
     ) -> torch.Tensor:
         """Entries each KV head keeps, ``[B, Hkv]`` int64, protected ones included. ``scores``
         are the selection scores (protected ``+inf``, padding ``-inf``; None when the policy
@@ -251,7 +251,7 @@ class Allocator(Stage):
     prefill eviction then waits until the prefill forward has scored every layer
     (:meth:`allocate_layers`, then :meth:`counts` per layer)."""
 
-    def allocate_layers(self, layers: list[EvictionLayer], scores: list[torch.Tensor], comparable: bool) -> None:
+    def allocate_layers(self, layers: list[EntryView], scores: list[torch.Tensor], comparable: bool) -> None:
         """With :attr:`across_layers`: decide every layer's counts together from their selection
         scores (``comparable``: the scorer's :attr:`~Scorer.comparable_scores`), leaving what
         :meth:`counts` returns in each layer's memo."""
@@ -279,7 +279,7 @@ class Selector(Stage):
     an entry's score to ``+inf`` keeps it, and scores ranked across layers mean what they say
     (``global``, ``kvevict analyze retention``); not so for rule-based selectors (quotas, MI)."""
 
-    def keep(self, layer: EvictionLayer, signals: Signals, ranking: Ranking) -> torch.Tensor:
+    def keep(self, layer: EntryView, signals: Signals, ranking: Ranking) -> torch.Tensor:
         """The keep mask ``[B, Hkv, n]``: ``ranking.counts[b, h]`` real entries of each head."""
         raise NotImplementedError
 
@@ -289,7 +289,7 @@ class Corrector(Stage):
 
     slot = "corrector"
 
-    def correct(self, layer: EvictionLayer, query: torch.Tensor, output: torch.Tensor, scaling: float) -> torch.Tensor:
+    def correct(self, layer: EntryView, query: torch.Tensor, output: torch.Tensor, scaling: float) -> torch.Tensor:
         """The kernel's attention output ``[B, q, Hq, d]``, corrected before the pass evicts."""
         raise NotImplementedError
 
@@ -366,7 +366,7 @@ class SinksAndWindow(Protector):
     def recent_window(self, budget: int) -> int:
         return window_size(self.window, budget, self.cap)
 
-    def protected(self, layer: EvictionLayer, budget: int) -> torch.Tensor:
+    def protected(self, layer: EntryView, budget: int) -> torch.Tensor:
         pos, window = layer.positions, self.recent_window(budget)
         if not window:  # the sinks alone (StreamingLLM's default)
             return pos < self.sinks
@@ -381,7 +381,7 @@ class Uniform(Allocator):
     batched = True
 
     def counts(
-        self, layer: EvictionLayer, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
+        self, layer: EntryView, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
     ) -> torch.Tensor:
         return layer.head_lengths().clamp(max=budget)
 
@@ -397,7 +397,7 @@ class TopK(Selector):
         if policy.scorer is None and policy.method.evicts:
             raise ValueError(f"top-k selection needs a scorer, and {policy.method.name} has none")
 
-    def keep(self, layer: EvictionLayer, signals: Signals, ranking: Ranking) -> torch.Tensor:
+    def keep(self, layer: EntryView, signals: Signals, ranking: Ranking) -> torch.Tensor:
         return keep_top(ranking.scores, ranking.counts)
 
 
@@ -458,7 +458,7 @@ class Method(Scorer):
         after the first (chunked prefill), where :attr:`evicts_later_chunks` methods evict too."""
         return self.evicts and (self.regime in ("both", phase) or (later_chunk and self.evicts_later_chunks))
 
-    def rescore(self, cache: EvictionCache, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
+    def rescore(self, cache: ScoringCache, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
         """With :attr:`deferred_prefill`: after the prefill forward, before the deferred
         eviction, run the method's own scoring passes (KVzip's repeat) through ``cache``."""
 

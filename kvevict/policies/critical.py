@@ -12,8 +12,8 @@ from kvevict.policies.params import declare, number
 from kvevict.signals import Phase, Regime, Requirements, Signals
 
 if TYPE_CHECKING:
-    from kvevict.cache import EvictionLayer
     from kvevict.policies.pipeline import Policy
+    from kvevict.views import EntryView
 
 VALUE_NORM = "value_norm"
 """Per-token state: ``‖v W_O‖₁`` of the entry (mean over its KV head's query heads)."""
@@ -73,13 +73,13 @@ class Critical(Selector):
         # decode entries need their norm only if a later decode-time eviction may drop them
         return Requirements(value_norms=phase == "prefill" or regime != "prefill")
 
-    def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
+    def new_tokens(self, layer: EntryView, num_new: int) -> dict[str, torch.Tensor]:
         b, h = layer.keys.shape[:2]
         return {VALUE_NORM: torch.zeros(b, h, num_new, dtype=torch.float32, device=layer.device)}
 
-    def observe(self, layer: EvictionLayer, signals: Signals) -> None:
+    def observe(self, layer: EntryView, signals: Signals) -> None:
         if signals.value_norms is not None:
             self.state(layer)[VALUE_NORM][..., -signals.num_new :] = signals.value_norms
 
-    def keep(self, layer: EvictionLayer, signals: Signals, ranking: Ranking) -> torch.Tensor:
+    def keep(self, layer: EntryView, signals: Signals, ranking: Ranking) -> torch.Tensor:
         return critical_keep(ranking.scores, self.state(layer)[VALUE_NORM], ranking.counts, self.alpha, self.eps)

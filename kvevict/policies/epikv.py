@@ -41,7 +41,7 @@ from kvevict.signals import Signals
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kvevict.cache import EvictionLayer
+    from kvevict.views import EntryView
 
 ROLLING = 64
 EPSILON = 1e-6
@@ -112,11 +112,11 @@ class HiddenStatePolicy(PromptKeeping):
     def hidden_context(self) -> int:
         return self.rolling - 1
 
-    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+    def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         return frozen_scores(layer)
 
 
-def frozen_scores(layer: EvictionLayer) -> torch.Tensor:
+def frozen_scores(layer: EntryView) -> torch.Tensor:
     """The frozen hidden-state scores of the layer's entries (``+inf`` where not scored yet),
     after refusing a prompt chunk too large to rank (also for selectors that are not
     :class:`~kvevict.policies.selection.PromptAndWindow`, e.g. Segment-HS's quotas)."""
@@ -254,5 +254,5 @@ class AttnXHS(CumulativeAttention, HiddenStatePolicy):
     def hidden_scores(self, changes: dict[int, torch.Tensor]) -> torch.Tensor:
         return rolling_zscore(changes[self.hidden_layers(0)[0]], self.rolling)
 
-    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+    def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         return standardize(super().score(layer, signals)) + frozen_scores(layer)

@@ -23,7 +23,7 @@ from kvevict.policies.params import declare, flag, integer, number
 from kvevict.signals import Signals, group_reduce
 
 if TYPE_CHECKING:
-    from kvevict.cache import EvictionLayer
+    from kvevict.views import EntryView
 
 RECENT_QUERIES = "queries"
 """Memo key (this stage's namespace): the last ``stats_window`` pre-RoPE queries ``[B, Hq, m, d]`` fp32 (decode)."""
@@ -122,13 +122,13 @@ class ExpectedAttention(Method):
         window=integer(0),
     )
 
-    def pre_rope_queries(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+    def pre_rope_queries(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         """The pass's queries before RoPE ``[B, Hq, q, d]`` fp32, from their absolute positions."""
         positions = torch.arange(layer.seen - signals.num_new, layer.seen, device=signals.query.device)
         cos, sin = layer.owner.rotary(positions)
         return rope_inverse(signals.query, cos, sin)
 
-    def observe(self, layer: EvictionLayer, signals: Signals) -> None:
+    def observe(self, layer: EntryView, signals: Signals) -> None:
         if self.evicts_in("decode"):  # keep the recent queries for decode-time statistics
             first = max(0, self.sinks - (layer.seen - signals.num_new))
             new = self.pre_rope_queries(layer, signals)[:, :, first:]
@@ -137,7 +137,7 @@ class ExpectedAttention(Method):
             recent = new if old is None else torch.cat([old, new], dim=2)
             memo[RECENT_QUERIES] = recent[:, :, -self.stats_window :]
 
-    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+    def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         if signals.phase == "prefill":  # the whole prompt's queries, sinks skipped
             queries = self.pre_rope_queries(layer, signals)[:, :, self.sinks :]
         else:

@@ -12,7 +12,7 @@ from kvevict.policies.params import choice, declare, integer
 from kvevict.signals import NOTHING, GroupReduce, Phase, Regime, Requirements, Signals, group_reduce
 
 if TYPE_CHECKING:
-    from kvevict.cache import EvictionLayer
+    from kvevict.views import EntryView
 
 ACCUMULATED = "attention"
 """Per-token state of :class:`CumulativeAttention`: attention received so far, ``[B, Hkv, n]`` fp32."""
@@ -42,17 +42,17 @@ class CumulativeAttention(Method):
         # lead to an eviction.
         return Requirements(column_sums=True) if phase == "prefill" or regime != "prefill" else NOTHING
 
-    def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
+    def new_tokens(self, layer: EntryView, num_new: int) -> dict[str, torch.Tensor]:
         b, h = layer.positions.shape[:2]
         return {ACCUMULATED: torch.zeros(b, h, num_new, dtype=torch.float32, device=layer.positions.device)}
 
-    def observe(self, layer: EvictionLayer, signals: Signals) -> None:
+    def observe(self, layer: EntryView, signals: Signals) -> None:
         if signals.column_sums is None:  # a pass that can no longer lead to an eviction (regime=prefill)
             return
         # in place: the state is a view of the cache's storage (no copy back, every layer of every step)
         h2o_accumulate(self.state(layer)[ACCUMULATED], signals.column_sums, self.group, in_place=True)
 
-    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+    def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         return self.state(layer)[ACCUMULATED]
 
 

@@ -31,7 +31,7 @@ from kvevict.policies.selection import PromptKeeping, select_by_tiers, within_gr
 from kvevict.signals import Signals
 
 if TYPE_CHECKING:
-    from kvevict.cache import EvictionLayer
+    from kvevict.views import EntryView
 
 SCORE = "score"
 HISTORY = "history"
@@ -54,11 +54,11 @@ class RollingKVStatistic(PromptKeeping):
 
     PARAMS = declare(rolling=integer(ROLLING, low=1), window=RECENT_WINDOW)
 
-    def raw(self, layer: EvictionLayer, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def raw(self, layer: EntryView, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """The statistic of the new entries ``[B, H, n, d]`` → ``[B, H, n]`` fp32."""
         raise NotImplementedError
 
-    def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
+    def new_tokens(self, layer: EntryView, num_new: int) -> dict[str, torch.Tensor]:
         memo = self.memo(layer)
         raw = self.raw(layer, layer.keys[:, :, -num_new:], layer.values[:, :, -num_new:])
         history = memo.get(HISTORY)
@@ -66,7 +66,7 @@ class RollingKVStatistic(PromptKeeping):
         memo[HISTORY] = series[..., series.shape[-1] - min(series.shape[-1], self.rolling - 1) :]
         return {SCORE: rolling_mean(series, self.rolling)[..., -num_new:]}
 
-    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+    def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         return self.state(layer)[SCORE]
 
 
@@ -76,7 +76,7 @@ class KVKeyVariance(RollingKVStatistic):
     name = "kv-key-var"
     summary = "keep prompt + recent; rank decode tokens by rolling-mean key variance (EpiKV KV family)"
 
-    def raw(self, layer: EvictionLayer, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def raw(self, layer: EntryView, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         return head_variance(keys)
 
 
@@ -86,7 +86,7 @@ class KVValueVariance(RollingKVStatistic):
     name = "kv-val-var"
     summary = "keep prompt + recent; rank decode tokens by rolling-mean value variance (EpiKV KV family)"
 
-    def raw(self, layer: EvictionLayer, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def raw(self, layer: EntryView, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         return head_variance(values)
 
 
@@ -134,7 +134,7 @@ class LagKVDecode(RollingKVStatistic):
 
     PARAMS = declare(lag=integer(LAG, low=1), **RollingKVStatistic.PARAMS)
 
-    def raw(self, layer: EvictionLayer, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    def raw(self, layer: EntryView, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         first = layer.seen - keys.shape[2]
         parts = [
             head_variance(lag_normalize(x, first, self.lag, self.memo(layer).setdefault(name, {})))
@@ -193,7 +193,7 @@ class ChunkQuotas(Selector):
         super().__init__()
         self.lag, self.sinks = lag, sinks
 
-    def keep(self, layer: EvictionLayer, signals: Signals, ranking: Ranking) -> torch.Tensor:
+    def keep(self, layer: EntryView, signals: Signals, ranking: Ranking) -> torch.Tensor:
         n = layer.length
         chunks = max(0, (n - self.sinks) // self.lag)
         end = self.sinks + max(0, chunks - 1) * self.lag  # scored entries: sinks .. end

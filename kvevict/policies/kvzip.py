@@ -34,7 +34,7 @@ from kvevict.policies.params import Param, declare, flag, integer
 from kvevict.signals import COLUMN_SUM_CHUNK, attention_rows, group_reduce, projected_value_norms, query_chunks
 
 if TYPE_CHECKING:
-    from kvevict.cache import EvictionCache, EvictionLayer
+    from kvevict.views import EntryView, ScoringCache
 
 SCORES = "scores"
 """Memo key (this stage's namespace): running max ``[B, Hkv, n_context]`` fp32 over the repeat chunks."""
@@ -138,7 +138,7 @@ class KVzip(Method):
     def clash_advice(self, stage: Stage) -> str:
         return f"kvzip shares one budget across layers itself; use {stage.name}+kvzip[per_layer=true]"
 
-    def score(self, layer: EvictionLayer, signals: Any) -> torch.Tensor:
+    def score(self, layer: EntryView, signals: Any) -> torch.Tensor:
         return self.memo(layer).pop(SCORES)
 
     # -- the repeat pass --------------------------------------------------------------
@@ -172,7 +172,7 @@ class KVzip(Method):
         later = ids(NEXT_INSTRUCTION).to(input_ids.device) if self.instruction else empty
         return repeat_chunks(context, first, later, ids(suffix).to(input_ids.device), self.chunk, self.overlap)
 
-    def rescore(self, cache: EvictionCache, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
+    def rescore(self, cache: ScoringCache, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
         """The repeat pass, chunk by chunk, each a scoring pass that leaves no trace: every
         layer's running max of the reconstruction scores lands in its memo (read by :meth:`score`).
         A batch repeats each row's own prompt (the rows that deferred their eviction), as one
@@ -195,7 +195,7 @@ class KVzip(Method):
 
                 hooks.append(module.register_forward_pre_hook(remember, with_kwargs=True))
 
-        def observe(layer: EvictionLayer, query: torch.Tensor, scaling: float, module: torch.nn.Module | None) -> None:
+        def observe(layer: EntryView, query: torch.Tensor, scaling: float, module: torch.nn.Module | None) -> None:
             for row in prompts:
                 view = layer.row_view(row)
                 if view.num_new:
@@ -235,7 +235,7 @@ class KVzip(Method):
                 self.memo(layer.row_view(row)).pop(VALUE_WEIGHTS, None)
 
 
-def _repeat_batch(cache: EvictionCache, pieces: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
+def _repeat_batch(cache: ScoringCache, pieces: list[torch.Tensor | None]) -> dict[str, torch.Tensor]:
     """The decoder inputs of one repeat chunk: one row's ``input_ids`` as they are; a batch left-padded
     (a row with no chunk: all padding), after each row's prompt (its first pass's left padding masked),
     at positions that continue each row's own."""

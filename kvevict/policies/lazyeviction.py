@@ -14,7 +14,7 @@ from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals, group
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kvevict.cache import EvictionLayer
+    from kvevict.views import EntryView
 
 TIMESTAMP = "timestamp"
 MRI = "mri"
@@ -102,7 +102,7 @@ class LazyEviction(Method):
     def requirements(self, phase: Phase, evicting: bool, regime: Regime) -> Requirements:
         return Requirements(last_query_attention=True) if phase == "decode" else NOTHING
 
-    def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
+    def new_tokens(self, layer: EntryView, num_new: int) -> dict[str, torch.Tensor]:
         b, h = layer.positions.shape[:2]
         device = layer.positions.device
         if layer.phase() == "prefill":  # prompt tokens
@@ -113,7 +113,7 @@ class LazyEviction(Method):
         zeros = torch.zeros((), dtype=torch.int32, device=device)  # written into the layer's state, broadcast
         return {TIMESTAMP: timestamp.expand(b, h, num_new), MRI: zeros.expand(b, h, num_new)}
 
-    def observe(self, layer: EvictionLayer, signals: Signals) -> None:
+    def observe(self, layer: EntryView, signals: Signals) -> None:
         if signals.phase != "decode":
             return
         if self.alpha is None:
@@ -122,6 +122,6 @@ class LazyEviction(Method):
         attention = group_reduce(signals.last_query_attention, layer.num_kv_heads, "max")
         track_recurrence(state[TIMESTAMP], state[MRI], attention, layer.decode_step, self.alpha, in_place=True)
 
-    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+    def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         state = self.state(layer)
         return mri_scores(state[TIMESTAMP], state[MRI], layer.decode_step)

@@ -28,7 +28,7 @@ from kvevict.policies.snapkv import snapkv_scores
 from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals, group_reduce
 
 if TYPE_CHECKING:
-    from kvevict.cache import EvictionCache, EvictionLayer
+    from kvevict.views import EntryView, ScoringCache
 
 MOMENTS = "moments"
 """Key of a layer's :class:`~kvevict.moments.MomentStats` in the statistics stage's ``memo``."""
@@ -42,7 +42,7 @@ class MomentStatistics(Observer):
     name = "moments"
     PARAMS = declare(order=ORDER)
 
-    def statistics(self, layer: EvictionLayer) -> MomentStats:
+    def statistics(self, layer: EntryView) -> MomentStats:
         """The layer's statistics (zeros before its first eviction)."""
         stats = self.memo(layer).get(MOMENTS)
         if stats is None:
@@ -50,11 +50,11 @@ class MomentStatistics(Observer):
             stats = MomentStats.zeros(b, h, key_dim, layer.values.shape[-1], self.order, layer.keys.device)
         return stats
 
-    def recorded(self, layer: EvictionLayer) -> MomentStats | None:
+    def recorded(self, layer: EntryView) -> MomentStats | None:
         """The layer's statistics once it evicted something, else None."""
         return self.memo(layer).get(MOMENTS)
 
-    def on_evict(self, layer: EvictionLayer, evicted: torch.Tensor) -> None:
+    def on_evict(self, layer: EntryView, evicted: torch.Tensor) -> None:
         self.memo(layer)[MOMENTS] = accumulate(self.statistics(layer), layer.keys, layer.values, evicted)
 
 
@@ -82,7 +82,7 @@ class MomentNC(Corrector):
     def companions(self) -> tuple[Stage, ...]:
         return (self.statistics,)
 
-    def correct(self, layer: EvictionLayer, query: torch.Tensor, output: torch.Tensor, scaling: float) -> torch.Tensor:
+    def correct(self, layer: EntryView, query: torch.Tensor, output: torch.Tensor, scaling: float) -> torch.Tensor:
         """NC (Eq. 12) of the kernel's output ``[B, q, Hq, d]`` from the layer's statistics."""
         stats = self.statistics.recorded(layer)
         if stats is None or not bool(stats.count.any()):
@@ -102,7 +102,7 @@ class MomentMI(Selector):
         super().__init__()
         self.statistics, self.evict_chunk = statistics, evict_chunk
 
-    def keep(self, layer: EvictionLayer, signals: Signals, ranking: Ranking) -> torch.Tensor:
+    def keep(self, layer: EntryView, signals: Signals, ranking: Ranking) -> torch.Tensor:
         alpha = ranking.scores.masked_fill(~torch.isfinite(ranking.scores), 0.0)  # protected, padding: never candidates
         evicted = mi_evict(
             layer.keys,
@@ -118,7 +118,7 @@ class MomentMI(Selector):
         return ~evicted if layer.valid is None else layer.valid & ~evicted
 
 
-def moment_bytes(cache: EvictionCache) -> int:
+def moment_bytes(cache: ScoringCache) -> int:
     """Bytes of moment statistics held by an :class:`~kvevict.cache.EvictionCache`."""
     observers = [stage for stage in cache.policy.stages if isinstance(stage, MomentStatistics)]
     return sum(
@@ -223,7 +223,7 @@ class MomentKV(Method):
             return NOTHING
         return Requirements(window=self.window) if phase == "prefill" else Requirements(last_query_attention=True)
 
-    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+    def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         """``α``: pooled window votes at prefill (window entries +inf), the current query's
         attention at decode; ``[B, Hkv, n]``."""
         if signals.phase == "decode":

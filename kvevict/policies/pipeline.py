@@ -23,7 +23,7 @@ from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kvevict.cache import EvictionLayer
+    from kvevict.views import EntryView
 
 NAMED_SLOTS = ("corrector", "selector", "allocator")
 """Slots a prefix may fill, in the order they are spelled in a policy's name."""
@@ -183,7 +183,7 @@ class Policy:
             for needs in (self.requirements("decode", False), self.requirements("decode", True))
         )
 
-    def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
+    def new_tokens(self, layer: EntryView, num_new: int) -> dict[str, torch.Tensor]:
         """Initial per-token state of appended entries, each stage's under its namespace."""
         return {
             f"{stage.namespace}/{key}": value
@@ -191,7 +191,7 @@ class Policy:
             for key, value in stage.new_tokens(layer, num_new).items()
         }
 
-    def observe(self, layer: EvictionLayer, signals: Signals) -> None:
+    def observe(self, layer: EntryView, signals: Signals) -> None:
         for stage in self._overriding("observe"):
             stage.observe(layer, signals)
 
@@ -205,14 +205,14 @@ class Policy:
             )
         return known[hook]
 
-    def select(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor:
+    def select(self, layer: EntryView, signals: Signals, budget: int) -> torch.Tensor:
         """The entries to keep, ``[B, Hkv, n]`` bool: scores (protected at ``+inf``, padding at
         ``-inf``), then the allocator's counts per head, then the selector's choice."""
         scores, protected = self.selection_scores(layer, signals, budget)
         counts = self.allocator.counts(layer, scores, protected, budget)
         return self.selector.keep(layer, signals, Ranking(scores, protected, counts))
 
-    def drop_lowest(self, layer: EvictionLayer, signals: Signals, budget: int) -> torch.Tensor | None:
+    def drop_lowest(self, layer: EntryView, signals: Signals, budget: int) -> torch.Tensor | None:
         """The entry ``[B, Hkv]`` (column of ``layer``) each head drops, when this eviction drops
         exactly one per head by score: what :meth:`select` leaves out, found by one minimum
         instead of a mask (a decode step's eviction, every step). None for any other eviction
@@ -247,7 +247,7 @@ class Policy:
     @cached_property
     def stacks_layers(self) -> bool:
         """Whether the decode steps of several layers may end as one batch of their rows
-        (:class:`~kvevict.cache.LayerStack`: the new entries' state, the observation and
+        (:class:`~kvevict.rows.LayerStack`: the new entries' state, the observation and
         :meth:`drop_lowest`): the policy keeps each head's top scores under uniform counts, no
         stage watches evictions, and the own classes of its scorer, its protector and every
         stage that keeps per-token state declare :attr:`~kvevict.policies.base.Stage.stackable`."""
@@ -264,7 +264,7 @@ class Policy:
         rescores the prompt, or the allocator shares one budget across layers)."""
         return self.method.deferred_prefill or self.allocator.across_layers
 
-    def select_layers(self, deferred: Sequence[tuple[EvictionLayer, Signals]]) -> list[torch.Tensor]:
+    def select_layers(self, deferred: Sequence[tuple[EntryView, Signals]]) -> list[torch.Tensor]:
         """A deferred prefill eviction: the keep mask of every layer (given with its prefill
         signals), the allocator first seeing the selection scores of all of them."""
         ranked = [self.selection_scores(layer, signals, layer.budget) for layer, signals in deferred]
@@ -278,7 +278,7 @@ class Policy:
         return keeps
 
     def selection_scores(
-        self, layer: EvictionLayer, signals: Signals, budget: int
+        self, layer: EntryView, signals: Signals, budget: int
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The scorer's scores with the protected entries at ``+inf`` and padding at ``-inf``
         (None without a scorer), and the real protected entries."""
@@ -288,7 +288,7 @@ class Policy:
         scores = self._scores(layer, signals, protected)
         return scores, torch.isposinf(scores)  # the scorer's own +inf (e.g. SnapKV's window) included
 
-    def _scores(self, layer: EvictionLayer, signals: Signals, protected: torch.Tensor) -> torch.Tensor:
+    def _scores(self, layer: EntryView, signals: Signals, protected: torch.Tensor) -> torch.Tensor:
         """The scorer's scores (fp32, or its fp64), ``protected`` at ``+inf`` and padding at ``-inf``."""
         scores = self.scorer.score(layer, signals)
         scores = scores if scores.dtype == torch.float64 else scores.float()
@@ -303,12 +303,12 @@ class Policy:
         does not build the mask of them."""
         return bool(self._overriding("on_evict"))
 
-    def on_evict(self, layer: EvictionLayer, evicted: torch.Tensor) -> None:
+    def on_evict(self, layer: EntryView, evicted: torch.Tensor) -> None:
         for stage in self._overriding("on_evict"):
             stage.on_evict(layer, evicted)
 
     def correct_output(
-        self, layer: EvictionLayer, query: torch.Tensor, output: torch.Tensor, scaling: float
+        self, layer: EntryView, query: torch.Tensor, output: torch.Tensor, scaling: float
     ) -> torch.Tensor:
         """The kernel's attention output ``[B, q, Hq, d]`` of a pass, corrected before the layer
         evicts (unchanged without a corrector)."""

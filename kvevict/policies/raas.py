@@ -13,7 +13,7 @@ from kvevict.policies.params import declare, integer, number
 from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals, group_reduce
 
 if TYPE_CHECKING:
-    from kvevict.cache import EvictionLayer
+    from kvevict.views import EntryView
 
 TIMESTAMP = "timestamp"
 PROMPT_TIMESTAMP = -1
@@ -87,7 +87,7 @@ class RaaS(Method):
             return Requirements(last_query_attention=True)
         return NOTHING
 
-    def new_tokens(self, layer: EvictionLayer, num_new: int) -> dict[str, torch.Tensor]:
+    def new_tokens(self, layer: EntryView, num_new: int) -> dict[str, torch.Tensor]:
         b, h = layer.positions.shape[:2]
         device = layer.positions.device
         if layer.phase() == "prefill":
@@ -97,7 +97,7 @@ class RaaS(Method):
             timestamp = torch.arange(last - num_new + 1, last + 1, dtype=torch.int32, device=device)
         return {TIMESTAMP: timestamp.expand(b, h, num_new).contiguous()}
 
-    def observe(self, layer: EvictionLayer, signals: Signals) -> None:
+    def observe(self, layer: EntryView, signals: Signals) -> None:
         if signals.last_query_attention is None:
             return
         attention = group_reduce(signals.last_query_attention.float(), layer.num_kv_heads, "max")
@@ -110,7 +110,7 @@ class RaaS(Method):
         state = self.state(layer)
         state[TIMESTAMP] = raas_update(state[TIMESTAMP], attention, step, reference, self.alpha)
 
-    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+    def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         """``TS·(seen + 1) + position`` in float64 (exact): the timestamp orders, the
         position breaks ties in favour of the more recent entry."""
         return self.state(layer)[TIMESTAMP].double() * (layer.seen + 1) + layer.positions.double()
@@ -134,7 +134,7 @@ class PromptWhileRoom(Protector):
         """Whether the prompt is protected whole at this budget."""
         return prompt_length + self.decode_reserve(budget) <= budget
 
-    def protected(self, layer: EvictionLayer, budget: int) -> torch.Tensor:
+    def protected(self, layer: EntryView, budget: int) -> torch.Tensor:
         if layer.phase() == "decode" and self.keeps_prompt(layer.prompt_length, budget):
             return layer.positions < layer.prompt_length
         return torch.zeros_like(layer.positions, dtype=torch.bool)

@@ -14,7 +14,7 @@ from kvevict.policies.params import declare, integer, number
 from kvevict.signals import Signals, attention_logits, group_reduce
 
 if TYPE_CHECKING:
-    from kvevict.cache import EvictionLayer
+    from kvevict.views import EntryView
 
 QUERIES = "queries"
 """``layer.memo`` key of the post-RoPE queries of the last ``window`` tokens, ``[B, Hq, ≤w, d]``."""
@@ -139,7 +139,7 @@ class RKV(Method):
     def default_interval(self, budget: int) -> int:
         return max(1, capped_share(budget, divisor=2)) if self.interval is None else self.interval
 
-    def observe(self, layer: EvictionLayer, signals: Signals) -> None:
+    def observe(self, layer: EntryView, signals: Signals) -> None:
         """Keep the post-RoPE queries of the last ``window`` tokens (every pass)."""
         memo = self.memo(layer)
         recent = signals.query[:, :, -self.window :].detach()
@@ -148,7 +148,7 @@ class RKV(Method):
             recent = torch.cat([previous.to(recent.dtype), recent], dim=2)[:, :, -self.window :]
         memo[QUERIES] = recent.clone()
 
-    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+    def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         window = layer.positions >= layer.seen - self.window  # the most recent entries (always retained)
         candidates = ~window if layer.valid is None else layer.valid & ~window
         scores = torch.full(layer.positions.shape, float("inf"), device=layer.positions.device)

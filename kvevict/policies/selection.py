@@ -20,7 +20,7 @@ from kvevict.policies.params import declare
 from kvevict.signals import Regime
 
 if TYPE_CHECKING:
-    from kvevict.cache import EvictionLayer
+    from kvevict.views import EntryView
 
 
 class PromptKeeping(Method):
@@ -53,7 +53,7 @@ class PromptKeeping(Method):
         return Stages(scorer=self, protector=PromptAndWindow(self.window))
 
 
-def check_prompt_chunk(layer: EvictionLayer, budget: int) -> None:
+def check_prompt_chunk(layer: EntryView, budget: int) -> None:
     """Refuse an eviction of a prompt chunk (after the first) of more than ``budget`` tokens
     under a :class:`PromptKeeping` method: the first pass was held whole, so only a chunk that
     fits the budget keeps a head within ``budget + chunk`` entries; and a hidden-state score
@@ -88,7 +88,7 @@ class PromptAndWindow(Protector):
         """Whether the prompt is protected whole at this budget (per row for ``[B, 1, 1]`` lengths)."""
         return prompt_length + self.recent_window(budget) <= budget
 
-    def protected(self, layer: EvictionLayer, budget: int) -> torch.Tensor:
+    def protected(self, layer: EntryView, budget: int) -> torch.Tensor:
         check_prompt_chunk(layer, budget)
         positions = layer.positions
         recent = positions >= layer.seen - self.recent_window(budget)

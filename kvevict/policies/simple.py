@@ -11,7 +11,7 @@ from kvevict.policies.params import declare, integer
 from kvevict.signals import Signals
 
 if TYPE_CHECKING:
-    from kvevict.cache import EvictionLayer
+    from kvevict.views import EntryView
 
 SINKS_AND_WINDOW = declare(sinks=integer(0), window=integer(0))
 """The protector's parameters of the simple methods: first and most recent tokens always kept."""
@@ -35,7 +35,7 @@ class Random(Method):
     regimes = ("prefill", "decode", "both")
     PARAMS = declare(**SINKS_AND_WINDOW, seed=integer(0))
 
-    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+    def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         shared = self.shared(layer.owner)
         if "generator" not in shared:
             shared["generator"] = torch.Generator().manual_seed(self.seed)
@@ -56,7 +56,7 @@ class KNorm(Method):
     regimes = ("prefill", "decode", "both")
     PARAMS = SINKS_AND_WINDOW
 
-    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+    def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         return knorm_scores(layer.keys)
 
 
@@ -73,5 +73,5 @@ class StreamingLLM(Method):
     stackable = True
     PARAMS = declare(sinks=integer(4))
 
-    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+    def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         return layer.positions.float()

@@ -13,7 +13,7 @@ from kvevict.policies.params import choice, declare, integer
 from kvevict.signals import NOTHING, GroupReduce, Phase, Regime, Requirements, Signals, group_reduce
 
 if TYPE_CHECKING:
-    from kvevict.cache import EvictionLayer
+    from kvevict.views import EntryView
 
 POOLING = declare(kernel=integer(7, low=1, odd=True), pool=choice("max", "max", "avg"))
 
@@ -67,5 +67,5 @@ class SnapKV(Method):
     def requirements(self, phase: Phase, evicting: bool, regime: Regime) -> Requirements:
         return Requirements(window=self.window) if evicting else NOTHING
 
-    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+    def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         return snapkv_scores(signals.window_attention, layer.num_kv_heads, self.kernel, self.pool, self.group)

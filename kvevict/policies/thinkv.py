@@ -35,7 +35,7 @@ from kvevict.signals import Phase, Regime, Requirements, Signals
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kvevict.cache import EvictionLayer
+    from kvevict.views import EntryView
 
 SEGMENT = 128
 QUOTAS = {"E": 32, "R": 64, "T": 8}
@@ -93,7 +93,7 @@ class SegmentQuotas(Selector):
     def requirements(self, phase: Phase, evicting: bool, regime: Regime) -> Requirements:
         return Requirements(last_query_attention=True)
 
-    def observe(self, layer: EvictionLayer, signals: Signals) -> None:
+    def observe(self, layer: EntryView, signals: Signals) -> None:
         if layer.layer_idx >= self._first_entropy_layer:
             entropy = attention_entropy(signals.last_query_attention)[0].item()
             sums = self.shared(layer.owner).setdefault(ENTROPY, {})
@@ -101,7 +101,7 @@ class SegmentQuotas(Selector):
                 total, count = sums.get(position, (0.0, 0))
                 sums[position] = (total + entropy, count + 1)
 
-    def segment_classes(self, layer: EvictionLayer) -> dict[int, str]:
+    def segment_classes(self, layer: EntryView) -> dict[int, str]:
         """Classes of the segments complete in every entropy layer (classified once, frozen)."""
         shared = self.shared(layer.owner)
         sums: dict[int, tuple[float, int]] = shared.setdefault(ENTROPY, {})
@@ -118,7 +118,7 @@ class SegmentQuotas(Selector):
             for p in members:  # classified: the per-token entropies are no longer needed
                 del sums[p]
 
-    def keep(self, layer: EvictionLayer, signals: Signals, ranking: Ranking) -> torch.Tensor:
+    def keep(self, layer: EntryView, signals: Signals, ranking: Ranking) -> torch.Tensor:
         classes = self.segment_classes(layer)
         segment = torch.div(layer.positions, self.segment, rounding_mode="floor")
         quota = torch.tensor(

@@ -11,7 +11,7 @@ from kvevict.policies.simple import SINKS_AND_WINDOW
 from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals
 
 if TYPE_CHECKING:
-    from kvevict.cache import EvictionLayer
+    from kvevict.views import EntryView
 
 
 def tova_scores(last_query_attention: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -39,5 +39,5 @@ class TOVA(Method):
     def requirements(self, phase: Phase, evicting: bool, regime: Regime) -> Requirements:
         return Requirements(last_query_attention=True) if evicting else NOTHING
 
-    def score(self, layer: EvictionLayer, signals: Signals) -> torch.Tensor:
+    def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         return tova_scores(signals.last_query_attention, layer.num_kv_heads)

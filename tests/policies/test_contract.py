@@ -143,3 +143,36 @@ def test_half_precision_generation_stays_finite(policy: str, dtype: torch.dtype)
         for layer in cache.layers
         for value in layer.state.values()
     )
+
+
+def _decode(model, cache, first: torch.Tensor, steps: int, mode) -> torch.Tensor:
+    """``steps`` greedy decode steps after the prefill logits ``first``, each under ``mode()``."""
+    logits = [first]
+    for _ in range(steps):
+        with mode():
+            token = logits[-1].argmax(-1, keepdim=True)
+            logits.append(model(input_ids=token, past_key_values=cache).logits[:, -1].clone())
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_cache_filled_in_one_grad_mode_goes_on_in_the_other(policy: str) -> None:
+    """Tensors a cache (or its policy) made under ``inference_mode`` are written under
+    ``no_grad`` later, and the reverse: no error, and the logits of a cache that stayed in one
+    (``kvevict.generation.prefill`` fills under ``inference_mode``, and a user decodes on)."""
+    model = tiny_model()
+    ids = prompt(PROMPT)
+    budget = None if policy == "full" else BUDGET
+    results = []
+    modes = [
+        (torch.no_grad, torch.no_grad),
+        (torch.inference_mode, torch.no_grad),
+        (torch.no_grad, torch.inference_mode),
+    ]
+    for fill, go_on in modes:
+        cache = kvevict.EvictionCache(model, build_policy(policy), budget=budget)
+        with fill():
+            first = model(input_ids=ids, past_key_values=cache).logits[:, -1].clone()
+        results.append(_decode(model, cache, first, 6, go_on))
+    for other in results[1:]:
+        torch.testing.assert_close(other, results[0], rtol=0, atol=0)

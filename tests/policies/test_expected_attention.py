@@ -66,8 +66,8 @@ def test_prefill_keeps_the_top_expected_attention_of_the_prompt_queries(arch: st
     handle = module.register_forward_hook(lambda m, a, out: captured.setdefault("q", out.detach()))
     cache = kvevict.EvictionCache(model, "expected-attention", budget=budget)
     keys = {}
-    original = cache.layers[1]._keep_rows  # the keys as they are when the layer evicts
-    cache.layers[1]._keep_rows = lambda rows: (keys.setdefault("k", cache.layers[1].keys.clone()), original(rows))
+    original = cache.layers[1].keep_rows  # the keys as they are when the layer evicts
+    cache.layers[1].keep_rows = lambda rows: (keys.setdefault("k", cache.layers[1].keys.clone()), original(rows))
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache)
     handle.remove()

@@ -1,0 +1,378 @@
+"""One attention layer of an :class:`~kvevict.cache.EvictionCache` (DESIGN §1.1, §1.5).
+
+:class:`EvictionLayer` is a cache *layer* in the style of transformers'
+``DynamicSlidingWindowLayer``: keys/values ``[B, Hkv, n, d]`` physically shrink to the
+budget; next to them live the absolute position of each entry ``[B, Hkv, n]`` and the
+policy's per-token state ``{name: [B, Hkv, n, ...]}``, gathered with the entries on every
+eviction so they never drift apart. Each KV head keeps its own set of tokens.
+
+``get_seq_length()`` counts tokens *seen* (so new tokens get their absolute RoPE positions)
+and ``get_mask_sizes()`` describes the *retained* entries as the most recent ``n`` positions
+before the query: every retained entry is in the past, so the standard causal mask is exact
+and ``model.generate(..., past_key_values=cache)`` just works.
+
+A sliding-window layer (Mistral, Gemma 2/3, gpt-oss, Qwen2 with ``use_sliding_window``) is an
+:class:`EvictionLayer` with a ``window``: after every pass it first drops the entries no later
+query can see (positions ``≤ seen − window``, as transformers' ``DynamicSlidingWindowLayer``
+does, without telling the policy), then the policy evicts the rest to the budget as on a
+full layer; its mask is built from positions (:mod:`kvevict.attention`).
+
+Owns: transformers' layer API (``update``, ``get_seq_length``, ...), the rows of the batch
+in this layer, appending a pass's entries, exposing the storage's first ``n`` columns as
+``keys``, ``values``, ``positions``, ``valid`` and ``state``, splicing and removing rows, and
+the layer's byte counts. The pass bookkeeping (:mod:`kvevict.passes`) and the policy driver
+(:mod:`kvevict.driver`) are its two mixins; the tensors are its :class:`~kvevict.storage.LayerStorage`.
+
+Must not touch: the cache's other layers, or tensors other than through its storage.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from kvevict import attention
+from kvevict.driver import PolicyDriver
+from kvevict.passes import PassBookkeeping, PendingPass, SteadyRecord
+from kvevict.rows import RowState, RowView, uniform
+from kvevict.signals import Signals
+from kvevict.storage import Columns, LayerStorage
+
+
+class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
+    """One attention layer of an eviction cache: full attention, or a sliding window of
+    ``window`` positions (a query at ``p`` sees keys at ``> p − window``).
+
+    Storage is preallocated (``budget + interval`` entries once evicting) and shared by the
+    rows of a batch: row ``b`` occupies columns ``[start_b, start_b + width_b)``; columns a
+    row or a head does not hold (left padding of its prompt, rows or heads keeping fewer
+    entries) are marked false in :attr:`valid` and masked out of attention and selection.
+    Entries are *not* sorted by position: an evicted entry's slot is reused by an entry from
+    the end (O(1) data movement per evicted entry), and :attr:`positions` says where each
+    entry sits in its sequence (masks, windows included, are built from them).
+
+    The policy never sees the batch: every hook runs on a :class:`~kvevict.rows.RowView`,
+    which holds one row exactly as a batch-1 layer holding that prompt alone would (same
+    entries in the same order, same counters), so a batch gives each row what it gets alone.
+
+    The layer holds its cache by a weak reference: a dropped cache is freed at once, with
+    no reference cycle for the garbage collector to find.
+    """
+
+    is_croppable = False
+
+    def __init__(self, owner: Any, layer_idx: int, window: int | None = None):
+        super().__init__()
+        self._owner = weakref.ref(owner)
+        self.layer_idx = layer_idx
+        self.window = window
+        self.is_sliding = window is not None  # transformers builds sliding masks from such layers
+        self.storage = LayerStorage()
+        """The layer's tensors: every replacement goes through it and bumps its version."""
+        self._clear()
+
+    @property
+    def owner(self) -> Any:
+        """The :class:`~kvevict.cache.EvictionCache` this layer belongs to."""
+        owner = self._owner()
+        if owner is None:
+            raise RuntimeError("the EvictionCache of this layer was garbage-collected")
+        return owner
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> EvictionLayer:
+        """A copy whose weak reference points at the copy of its cache (``copy.deepcopy`` of an
+        ``EvictionCache`` maps the cache to its copy in ``memo``): a weak reference itself is
+        copied as is."""
+        twin = self.__class__.__new__(self.__class__)
+        memo[id(self)] = twin
+        for name, value in self.__dict__.items():
+            setattr(twin, name, copy.deepcopy(value, memo))
+        owner = self._owner()
+        twin._owner = weakref.ref(memo.get(id(owner), owner))
+        return twin
+
+    def _clear(self) -> None:
+        self.tokens = 0
+        """Columns of every pass so far, padding included (transformers' ``cache_position``)."""
+        self.passes = 0
+        self.prompt_pass = False
+        """Whether the current pass is (a chunk of) the prompt: prefill-time policies score it."""
+        self.prompt_open = True
+        """Whether a later pass of several tokens may still be a chunk of the prompt."""
+        self.rows: list[RowState] = [RowState()]
+        self.compacted = False
+        """Whether an eviction reordered the storage (until then it is the model's own layout)."""
+        self._num_new = 0
+        self.storage.clear()
+        self._pass_views: list[RowView] | None = None
+        """The row views of the pass under way, from :meth:`begin_pass` to its eviction."""
+        self.pending_pass: PendingPass | None = None
+        """A decode step's work left for the end of the pass (:meth:`observe_pending`)."""
+        self.pending_eviction: tuple[RowView, Signals] | None = None
+        """A decode step's eviction left for the end of the pass (:meth:`evict_pending`)."""
+        self._steady_pass = False
+        """Whether the pass under way appended by the steady path (:meth:`settle`)."""
+        self.refresh(0)
+
+    _steady: SteadyRecord | None
+    """What the next decode step needs to take the steady path (:meth:`settle`), while the
+    storage keeps the version recorded there."""
+
+    def refresh(self, n: int | None = None) -> None:
+        """Expose the storage's first ``n`` columns (default: as many as now) as :attr:`keys`,
+        :attr:`values`, ... (after the storage or the columns in use changed). The steady record
+        goes with the old exposure; a replaced tensor is caught by the storage's version anyway."""
+        self._steady = None
+        self._expose(self.storage.columns(self.n if n is None else n))
+
+    def _expose(self, columns: Columns) -> None:
+        """Expose the views ``columns`` (of the current storage) as :attr:`keys`, :attr:`values`, ..."""
+        self.n = columns.n
+        self._exposed = columns
+        self.keys, self.values = columns.keys, columns.values
+        self.positions = columns.positions
+        """Absolute position of each entry in its own sequence ``[B, Hkv, n]`` (the model's RoPE
+        position; negative for left padding, which is never valid)."""
+        self.valid = columns.valid
+        """``[B, Hkv, n]`` bool once rows or heads hold different numbers of entries (left
+        padding, head-wise budgets, ``keep=`` with prompts of different lengths): each is
+        padded to the longest and its padding is masked out of attention and selection.
+        ``None`` while every entry is real."""
+        self.state = dict(columns.state)
+
+    @property
+    def policy(self) -> Any:
+        return self.owner.policy
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def length(self) -> int:
+        """Storage columns in use (entries of the longest row and head)."""
+        return self.n
+
+    def _per_row(self, name: str) -> int | torch.Tensor:
+        values = [getattr(row, name) for row in self.rows]
+        if len(values) == 1:
+            return values[0]
+        return torch.tensor(values, device=self.device)[:, None, None]
+
+    @property
+    def seen(self) -> int | torch.Tensor:
+        """Real tokens seen (an int; per row ``[B, 1, 1]`` for a batch, broadcasting with :attr:`positions`)."""
+        return self._per_row("seen")
+
+    @property
+    def prompt_length(self) -> int | torch.Tensor:
+        """Prompt tokens without padding (an int; per row ``[B, 1, 1]`` for a batch)."""
+        return self._per_row("prompt_length")
+
+    @property
+    def budget(self) -> int | None | torch.Tensor:
+        """The resolved budget (an int; per row ``[B, 1, 1]`` for a batch, ``keep=`` resolves per row)."""
+        return None if self.rows[0].budget is None else self._per_row("budget")
+
+    @property
+    def decode_peak(self) -> int:
+        """Most entries a row held during a decode pass (after appending, before evicting)."""
+        return max(row.decode_peak for row in self.rows)
+
+    @property
+    def decode_step(self) -> int:
+        """Tokens processed after the prompt (the same for every row)."""
+        return self.rows[0].seen - self.rows[0].prompt_length
+
+    @property
+    def memo(self) -> dict[str, object]:
+        """Per-layer policy data that is not per token (of the only row; see :meth:`row_view` for a batch)."""
+        if len(self.rows) != 1:
+            raise ValueError("a batched layer keeps policy data per row: read layer.row_view(b).memo")
+        return self.rows[0].memo
+
+    def head_lengths(self) -> torch.Tensor:
+        """Real (unpadded) entries of each KV head, ``[B, Hkv]`` int64."""
+        if self.valid is not None:
+            return self.valid.sum(dim=-1)
+        return torch.full(self.keys.shape[:2], self.length, dtype=torch.long, device=self.device)
+
+    def row_view(self, row: int) -> RowView:
+        """Row ``row`` as a batch-1 layer holding that sequence alone (what policies see)."""
+        return RowView(self, row)
+
+    def views(self) -> list[RowView]:
+        """What the policy's hooks run on in this pass: one view of every row at once when the
+        rows are in lockstep and the policy is :attr:`~kvevict.policies.Policy.batched` (its
+        stages treat rows independently, so each row still gets what it gets alone), else a
+        view per row. Lockstep: every row holds the same storage columns, all real (no
+        padding, no head-wise ragged rows), under the same budget and interval, on a full
+        layer (a sliding window drops per row), has as many real tokens in this pass, passes
+        and tokens after its prompt; prompt lengths may differ."""
+        rows, first = self.rows, self.rows[0]
+        if len(rows) > 1 and self.policy.batched and self.window is None and self.valid is None:
+            step = first.seen - first.prompt_length
+            lockstep = all(
+                row.start == 0
+                and row.width == self.n
+                and (row.budget, row.interval, row.new, row.passes)
+                == (first.budget, first.interval, first.new, first.passes)
+                and row.seen - row.prompt_length == step
+                for row in rows
+            )
+            if lockstep:
+                return [RowView(self, 0, len(rows))]
+        return [RowView(self, i) for i in range(len(rows))]
+
+    # -- transformers' layer API ------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+        self.rows = [RowState() for _ in range(key_states.shape[0])]
+        self.storage.initialize(key_states, value_states)
+        self.refresh(0)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        steady, owner, storage = self._steady, self.owner, self.storage
+        self._steady_pass = (
+            steady is not None
+            and steady.version == storage.version  # no tensor replaced since the record
+            and key_states.shape[2] == 1
+            and key_states.shape[0] == len(self.rows)
+            and owner.side_pass is None
+            and owner.ends_passes
+            and not (steady.inference and not torch.is_inference_mode_enabled())  # else leave_inference_mode
+        )
+        if self._steady_pass:  # a decode step as the last one: into the kept views of column n
+            steady.columns.append(key_states, value_states, self.rows[0].seen)
+            return self._appended(1, storage.columns(self.n + 1))
+        if self.pending_pass is not None or self.pending_eviction is not None:  # a pass that raised
+            self.observe_pending()
+            self.evict_pending()
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, num_new = key_states.shape[0], key_states.shape[2]
+        storage.leave_inference_mode()
+        if b != len(self.rows):
+            raise ValueError(f"batch size changed from {len(self.rows)} to {b}: an EvictionCache holds one batch")
+        if owner.side_pass is None:  # a policy's own scoring pass is part of the pass it scores
+            self.prompt_pass = self._is_prompt_pass(num_new)
+        ends = [row.start + row.width for row in self.rows]
+        storage.reserve(self.n, max(ends) + num_new)
+        n = self.n
+        if ends.count(n) == len(ends):  # rows end together: one slice
+            seen = uniform([row.seen for row in self.rows], self.device)
+            if isinstance(seen, int) and num_new == 1:  # a decode step: into the kept views of column n
+                storage.columns(n).append(key_states, value_states, seen)
+            else:
+                storage.keys[:, :, n : n + num_new] = key_states
+                storage.values[:, :, n : n + num_new] = value_states
+                storage.positions[:, :, n : n + num_new] = seen + torch.arange(num_new, device=self.device)
+            if storage.valid is not None:
+                storage.valid[:, :, n : n + num_new] = True
+        else:  # each row appends at its own end
+            assert storage.valid is not None  # rows end apart only once some are ragged
+            for i, (row, end) in enumerate(zip(self.rows, ends)):
+                storage.keys[i, :, end : end + num_new] = key_states[i]
+                storage.values[i, :, end : end + num_new] = value_states[i]
+                storage.positions[i, :, end : end + num_new] = torch.arange(
+                    row.seen, row.seen + num_new, device=self.device
+                )
+                storage.valid[i, :, end : end + num_new] = True
+        return self._appended(num_new, storage.columns(max(ends) + num_new))
+
+    def _appended(self, num_new: int, columns: Columns) -> tuple[torch.Tensor, torch.Tensor]:
+        """Count the ``num_new`` columns every row just appended and expose ``columns``."""
+        for row in self.rows:
+            row.width += num_new
+            row.seen += num_new
+            row.new = num_new
+        self.tokens += num_new
+        self.passes += 1
+        self._num_new = num_new
+        self._pass_views = None
+        self._steady = None
+        self._expose(columns)
+        attention.mark_pending(self, self.keys)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.tokens
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, self.tokens - self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self._clear()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("an EvictionCache cannot be cropped: evicted entries cannot be restored")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise ValueError(
+            "beam search (and any decoding that reorders or regroups cache rows) is not supported with an "
+            "EvictionCache: each row is evicted on its own; use greedy decoding or sampling (num_beams=1)"
+        )
+
+    batch_repeat_interleave = batch_select_indices = reorder_cache
+
+    # -- rows of a batch that runs on (continuous batching) ---------------------------------
+    def splice(self, row: int, source: EvictionLayer) -> None:
+        """Make batch row ``row`` (``batch_size``: a new last row) hold the only row of
+        ``source``, the same layer of a batch-1 cache, exactly as ``source`` holds it: entries,
+        positions, per-token state, counters and policy memo. Each row keeps its own columns
+        from 0; columns past a row's width are invalid, so it attends exactly its own entries."""
+        self.storage.ensure_valid([(r.start, r.start + r.width) for r in self.rows])
+        if row == len(self.rows):
+            self.storage.add_row()
+            self.rows.append(RowState())
+        theirs = source.rows[0]
+        self.storage.reserve(self.n, theirs.width)
+        self.storage.copy_row(row, source.storage, slice(theirs.start, theirs.start + theirs.width))
+        spliced = RowState()
+        for name in RowState.__slots__:
+            setattr(spliced, name, getattr(theirs, name))
+        spliced.start = 0
+        self.rows[row] = spliced
+        self.tokens = max(self.tokens, source.tokens)
+        self.compacted = True  # rows no longer share the model's own column layout
+        self.refresh(max(r.start + r.width for r in self.rows))
+
+    def remove_rows(self, rows: list[int]) -> None:
+        """Drop batch rows ``rows`` (finished sequences); the others keep what they hold."""
+        kept = [i for i in range(len(self.rows)) if i not in set(rows)]
+        self.storage.select_rows(torch.tensor(kept, dtype=torch.long, device=self.device))
+        self.rows = [self.rows[i] for i in kept]
+        self.refresh(max(row.start + row.width for row in self.rows))
+
+    def row_bytes(self) -> list[tuple[int, int]]:
+        """Per row: (bytes allocated, bytes of real entries). Allocated counts the row's
+        longest head for every head (head-wise budgets pad heads); neither counts the row's
+        left padding nor the padding up to longer rows of the batch."""
+        if not self.is_initialized:
+            return [(0, 0)] * len(self.rows)
+        per_entry = self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
+        real = self.head_lengths().sum(dim=-1).tolist()
+        return [(self.num_kv_heads * row.width * per_entry, held * per_entry) for row, held in zip(self.rows, real)]
+
+    def kv_bytes(self) -> int:
+        """Bytes allocated for keys and values of every row (see :meth:`row_bytes`)."""
+        return sum(allocated for allocated, _ in self.row_bytes())
+
+    def retained_bytes(self) -> int:
+        """Bytes of the real entries: what a head-wise ragged layout would hold."""
+        return sum(real for _, real in self.row_bytes())

@@ -1,0 +1,405 @@
+"""Rows of a batch: each sequence's counters, and the views policies run on.
+
+Owns: a row's bookkeeping in one layer (:class:`RowState`), the view of one row (or of rows
+in lockstep) exactly as a batch-1 layer holding that sequence alone (:class:`RowView`), the
+stack of several layers' rows at the end of a pass (:class:`LayerStack`), what such views
+read of the cache (:class:`RowOwner`, :class:`SpanOwner`) and the padding of a pass read
+from the model's mask (:func:`real_columns`).
+
+Must not touch: storage tensors (a view writes only into the views it was given, and a
+replaced state entry back through :meth:`~kvevict.storage.LayerStorage.write_state`), pass
+scheduling or eviction. It imports neither the layer nor the cache: what it reads of them is
+the structural :class:`ViewedLayer` and :class:`RowsCache`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from kvevict.hidden import HiddenStateRecorder
+from kvevict.signals import Phase
+from kvevict.storage import LayerArena, LayerStorage
+from kvevict.views import CacheSide, HiddenScores
+
+
+class RowsCache(Protocol):
+    """What a row's view reads of its cache."""
+
+    hidden: HiddenStateRecorder | None
+    row_offsets: list[int]
+
+    @property
+    def policy(self) -> Any: ...
+    @property
+    def eviction_layers(self) -> Sequence[Any]: ...
+    @property
+    def rotary(self) -> Any: ...
+    def row_shared(self, row: int) -> dict[str, object]: ...
+
+
+class ViewedLayer(Protocol):
+    """What a :class:`RowView` reads of its layer."""
+
+    rows: list[RowState]
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    valid: torch.Tensor | None
+    state: dict[str, torch.Tensor]
+    storage: LayerStorage
+    n: int
+    prompt_pass: bool
+    layer_idx: int
+    window: int | None
+    device: torch.device
+
+    @property
+    def owner(self) -> RowsCache: ...
+    @property
+    def policy(self) -> Any: ...
+
+
+def phase_of(passes: int, prompt_pass: bool) -> Phase:
+    """``prefill`` during the first pass and the later chunks of the prompt, else ``decode``."""
+    return "prefill" if passes == 1 or prompt_pass else "decode"
+
+
+class RowState:
+    """Bookkeeping of one sequence (batch row) in one layer: what a batch-1 layer holds as ints."""
+
+    __slots__ = (
+        "budget",
+        "decode_peak",
+        "interval",
+        "memo",
+        "new",
+        "passes",
+        "peak",
+        "prompt_length",
+        "seen",
+        "start",
+        "width",
+    )
+
+    def __init__(self) -> None:
+        self.seen = 0
+        """Real tokens of this row seen so far (its next absolute position)."""
+        self.new = 0
+        """Real tokens of this row in the current pass (the pass's padding excluded)."""
+        self.passes = 0
+        """Passes that brought this row real tokens (its first one is its prefill)."""
+        self.prompt_length = 0
+        self.budget: int | None = None
+        self.interval = 1
+        self.decode_peak = 0
+        self.peak = 0
+        """Most entries a head of this row held at any moment (after an append, before evicting)."""
+        self.start = 0
+        """First storage column of this row (its left padding, until the first eviction)."""
+        self.width = 0
+        """Storage columns ``start .. start + width`` hold this row (its longest head)."""
+        self.memo: dict[str, object] = {}
+
+
+def real_columns(mask: torch.Tensor | None, num_new: int, batch: int) -> torch.Tensor | None:
+    """The real (not padding) columns ``[B, n]`` of a pass, from the mask the model built
+    (None: no padding). Refuses padding anywhere but on the left of the pass."""
+    if mask is None:
+        return None
+    if mask.dim() == 2:  # flash kernels receive the 2-D padding mask itself
+        real = mask.bool()
+    else:  # whether each query sees its own key: a sliding window hides old keys from later queries, never this
+        own = mask[:, 0].diagonal(offset=mask.shape[-1] - mask.shape[-2], dim1=-2, dim2=-1)
+        real = own if mask.dtype == torch.bool else own > torch.finfo(mask.dtype).min / 2
+    real = real.expand(batch, -1)[:, -num_new:]
+    if bool((real[:, 1:] < real[:, :-1]).any()):
+        raise ValueError(
+            "right padding (or padding inside a prompt) is not supported by an EvictionCache: pad prompts on the "
+            "left (tokenizer.padding_side = 'left'), so that every row ends with its last real token"
+        )
+    return None if bool(real.all()) else real
+
+
+class RowView:
+    """One row of an :class:`EvictionLayer` exactly as a batch-1 layer holding that sequence
+    alone: ``keys``/``values`` ``[1, Hkv, n_b, d]``, ``positions``, ``valid`` (None when every
+    entry of the row is real), ``state`` and ``memo`` of the row, and its own counters
+    (``seen``, ``prompt_length``, ``budget``, ``decode_step``). Tensors are views of the
+    layer's storage, so in-place writes land there; a state entry the policy replaces is
+    written back by :meth:`write_back`."""
+
+    def __init__(self, layer: ViewedLayer, row: int, stop: int | None = None):
+        info = layer.rows[row]
+        stop = row + 1 if stop is None else stop
+        self.layer, self.row, self.info = layer, row, info
+        columns = slice(info.start, info.start + info.width)
+        rows = slice(row, stop)
+        self.rows = rows
+        """The batch rows this view holds: one, or (:meth:`~kvevict.layer.EvictionLayer.views`) every row in lockstep."""
+        if row == 0 and stop == len(layer.rows) and info.start == 0 and info.width == layer.n:
+            cut = _whole  # the usual case, one row or rows in lockstep: the layer's own views
+        else:
+            cut = _narrowing(rows, columns)
+        self.keys, self.values, self.positions = cut(layer.keys), cut(layer.values), cut(layer.positions)
+        valid = None if layer.valid is None else cut(layer.valid)
+        self.valid = None if valid is None or bool(valid.all()) else valid
+        self._state = {name: cut(value) for name, value in layer.state.items()}
+        self.state = dict(self._state)
+        self.interval = info.interval
+        if stop - row == 1:
+            self.seen, self.prompt_length, self.budget = info.seen, info.prompt_length, info.budget
+            self.owner: RowOwner | SpanOwner = RowOwner(layer.owner, row)
+        else:  # rows in lockstep (same storage columns, budget and step) may differ in length
+            span = layer.rows[rows]
+            self.seen, self.prompt_length = (
+                uniform([getattr(r, key) for r in span], layer.device) for key in ("seen", "prompt_length")
+            )
+            self.budget = info.budget
+            self.owner = SpanOwner(layer.owner, rows)
+        self.prompt_pass = layer.prompt_pass
+        self.passes, self.layer_idx, self.device, self.window = (
+            info.passes,
+            layer.layer_idx,
+            layer.device,
+            layer.window,
+        )
+        self.num_new = info.new
+        self.columns = columns
+
+    @property
+    def memo(self) -> dict[str, object]:
+        """Per-layer policy data of this row (a view of several rows has none: its policy is
+        :attr:`~kvevict.policies.Policy.batched`, whose stages keep none)."""
+        if self.rows.stop - self.rows.start != 1:
+            raise ValueError("a view of several rows keeps no per-row policy data: only batched policies use it")
+        return self.info.memo
+
+    policy = property(lambda self: self.layer.policy)
+    num_kv_heads = property(lambda self: self.keys.shape[1])
+    length = property(lambda self: self.keys.shape[2])
+    decode_step = property(lambda self: self.info.seen - self.info.prompt_length)  # the same for every row
+    decode_peak = property(lambda self: self.info.decode_peak)
+
+    def phase(self) -> Phase:
+        return phase_of(self.passes, self.prompt_pass)
+
+    def head_lengths(self) -> torch.Tensor:
+        if self.valid is not None:
+            return self.valid.sum(dim=-1)
+        return torch.full(self.keys.shape[:2], self.length, dtype=torch.long, device=self.device)
+
+    def outside_window(self) -> torch.Tensor | None:
+        """``[1, Hkv, n]``: entries no later query can see (positions ``≤ seen − window``);
+        None on a full layer or when there are none."""
+        if self.window is None:
+            return None
+        outside = self.positions <= self.seen - self.window
+        return outside if bool(outside.any()) else None
+
+    def drop_outside_window(self) -> bool:
+        """Hide the entries that left the sliding window from selection (they are no longer
+        attended by the model itself, so they go before the policy chooses); whether any did."""
+        outside = self.outside_window()
+        if outside is None:
+            return False
+        self.valid = ~outside if self.valid is None else self.valid & ~outside
+        return True
+
+    def held_after_pass(self) -> int:
+        """Entries the longest head holds once the entries that left the window are dropped."""
+        outside = self.outside_window()
+        if outside is None:
+            return self.length
+        held = ~outside if self.valid is None else self.valid & ~outside
+        return int(held.sum(dim=-1).max())
+
+    def eviction_due(self, phase: Phase, num_new: int) -> bool:
+        """Over budget (counting, on a sliding layer, only the entries still in the window
+        after this pass), and (decode) the step counter crossed a multiple of ``interval``."""
+        later_chunk = phase == "prefill" and self.passes > 1
+        if (
+            self.budget is None
+            or self.held_after_pass() <= self.budget
+            or not self.policy.evicts_in(phase, later_chunk)
+        ):
+            return False
+        if phase == "prefill":
+            return True
+        step = self.decode_step  # the first decode step is 1
+        return step // self.interval > (step - num_new) // self.interval
+
+    def write_back(self) -> None:
+        """Copy state entries the policy replaced (rather than wrote in place) into the layer."""
+        for name, value in self.state.items():
+            if value is not self._state.get(name):
+                self.layer.storage.write_state(name, self.rows, self.columns, value)
+                self._state[name] = value
+
+
+class LayerStack:
+    """The decode steps several layers left for the end of a pass, as one batch for the
+    policy's stackable stages (:attr:`~kvevict.policies.base.Stage.stackable`): the rows of
+    every layer stacked along dim 0, layer after layer, an :class:`~kvevict.views.EntryView`
+    like any other. The views share one :meth:`key`, each holds its whole layer, every entry
+    real (no ``valid``), and the layers' storage is one :class:`LayerArena`: ``keys``,
+    ``positions``, ``state``, ... are views of it, so a stage's in-place writes land in every
+    layer at once."""
+
+    valid = None
+
+    def __init__(self, views: Sequence[RowView], arena: LayerArena):
+        first = views[0]
+        self.first, self.layers = first, len(views)
+        self.rows_per_layer = first.positions.shape[0]
+        n = first.length
+        self.keys, self.values, self.positions = (
+            arena.stacked(block, n) for block in (arena.keys, arena.values, arena.positions)
+        )
+        self.state = {name: arena.stacked(arena.state[name], n) for name in first.state}
+        self._stored = dict(self.state)
+        self.seen, self.prompt_length = (repeat_rows(x, len(views)) for x in (first.seen, first.prompt_length))
+        self.budget, self.decode_step, self.window, self.device = (
+            first.budget,
+            first.decode_step,
+            first.window,
+            first.device,
+        )
+        self.num_new, self.passes = first.num_new, first.passes
+        self.owner = StackOwner(first.owner, self.layers)
+        """What a stackable stage reads of the cache: the hidden scores, layer after layer."""
+
+    num_kv_heads = property(lambda self: self.positions.shape[1])
+    length = property(lambda self: self.positions.shape[2])
+    policy = property(lambda self: self.first.policy)
+
+    @property
+    def layer_idx(self) -> int:
+        raise ValueError("a stack of layers has no single layer index: a stage that reads it is not stackable")
+
+    @property
+    def memo(self) -> dict[str, object]:
+        raise ValueError("a stack of layers keeps no per-layer policy data: a stage that keeps some is not stackable")
+
+    def phase(self) -> Phase:
+        return self.first.phase()
+
+    def head_lengths(self) -> torch.Tensor:
+        return torch.full(self.positions.shape[:2], self.length, dtype=torch.long, device=self.device)
+
+    def replaced(self) -> dict[str, torch.Tensor]:
+        """The state entries a stage replaced (rather than wrote in place), by name."""
+        return {name: value for name, value in self.state.items() if value is not self._stored.get(name)}
+
+    @staticmethod
+    def key(view: RowView) -> tuple[object, ...]:
+        """Pending views stack when they hold as many rows, heads and entries, under one
+        budget and window, at one step of the same rows (every layer sees the same tokens)."""
+        rows = (view.rows.start, view.rows.stop)
+        return (view.positions.shape, view.budget, view.window, rows, view.info.seen, view.info.prompt_length)
+
+
+class StackOwner:
+    """What the views of a :class:`LayerStack` read of the cache: the first view's, with the
+    hidden scores looked up layer by layer."""
+
+    def __init__(self, first: CacheSide, layers: int):
+        self.first, self.layers = first, layers
+
+    policy = property(lambda self: self.first.policy)
+    eviction_layers = property(lambda self: self.first.eviction_layers)
+    rotary = property(lambda self: self.first.rotary)
+    shared = property(lambda self: self.first.shared)
+
+    @property
+    def hidden(self) -> _StackedHidden | None:
+        hidden = self.first.hidden
+        return None if hidden is None else _StackedHidden(hidden, self.layers)
+
+
+class _StackedHidden:
+    """The frozen hidden-state scores of a :class:`LayerStack`: each layer's rows looked up
+    as that layer's view looks them up (the layers' heads side by side in one lookup)."""
+
+    def __init__(self, hidden: HiddenScores, layers: int):
+        self.hidden, self.layers = hidden, layers
+
+    def lookup(self, positions: torch.Tensor, end: int | None = None) -> torch.Tensor:
+        stacked, heads, n = positions.shape
+        rows = stacked // self.layers
+        side_by_side = positions.view(self.layers, rows, heads, n).transpose(0, 1).reshape(rows, -1, n)
+        scores = self.hidden.lookup(side_by_side, end=end)
+        return scores.view(rows, self.layers, heads, n).transpose(0, 1).reshape(stacked, heads, n)
+
+
+def repeat_rows(x: int | torch.Tensor, times: int) -> int | torch.Tensor:
+    """A row counter (an int, or ``[B, 1, 1]`` per row) for ``times`` layers' rows stacked."""
+    return x if isinstance(x, int) else x.repeat(times, 1, 1)
+
+
+def _whole(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _narrowing(rows: slice, columns: slice) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x[rows, :, columns]`` of a ``[B, H, n, ...]`` tensor, as a view."""
+    return lambda x: x.narrow(0, rows.start, rows.stop - rows.start).narrow(
+        2, columns.start, columns.stop - columns.start
+    )
+
+
+class RowOwner:
+    """What a policy reads of the cache, for one row (its own shared data and hidden scores)."""
+
+    def __init__(self, cache: RowsCache, row: int):
+        self.cache, self.row = cache, row
+
+    policy = property(lambda self: self.cache.policy)
+    eviction_layers = property(lambda self: self.cache.eviction_layers)
+    shared = property(lambda self: self.cache.row_shared(self.row))
+    rotary = property(lambda self: self.cache.rotary)
+
+    @property
+    def hidden(self) -> _RowHidden | None:
+        recorder = self.cache.hidden
+        return None if recorder is None else _RowHidden(recorder, self.row)
+
+
+class _RowHidden:
+    """A :class:`~kvevict.hidden.HiddenStateRecorder` seen from one row."""
+
+    def __init__(self, recorder: HiddenStateRecorder, row: int):
+        self.recorder, self.row = recorder, row
+
+    def lookup(self, positions: torch.Tensor, end: int | None = None) -> torch.Tensor:
+        return self.recorder.lookup(positions, row=self.row, end=end)
+
+
+class SpanOwner:
+    """What a batched policy reads of the cache for every row of the batch in lockstep:
+    hidden scores only (a batched stage keeps no shared data)."""
+
+    def __init__(self, cache: RowsCache, rows: slice):
+        self.cache, self.rows = cache, rows
+
+    policy = property(lambda self: self.cache.policy)
+    eviction_layers = property(lambda self: self.cache.eviction_layers)
+    rotary = property(lambda self: self.cache.rotary)
+
+    @property
+    def shared(self) -> dict[str, object]:
+        raise ValueError("a view of several rows keeps no per-row shared data: only batched policies use it")
+
+    @property
+    def hidden(self) -> HiddenStateRecorder | None:
+        """The recorder itself: its rows are the view's (a lockstep view holds every row)."""
+        return self.cache.hidden
+
+
+def uniform(values: list[int], device: torch.device) -> int | torch.Tensor:
+    """``values`` (one per row) as an int when they agree, else ``[B, 1, 1]`` (broadcasting with positions)."""
+    if values.count(values[0]) == len(values):
+        return values[0]
+    return torch.tensor(values, device=device)[:, None, None]

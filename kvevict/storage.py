@@ -1,0 +1,328 @@
+"""The tensors one eviction layer holds, and the only code that replaces them.
+
+Owns: a layer's keys, values, positions, validity mask and per-token policy state
+``[B, Hkv, capacity, ...]`` (:class:`LayerStorage`), the views of its first ``n`` columns
+(:class:`Columns`), and the storage of several layers as one tensor per kind
+(:class:`LayerArena`). Every replacement of a tensor goes through :class:`LayerStorage` and
+bumps its :attr:`~LayerStorage.version`: cached views, the steady decode path and arenas
+compare that number rather than trusting each writer to clear what it made stale.
+
+Must not touch: rows, passes or policies. Which columns a row occupies, and what a pass
+appends where, is decided by :mod:`kvevict.layer`; this module only moves entries it is
+told to move (gather, refill from the last column, grow, add or drop batch rows).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+import torch
+
+
+class Columns:
+    """Views of a storage's first ``n`` columns (what a layer exposes as ``keys``, ``values``,
+    ...) and, once asked for, column ``n`` (where a decode step appends). Why keep them: making a
+    view is a dispatch, which costs microseconds on a CPU whose caches the model's weights just
+    streamed through, in every layer of every pass."""
+
+    __slots__ = ("_kv_positions", "_next", "keys", "n", "positions", "state", "valid", "values")
+
+    def __init__(self, storage: LayerStorage, n: int):
+        # the tensors, not the storage object, which keeps these views (no reference cycle)
+        self._kv_positions, self.n, self._next = storage.kv_positions(), n, None
+        self.keys, self.values, self.positions = (x.narrow(2, 0, n) for x in self._kv_positions)
+        self.valid = None if storage.valid is None else storage.valid.narrow(2, 0, n)
+        self.state = {name: value.narrow(2, 0, n) for name, value in storage.state.items()}
+
+    def next_column(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Column ``n`` of the keys, values and positions ``[B, Hkv, 1, ...]`` (the storage has room for it)."""
+        if self._next is None:
+            self._next = tuple(x.narrow(2, self.n, 1) for x in self._kv_positions)
+        return self._next
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, position: int) -> None:
+        """Write one decode step's entry ``[B, Hkv, 1, ...]`` of every row, at ``position``, into column ``n``."""
+        new_keys, new_values, new_positions = self.next_column()
+        new_keys.copy_(keys)
+        new_values.copy_(values)
+        new_positions.fill_(position)
+
+
+class LayerStorage:
+    """One layer's per-entry tensors ``[B, Hkv, capacity, ...]``: ``keys``, ``values``,
+    ``positions`` (absolute position of each entry in its own sequence), ``valid`` (None while
+    every column in use is real) and the policy's per-token ``state`` by name. Columns past
+    those in use are room to grow (appends are O(1) amortised)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        """Bumped whenever a tensor is replaced (grown, gathered, adopted by an arena, ...)."""
+        self.clear()
+
+    def clear(self) -> None:
+        self.keys = self.values = torch.empty(0, 0, 0, 0)
+        self.positions = torch.empty(0, 0, 0, dtype=torch.long)
+        self.valid: torch.Tensor | None = None
+        self.state: dict[str, torch.Tensor] = {}
+        self.capacity = 0
+        self.replaced()
+
+    def replaced(self) -> None:
+        """A tensor (or the set of state entries) changed: every view made before is stale."""
+        self.version += 1
+        self._views: dict[int, Columns] = {}
+
+    def kv_positions(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.keys, self.values, self.positions
+
+    def entries(self) -> dict[str, torch.Tensor]:
+        """Every per-entry tensor but :attr:`valid` (whole capacity), by name."""
+        return {"keys": self.keys, "values": self.values, "positions": self.positions, **self.state}
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held, :attr:`valid` included."""
+        held = [self.keys, self.values, self.positions, *self.state.values()]
+        return held if self.valid is None else [*held, self.valid]
+
+    def resident_bytes(self) -> int:
+        """Bytes of the distinct storages behind :meth:`tensors` (an arena's block counts once per layer slice)."""
+        return sum(x.numel() * x.element_size() for x in self.tensors())
+
+    def columns(self, n: int) -> Columns:
+        """The views of the first ``n`` columns, kept for the two column counts a decode step
+        alternates between, and made anew once a tensor is replaced (:attr:`version`)."""
+        columns = self._views.get(n)
+        if columns is None:
+            if len(self._views) == 2:
+                del self._views[next(iter(self._views))]
+            columns = self._views[n] = Columns(self, n)
+        return columns
+
+    def initialize(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Empty storage for ``keys``/``values`` ``[B, Hkv, *, d]``'s batch, heads, dtype and device."""
+        b, h = keys.shape[:2]
+        self.keys = keys.new_zeros(b, h, 0, keys.shape[-1])
+        self.values = values.new_zeros(b, h, 0, values.shape[-1])
+        self.positions = torch.zeros(b, h, 0, dtype=torch.long, device=keys.device)
+        self.valid, self.state, self.capacity = None, {}, 0
+        self.replaced()
+
+    def _map(self, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.keys, self.values, self.positions = (change(x) for x in self.kv_positions())
+        self.valid = None if self.valid is None else change(self.valid)
+        self.state = {name: change(value) for name, value in self.state.items()}
+        self.replaced()
+
+    def reserve(self, used: int, needed: int) -> None:
+        """Room for ``needed`` columns, of which the first ``used`` hold entries (grown
+        geometrically: appends are O(1) amortised)."""
+        if needed <= self.capacity:
+            return
+        capacity = max(needed, self.capacity + self.capacity // 2)
+
+        def grow(x: torch.Tensor) -> torch.Tensor:
+            bigger = x.new_zeros(*x.shape[:2], capacity, *x.shape[3:])
+            bigger[:, :, :used] = x[:, :, :used]
+            return bigger
+
+        self._map(grow)
+        self.capacity = capacity
+
+    def leave_inference_mode(self) -> None:
+        """Storage is written in place, which torch forbids on tensors made under ``inference_mode``
+        once that mode is left (e.g. ``kvevict.answer`` filled the cache and the caller goes on
+        under ``no_grad``): copy it once into ordinary tensors."""
+        if not torch.is_inference_mode_enabled() and self.keys.is_inference():
+            self._map(torch.clone)
+
+    def ensure_valid(self, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """Materialise :attr:`valid`, row ``b`` real at columns ``spans[b] = (start, stop)``."""
+        if self.valid is None:
+            self.valid = torch.zeros(self.positions.shape, dtype=torch.bool, device=self.positions.device)
+            for i, (start, stop) in enumerate(spans):
+                self.valid[i, :, start:stop] = True
+            self.replaced()
+        return self.valid
+
+    def drop_valid(self) -> None:
+        if self.valid is not None:
+            self.valid = None
+            self.replaced()
+
+    def add_state(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """A new per-token state entry shaped as ``like`` ``[B, Hkv, *, ...]`` over the whole capacity (zeros)."""
+        self.state[name] = like.new_zeros(self.keys.shape[0], like.shape[1], self.capacity, *like.shape[3:])
+        self.replaced()
+        return self.state[name]
+
+    def gather(self, source: torch.Tensor, capacity: int) -> None:
+        """Keep entries ``source`` ``[B, Hkv, m]`` (column indices), in that order, in new tensors of
+        ``capacity`` columns (the old ones are freed)."""
+        self.keys, self.values, self.positions = (_gather(x, source, capacity) for x in self.kv_positions())
+        self.state = {name: _gather(value, source, capacity) for name, value in self.state.items()}
+        self.valid = None  # the caller sets it anew from what each head kept (:meth:`set_valid`)
+        self.capacity = capacity
+        self.replaced()
+
+    def set_valid(self, held: torch.Tensor | None) -> None:
+        """Columns ``0 .. n`` of each head are real where ``held`` ``[B, Hkv, n]`` (None: all are)."""
+        if held is None:
+            self.drop_valid()
+            return
+        self.valid = torch.zeros(self.positions.shape, dtype=torch.bool, device=self.positions.device)
+        self.valid[:, :, : held.shape[-1]] = held
+        self.replaced()
+
+    def move_last_into(self, slots: torch.Tensor, last: int) -> None:
+        """The entry of column ``last`` takes slot ``slots[b, h]`` of its head, in place."""
+        move_last_into(self.entries().values(), slots, last)
+
+    def add_row(self) -> None:
+        """One more batch row, holding nothing (:attr:`valid` must exist: the row is not real)."""
+        self._map(lambda x: torch.cat([x, x.new_zeros(1, *x.shape[1:])]))
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` only, in that order."""
+        self._map(lambda x: x[index])
+
+    def copy_row(self, row: int, source: LayerStorage, columns: slice) -> int:
+        """Batch row ``row`` holds ``source``'s row 0 at ``columns``, from column 0 (room must
+        exist; new state entries are made). Columns past them are invalid, at position -1."""
+        width = columns.stop - columns.start
+        for name, value in source.state.items():
+            if name not in self.state:
+                self.add_state(name, value)
+        pairs = [(self.keys, source.keys), (self.values, source.values)]
+        pairs += [(self.state[name], value) for name, value in source.state.items()]
+        for mine, theirs in pairs:
+            mine[row, :, :width] = theirs[0, :, columns]
+        self.positions[row] = -1  # columns the row does not hold sit at a position no query has
+        self.positions[row, :, :width] = source.positions[0, :, columns]
+        assert self.valid is not None
+        self.valid[row] = False
+        self.valid[row, :, :width] = True if source.valid is None else source.valid[0, :, columns]
+        return width
+
+    def write_state(self, name: str, rows: slice, columns: slice, value: torch.Tensor) -> None:
+        """A state entry a policy replaced (rather than wrote in place), back into the storage."""
+        self.state[name][rows, :, columns] = value
+
+
+def _gather(x: torch.Tensor, indices: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Entries ``indices`` ``[B, H, m]`` along dim 2 of ``[B, H, n, ...]``, into a new buffer of ``capacity``."""
+    index = indices.reshape(*indices.shape, *([1] * (x.dim() - 3))).expand(*indices.shape, *x.shape[3:])
+    out = x.new_zeros(*x.shape[:2], capacity, *x.shape[3:])
+    out[:, :, : indices.shape[-1]] = x.gather(2, index)
+    return out
+
+
+def move_last_into(storages: Iterable[torch.Tensor], slots: torch.Tensor, last: int) -> None:
+    """In each of ``storages`` (entries along dim ``slots.dim()``), the entry at ``last`` takes
+    slot ``slots[...]`` of its head: one ``scatter_`` per tensor."""
+    slot = slots[..., None]
+    indices: dict[tuple[int, ...], torch.Tensor] = {(): slot}  # per trailing shape (keys and values share one)
+    for storage in storages:
+        trailing = storage.shape[slot.dim() :]
+        if trailing not in indices:
+            indices[trailing] = slot.view(*slot.shape, *[1] * len(trailing)).expand(*slot.shape, *trailing)
+        # the source column is copied (one entry per head): torch refuses a scatter whose
+        # source lies inside the written tensor whenever it can see the overlap
+        storage.scatter_(slots.dim(), indices[trailing], storage.narrow(slots.dim(), last, 1).clone())
+
+
+class StoredLayer(Protocol):
+    """What an arena needs of a layer: its storage, the columns in use, and a way to expose them anew."""
+
+    storage: LayerStorage
+    n: int
+
+    def refresh(self) -> None: ...
+
+
+class LayerArena:
+    """The storage of several layers as one tensor per kind ``[L, B, Hkv, capacity, ...]``
+    (keys, values, positions, each per-token state entry), each layer's own storage the view
+    of its slice.
+
+    Why: at the end of a pass the layers of a stack write the new entries' state, are
+    observed and refill their evicted slots together, by one operation per kind rather than
+    one per layer (on a CPU each operation costs microseconds of dispatch, more than moving
+    one entry). A layer that replaces a storage tensor (growing it, a general eviction that
+    compacts it, a batch change) bumps its version and so just leaves the arena
+    (:meth:`holds`); its stack then runs layer by layer until its layers move into a new arena.
+
+    Moving layers in costs one copy of their storage, one kind at a time (each layer's old
+    tensor is freed as it moves): the memory briefly holds one kind twice."""
+
+    def __init__(self, layers: Sequence[StoredLayer]):
+        self.layers = tuple(layers)
+        storages = [layer.storage for layer in layers]
+        self.capacity = max(storage.capacity for storage in storages)
+        self.keys = self._adopt(storages, "keys")
+        self.values = self._adopt(storages, "values")
+        self.positions = self._adopt(storages, "positions")
+        self.state = {name: self._adopt(storages, "state", name) for name in storages[0].state}
+        for layer, storage in zip(layers, storages):
+            storage.capacity = self.capacity
+            storage.replaced()
+            layer.refresh()  # the old tensors' views go with them
+        self._versions = [storage.version for storage in storages]
+
+    def _adopt(self, storages: list[LayerStorage], kind: str, name: str | None = None) -> torch.Tensor:
+        """One kind of storage of every layer, as slices of one new tensor (of the largest capacity)."""
+
+        def get(storage: LayerStorage) -> torch.Tensor:
+            return getattr(storage, kind) if name is None else storage.state[name]
+
+        like = get(storages[0])
+        block = like.new_zeros(len(storages), *like.shape[:2], self.capacity, *like.shape[3:])
+        for i, storage in enumerate(storages):
+            old = get(storage)
+            block[i].narrow(2, 0, old.shape[2]).copy_(old)
+            if name is None:
+                setattr(storage, kind, block[i])
+            else:
+                storage.state[name] = block[i]
+        return block
+
+    @staticmethod
+    def fits(layers: Sequence[StoredLayer]) -> bool:
+        """Whether ``layers`` (more than one, every entry real) hold storage of one layout (capacities may differ)."""
+        first = layers[0]
+
+        def layout(layer: StoredLayer) -> list[tuple[object, ...]]:
+            entries = layer.storage.entries().items()
+            return [(name, x.shape[:2], x.shape[3:], x.dtype, x.device) for name, x in entries]
+
+        return len(layers) > 1 and all(
+            layer.storage.valid is None and layer.n == first.n and layout(layer) == layout(first) for layer in layers
+        )
+
+    def holds(self, layers: Sequence[StoredLayer]) -> bool:
+        """Whether the storage of ``layers`` is (still) this arena's: no tensor of theirs replaced since."""
+        return tuple(layers) == self.layers and [layer.storage.version for layer in layers] == self._versions
+
+    @staticmethod
+    def stacked(block: torch.Tensor, n: int) -> torch.Tensor:
+        """``block`` ``[L, B, ...]``'s first ``n`` entries with the layers' rows stacked: ``[L·B, Hkv, n, ...]`` (a view)."""
+        return block.narrow(3, 0, n).flatten(0, 1)
+
+    def write_new(self, length: int, num_new: int, values: dict[str, torch.Tensor]) -> None:
+        """The new entries' state ``{name: [L·B, Hkv, num_new, ...]}`` into every layer's columns
+        ``length - num_new .. length``."""
+        for name, value in values.items():
+            block = self.state[name]
+            new = block.narrow(3, length - num_new, num_new)
+            new.copy_(value.reshape(*block.shape[:3], *value.shape[2:]))
+
+    def write_back(self, length: int, replaced: dict[str, torch.Tensor]) -> None:
+        """Copy the state entries a stage replaced (``[L·B, Hkv, length, ...]``) into the layers."""
+        for name, value in replaced.items():
+            self.stacked(self.state[name], length).copy_(value)
+
+    def fill(self, slots: torch.Tensor, last: int) -> None:
+        """Drop entry ``slots`` ``[L·B, Hkv]`` of every head of every layer: the entry of column
+        ``last`` takes its slot (:meth:`LayerStorage.move_last_into`, for all layers at once)."""
+        blocks = [self.keys, self.values, self.positions, *self.state.values()]
+        move_last_into(blocks, slots.view(*self.keys.shape[:3]), last)
