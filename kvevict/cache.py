@@ -34,14 +34,14 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
-from kvevict import attention
+from kvevict.attention import install as install_attention
 from kvevict.budgets import Budget
 from kvevict.hidden import HiddenStateRecorder
 from kvevict.layer import EvictionLayer
 from kvevict.models import RotaryTable, check_policy_fits, check_supported
 from kvevict.passes import PassEnds, PassHook, SidePassObserver
 from kvevict.policies import Method, Policy, make_policy
-from kvevict.rows import RowView
+from kvevict.rows import RowView, SequenceState
 from kvevict.signals import Signals
 from kvevict.storage import LayerArena
 
@@ -115,7 +115,7 @@ class EvictionCache(PassEnds, Cache):
             raise ValueError(f"prompt_length must be a positive number of tokens, got {prompt_length!r}")
         self.prompt_length = prompt_length
         """Tokens of the whole prompt when it is prefilled in chunks (None: unknown)."""
-        attention.install(model)
+        install_attention(model)
         config = model.config.get_text_config(decoder=True)
         self.policy = policy.bound(config)
         """This cache's copy of the policy, bound to the model (the object passed is left as it is)."""
@@ -152,6 +152,12 @@ class EvictionCache(PassEnds, Cache):
 
     def _clear_sequences(self) -> None:
         """The cache-wide data of the sequences held (besides each layer's own)."""
+        self.sequences: list[SequenceState] = []
+        """The counters of each row of the batch (seen, prompt length, ...), once for every layer."""
+        self.appended_pass = 0
+        """The last pass (numbered as each layer counts its passes) whose tokens the counters count."""
+        self.begun_pass = 0
+        """The last pass whose padding and starts the counters took in."""
         self._shared_rows: dict[int, dict[str, object]] = {}
         """Per-row policy data shared across layers (e.g. ThinKV's per-token entropy)."""
         self.row_offsets: list[int] = [0]
@@ -264,8 +270,10 @@ class EvictionCache(PassEnds, Cache):
             raise ValueError(f"splice takes a batch-1 cache, got one of {source.eviction_layers[0].batch_size} rows")
         if not 0 <= row <= self.eviction_layers[0].batch_size:
             raise ValueError(f"row {row} is out of range: 0 .. {self.eviction_layers[0].batch_size} (a new last row)")
+        sequence = source.sequences[0].copy()
+        self.sequences[row : row + 1] = [sequence]
         for mine, theirs in layers:
-            mine.splice(row, theirs)
+            mine.splice(row, theirs, sequence)
             mine.prompt_open = False
         if self.hidden is not None and source.hidden is not None:
             self.hidden.splice(row, source.hidden)
@@ -280,6 +288,7 @@ class EvictionCache(PassEnds, Cache):
         for layer in self.eviction_layers:
             layer.remove_rows(list(rows))
         kept = [i for i in range(size) if i not in set(rows)]
+        self.sequences = [self.sequences[i] for i in kept]
         if self.hidden is not None:
             self.hidden.remove_rows(kept)
         self._shared_rows = {new: self.row_shared(old) for new, old in enumerate(kept)}
@@ -288,7 +297,30 @@ class EvictionCache(PassEnds, Cache):
     def pass_tokens(self) -> list[int]:
         """Real tokens of each row in the pass under way (the last ones of its columns; the
         rest is left padding), as the layers learned them from the model's mask."""
-        return [row.new for row in self.eviction_layers[0].rows]
+        return [sequence.new for sequence in self.sequences]
+
+    # -- the rows' counters, moved once per pass by the first layer to run it -------------------
+    def sequences_of(self, batch: int) -> list[SequenceState]:
+        """The counters of a batch of ``batch`` rows (made by the first layer that sees it)."""
+        if len(self.sequences) != batch:
+            self.sequences = [SequenceState() for _ in range(batch)]
+        return self.sequences
+
+    def advance(self, layer_pass: int, columns: int) -> None:
+        """A layer appends the columns of its pass number ``layer_pass``: the first one to do so
+        counts them in every row."""
+        if self.appended_pass < layer_pass:
+            self.appended_pass = layer_pass
+            for sequence in self.sequences:
+                sequence.advance(columns)
+
+    def begin_sequences(self, layer_pass: int) -> bool:
+        """Whether the layer beginning its pass number ``layer_pass`` is the first to (it then
+        takes the pass's padding and the rows' starts into the counters)."""
+        if self.begun_pass < layer_pass:
+            self.begun_pass = layer_pass
+            return True
+        return False
 
     def next_positions(self) -> torch.Tensor:
         """``[B, 1]``: the absolute position of each row's next token (the tokens it has seen)."""

@@ -35,10 +35,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from kvevict import attention
+from kvevict.attention import mark_pending
 from kvevict.driver import PolicyDriver
 from kvevict.passes import PassBookkeeping, PendingPass, SteadyRecord
-from kvevict.rows import RowState, RowView, uniform
+from kvevict.rows import RowState, RowView, SequenceState, uniform
 from kvevict.signals import Signals
 from kvevict.storage import Columns, LayerStorage
 
@@ -236,7 +236,7 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True
-        self.rows = [RowState() for _ in range(key_states.shape[0])]
+        self.rows = [RowState(sequence) for sequence in self.owner.sequences_of(key_states.shape[0])]
         self.storage.initialize(key_states, value_states)
         self.refresh(0)
 
@@ -254,7 +254,8 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
             and not (steady.inference and not torch.is_inference_mode_enabled())  # else leave_inference_mode
         )
         if self._steady_pass:  # a decode step as the last one: into the kept views of column n
-            steady.columns.append(key_states, value_states, self.rows[0].seen)
+            owner.advance(self.passes + 1, 1)
+            steady.columns.append(key_states, value_states, self.rows[0].sequence.start_seen)
             return self._appended(1, storage.columns(self.n + 1))
         if self.pending_pass is not None or self.pending_eviction is not None:  # a pass that raised
             self.observe_pending()
@@ -265,13 +266,14 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         storage.leave_inference_mode()
         if b != len(self.rows):
             raise ValueError(f"batch size changed from {len(self.rows)} to {b}: an EvictionCache holds one batch")
+        owner.advance(self.passes + 1, num_new)
         if owner.side_pass is None:  # a policy's own scoring pass is part of the pass it scores
             self.prompt_pass = self._is_prompt_pass(num_new)
         ends = [row.start + row.width for row in self.rows]
         storage.reserve(self.n, max(ends) + num_new)
         n = self.n
         if ends.count(n) == len(ends):  # rows end together: one slice
-            seen = uniform([row.seen for row in self.rows], self.device)
+            seen = uniform([row.sequence.start_seen for row in self.rows], self.device)
             if isinstance(seen, int) and num_new == 1:  # a decode step: into the kept views of column n
                 storage.columns(n).append(key_states, value_states, seen)
             else:
@@ -285,9 +287,8 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
             for i, (row, end) in enumerate(zip(self.rows, ends)):
                 storage.keys[i, :, end : end + num_new] = key_states[i]
                 storage.values[i, :, end : end + num_new] = value_states[i]
-                storage.positions[i, :, end : end + num_new] = torch.arange(
-                    row.seen, row.seen + num_new, device=self.device
-                )
+                start = row.sequence.start_seen
+                storage.positions[i, :, end : end + num_new] = torch.arange(start, start + num_new, device=self.device)
                 storage.valid[i, :, end : end + num_new] = True
         return self._appended(num_new, storage.columns(max(ends) + num_new))
 
@@ -295,15 +296,13 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         """Count the ``num_new`` columns every row just appended and expose ``columns``."""
         for row in self.rows:
             row.width += num_new
-            row.seen += num_new
-            row.new = num_new
         self.tokens += num_new
         self.passes += 1
         self._num_new = num_new
         self._pass_views = None
         self._steady = None
         self._expose(columns)
-        attention.mark_pending(self, self.keys)
+        mark_pending(self, self.keys)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -331,11 +330,12 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
     batch_repeat_interleave = batch_select_indices = reorder_cache
 
     # -- rows of a batch that runs on (continuous batching) ---------------------------------
-    def splice(self, row: int, source: EvictionLayer) -> None:
+    def splice(self, row: int, source: EvictionLayer, sequence: SequenceState) -> None:
         """Make batch row ``row`` (``batch_size``: a new last row) hold the only row of
         ``source``, the same layer of a batch-1 cache, exactly as ``source`` holds it: entries,
-        positions, per-token state, counters and policy memo. Each row keeps its own columns
-        from 0; columns past a row's width are invalid, so it attends exactly its own entries."""
+        positions, per-token state, peaks and policy memo, with the counters ``sequence`` (the
+        cache's copy of the source's). Each row keeps its own columns from 0; columns past a
+        row's width are invalid, so it attends exactly its own entries."""
         self.storage.ensure_valid([(r.start, r.start + r.width) for r in self.rows])
         if row == len(self.rows):
             self.storage.add_row()
@@ -343,10 +343,13 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         theirs = source.rows[0]
         self.storage.reserve(self.n, theirs.width)
         self.storage.copy_row(row, source.storage, slice(theirs.start, theirs.start + theirs.width))
-        spliced = RowState()
-        for name in RowState.__slots__:
-            setattr(spliced, name, getattr(theirs, name))
-        spliced.start = 0
+        spliced = RowState(sequence)
+        spliced.width, spliced.peak, spliced.decode_peak, spliced.memo = (
+            theirs.width,
+            theirs.peak,
+            theirs.decode_peak,
+            theirs.memo,
+        )
         self.rows[row] = spliced
         self.tokens = max(self.tokens, source.tokens)
         self.compacted = True  # rows no longer share the model's own column layout

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kvevict.compat import pass_cache
-from kvevict.rows import LayerStack, RowState, RowView, phase_of, real_columns
+from kvevict.rows import LayerStack, RowState, RowView, SequenceState, phase_of, real_columns
 from kvevict.signals import Phase, Signals
 from kvevict.storage import Columns, LayerArena, LayerStorage
 
@@ -146,7 +146,7 @@ class PassBookkeeping:
             self.prompt_open = self.tokens < whole if whole is not None else num_new > 1
         return self.prompt_open
 
-    def _continue_prompt(self, row: RowState) -> None:
+    def _continue_prompt(self, row: SequenceState) -> None:
         """A later chunk of the prompt: its tokens are prompt tokens of ``row`` (``decode_step`` stays 0)."""
         if self.policy.deferred_prefill:
             raise ValueError(
@@ -173,17 +173,18 @@ class PassBookkeeping:
         sum of the mask), so a row's positions count its real tokens only."""
         real = real_columns(attention_mask, self._num_new, len(self.rows))
         steady = self._steady_pass and real is None  # one view holds the whole storage, as in the last pass
+        first = self.owner.begin_sequences(self.passes)  # the first layer of the pass: counters move once
         if real is not None:
-            self._drop_padding((self._num_new - real.sum(dim=-1)).tolist())
+            self._drop_padding((self._num_new - real.sum(dim=-1)).tolist(), first)
         if self.passes == 1:
             self.owner.row_offsets = [row.start for row in self.rows]
-        for row in self.rows:
-            if row.new:  # a row whose pass is only padding does not take part in it, as alone
-                row.passes += 1
-                if row.passes == 1:
-                    self._start_row(row)
+        for sequence in (row.sequence for row in self.rows) if first else ():
+            if sequence.new:  # a row whose pass is only padding does not take part in it, as alone
+                sequence.passes += 1
+                if sequence.passes == 1:
+                    self._start_row(sequence)
                 elif self.prompt_pass and self.owner.side_pass is None:
-                    self._continue_prompt(row)
+                    self._continue_prompt(sequence)
         views = [RowView(self, 0, len(self.rows))] if steady else self.views()
         if steady or self._ends_with_pass(views):  # its state, observation and eviction wait for the end of the pass
             self.pending_pass = PendingPass(views[0])
@@ -218,7 +219,7 @@ class PassBookkeeping:
             return self.pending_pass.view
         return None if self.pending_eviction is None else self.pending_eviction[0]
 
-    def _drop_padding(self, pads: list[int]) -> None:
+    def _drop_padding(self, pads: list[int], first: bool) -> None:
         """Take this pass's left padding (``pads[b]`` columns of row ``b``) out of the rows, in
         any pass: the prompt's, or a later one (a question of another length, a chunk that is
         still padding for a short row). A row with no real token yet just starts after it (its
@@ -226,7 +227,8 @@ class PassBookkeeping:
         the row's older entries, as they lie alone. The columns this frees are masked out and
         given the padding queries' positions (``−pad .. −1``): a padding query sees only that
         column (:func:`kvevict.attention`), so it stays finite and no real query sees it.
-        Real entries get consecutive positions, as ``generate`` gives them (cumulative mask)."""
+        Real entries get consecutive positions, as ``generate`` gives them (cumulative mask).
+        ``first``: this is the pass's first layer, which takes the padding out of the counters."""
         num_new = self._num_new
         if self.owner.hidden is not None and (self.passes > 1 or num_new in pads):
             raise ValueError(
@@ -238,26 +240,29 @@ class PassBookkeeping:
         for i, (row, pad) in enumerate(zip(self.rows, pads)):
             if not pad:
                 continue
-            first, real = row.start + row.width - num_new, num_new - pad
-            positions = row.seen - num_new + torch.arange(real, device=self.device)
-            if not row.passes:  # nothing real before: the padding is the row's left padding
+            sequence = row.sequence
+            first_column, real = row.start + row.width - num_new, num_new - pad
+            positions = sequence.start_seen + torch.arange(real, device=self.device)
+            if not sequence.start_passes:  # nothing real before: the padding is the row's left padding
                 row.start += pad
-                self.storage.positions[i, :, first + pad : first + num_new] = positions
-                freed = slice(first, first + pad)
+                self.storage.positions[i, :, first_column + pad : first_column + num_new] = positions
+                freed = slice(first_column, first_column + pad)
             else:  # the model's layout no longer holds: masks are built from positions from now on
                 for storage in (self.storage.keys, self.storage.values):
-                    storage[i, :, first : first + real] = storage[i, :, first + pad : first + num_new].clone()
-                self.storage.positions[i, :, first : first + real] = positions
-                freed = slice(first + real, first + num_new)
+                    storage[i, :, first_column : first_column + real] = storage[
+                        i, :, first_column + pad : first_column + num_new
+                    ].clone()
+                self.storage.positions[i, :, first_column : first_column + real] = positions
+                freed = slice(first_column + real, first_column + num_new)
                 self.compacted = True
             self.storage.positions[i, :, freed] = torch.arange(-pad, 0, device=self.device)
             valid[i, :, freed] = False
             row.width -= pad
-            row.seen -= pad
-            row.new = real
+            if first:
+                sequence.drop_padding(pad)
         self.refresh()
 
-    def _start_row(self, row: RowState) -> None:
+    def _start_row(self, row: SequenceState) -> None:
         """A row's first real tokens are its prompt: resolve its budget (``keep=``) and interval."""
         row.prompt_length = row.new
         whole = self.owner.prompt_length  # columns of the whole prompt (chunked prefill), padding included
@@ -285,8 +290,9 @@ class PassBookkeeping:
         return phase_of(self.passes, self.prompt_pass)
 
     def snapshot(self) -> tuple[int, int, int, list[tuple[int, ...]]]:
-        """What :meth:`restore` needs to drop entries appended after this point."""
-        rows = [(row.seen, row.start, row.width, row.passes, row.decode_peak) for row in self.rows]
+        """What :meth:`restore` needs to drop entries appended after this point (the rows'
+        counters are the cache's to give back: :meth:`PassEnds.scoring_pass`)."""
+        rows = [(row.start, row.width, row.decode_peak) for row in self.rows]
         return self.n, self.tokens, self.passes, rows
 
     def restore(self, snapshot: tuple[int, int, int, list[tuple[int, ...]]]) -> None:
@@ -296,8 +302,8 @@ class PassBookkeeping:
         removes them; a row shorter than the storage also gets its padding columns back
         (hidden, at a position no query has), as it appended inside the shared length."""
         self.n, self.tokens, self.passes, rows = snapshot
-        for i, (row, (seen, start, width, passes, decode_peak)) in enumerate(zip(self.rows, rows)):
-            row.seen, row.start, row.width, row.passes, row.decode_peak = seen, start, width, passes, decode_peak
+        for i, (row, (start, width, decode_peak)) in enumerate(zip(self.rows, rows)):
+            row.start, row.width, row.decode_peak = start, width, decode_peak
             if self.storage.valid is not None:
                 self.storage.valid[i, :, row.start + row.width :] = False
                 self.storage.positions[i, :, row.start + row.width :] = -1
@@ -310,6 +316,9 @@ class PassEnds:
 
     pending: list[Any]
     deferred: list[tuple[RowView, Signals]]
+    sequences: list[SequenceState]
+    appended_pass: int
+    begun_pass: int
     side_pass: SidePassObserver | None
     stacks_pending: bool
     policy: Any
@@ -422,6 +431,7 @@ class PassEnds:
         policy, and every entry the pass appended is dropped afterwards (``seen``, counters
         and positions as before it), so later tokens never see it."""
         snapshots = [(layer, layer.snapshot()) for layer in self.eviction_layers]
+        counters = [sequence.counters() for sequence in self.sequences], self.appended_pass, self.begun_pass
         self.side_pass = observer
         try:
             yield
@@ -429,3 +439,6 @@ class PassEnds:
             self.side_pass = None
             for layer, snapshot in snapshots:
                 layer.restore(snapshot)
+            for sequence, before in zip(self.sequences, counters[0]):
+                sequence.restore(before)
+            self.appended_pass, self.begun_pass = counters[1:]

@@ -67,22 +67,13 @@ def phase_of(passes: int, prompt_pass: bool) -> Phase:
     return "prefill" if passes == 1 or prompt_pass else "decode"
 
 
-class RowState:
-    """Bookkeeping of one sequence (batch row) in one layer: what a batch-1 layer holds as ints."""
+class SequenceState:
+    """The counters of one sequence (batch row), kept once for every layer: the cache holds
+    them (:attr:`~kvevict.cache.EvictionCache.sequences`), each layer's :class:`RowState` points
+    at them. The first layer to run a pass advances them (:meth:`advance`, :meth:`begin`);
+    ``start_seen`` and ``start_passes`` keep what they were before it, for the other layers."""
 
-    __slots__ = (
-        "budget",
-        "decode_peak",
-        "interval",
-        "memo",
-        "new",
-        "passes",
-        "peak",
-        "prompt_length",
-        "seen",
-        "start",
-        "width",
-    )
+    __slots__ = ("budget", "interval", "new", "passes", "prompt_length", "seen", "start_passes", "start_seen")
 
     def __init__(self) -> None:
         self.seen = 0
@@ -94,6 +85,45 @@ class RowState:
         self.prompt_length = 0
         self.budget: int | None = None
         self.interval = 1
+        self.start_seen = 0
+        """:attr:`seen` before the current pass (the position of its first token)."""
+        self.start_passes = 0
+        """:attr:`passes` before the current pass."""
+
+    def advance(self, columns: int) -> None:
+        """A pass of ``columns`` columns began (its padding is taken out by :meth:`drop_padding`)."""
+        self.start_seen, self.start_passes = self.seen, self.passes
+        self.seen += columns
+        self.new = columns
+
+    def drop_padding(self, pad: int) -> None:
+        """``pad`` of the pass's columns are this row's left padding, not tokens."""
+        self.seen -= pad
+        self.new -= pad
+
+    def copy(self) -> SequenceState:
+        twin = SequenceState()
+        for name in self.__slots__:
+            setattr(twin, name, getattr(self, name))
+        return twin
+
+    def counters(self) -> tuple[int, ...]:
+        """What a scoring pass must give back (:meth:`restore`)."""
+        return self.seen, self.new, self.passes, self.start_seen, self.start_passes
+
+    def restore(self, counters: tuple[int, ...]) -> None:
+        self.seen, self.new, self.passes, self.start_seen, self.start_passes = counters
+
+
+class RowState:
+    """One sequence (batch row) in one layer: where its entries lie, its peaks and the policy's
+    per-layer data; its counters (``seen``, ``new``, ``passes``, ``prompt_length``, ``budget``,
+    ``interval``) are read from its :class:`SequenceState`, shared by every layer."""
+
+    __slots__ = ("decode_peak", "memo", "peak", "sequence", "start", "width")
+
+    def __init__(self, sequence: SequenceState | None = None) -> None:
+        self.sequence = SequenceState() if sequence is None else sequence
         self.decode_peak = 0
         self.peak = 0
         """Most entries a head of this row held at any moment (after an append, before evicting)."""
@@ -102,6 +132,13 @@ class RowState:
         self.width = 0
         """Storage columns ``start .. start + width`` hold this row (its longest head)."""
         self.memo: dict[str, object] = {}
+
+    seen = property(lambda self: self.sequence.seen)
+    new = property(lambda self: self.sequence.new)
+    passes = property(lambda self: self.sequence.passes)
+    prompt_length = property(lambda self: self.sequence.prompt_length)
+    budget = property(lambda self: self.sequence.budget)
+    interval = property(lambda self: self.sequence.interval)
 
 
 def real_columns(mask: torch.Tensor | None, num_new: int, batch: int) -> torch.Tensor | None:
