@@ -27,7 +27,9 @@ hidden-state recorder): a dropped cache is freed at once, its hooks removed with
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Self
 
 import torch
@@ -38,8 +40,9 @@ from kvevict.attention import install as install_attention
 from kvevict.budgets import Budget
 from kvevict.hidden import HiddenStateRecorder
 from kvevict.layer import EvictionLayer
-from kvevict.models import RotaryTable, check_policy_fits, check_supported
+from kvevict.models import RotaryTable, check_policy_fits, check_supported, source_of
 from kvevict.passes import PassEnds, PassHook, SidePassObserver
+from kvevict.persist import check_model, policy_of, read_file, restore, save_file
 from kvevict.policies import Method, Policy, make_policy
 from kvevict.rows import RowView, SequenceState
 from kvevict.signals import Signals
@@ -129,6 +132,9 @@ class EvictionCache(PassEnds, Cache):
             else None
         )
         """Hooks on the decoder layers the policy reads (:mod:`kvevict.hidden`); None if it reads none."""
+        self.source = source_of(model)
+        """What :func:`kvevict.load_model` loaded the model from, if it did (recorded by :meth:`save`)."""
+        self._identity_model = weakref.ref(model)
         self.rotary = RotaryTable(model)
         """cos/sin of the model's RoPE at any position (ExpectedAttention's future rotations)."""
         self.side_pass: SidePassObserver | None = None
@@ -185,6 +191,36 @@ class EvictionCache(PassEnds, Cache):
         self._pass_hook.close()
         self.ends_passes = False
         self._arenas = {}  # the layers keep their storage; nothing stacks any more
+
+    # -- saving and loading ------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write this cache to ``path`` (safetensors): its retained entries and everything it
+        needs to go on decoding exactly, with the model's identity and the policy
+        (:mod:`kvevict.persist`). Save between passes: after a prefill, or between decode steps."""
+        model = self._identity_model()
+        if model is None:
+            raise ValueError("the model of this cache was garbage-collected: nothing to save it for")
+        return save_file(self, path, model)
+
+    @classmethod
+    def load(cls, path: str | Path, model: PreTrainedModel) -> EvictionCache:
+        """A cache :meth:`save` wrote, for ``model`` (the same model: its identity is checked),
+        answering exactly as the saved one would. A file of another model, a truncated or
+        corrupted one, or one of another format version raises a ``ValueError``; an
+        unreadable path an ``OSError``."""
+        metadata, tensors = read_file(path)
+        check_model(metadata, model, path)
+        name, params, budget = policy_of(metadata)
+        cache = cls(
+            model,
+            make_policy(name, **params),
+            budget=budget["budget"],
+            keep=budget["keep"],
+            interval=budget["interval"],
+            prompt_length=budget["prompt_length"],
+        )
+        restore(cache, metadata, tensors, path, model.device)
+        return cache
 
     def __enter__(self) -> Self:
         return self

@@ -233,6 +233,26 @@ class HiddenStateRecorder:
     def wants(self, past_key_values: Any) -> bool:
         return self._cache is None or past_key_values is self._cache()
 
+    # -- saving and loading (kvevict.persist) ----------------------------------------------
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every row's series, scores and last hidden states, by name (what :meth:`load_state` reads)."""
+        held = {f"hidden.series.{i}": series.view() for i, series in self._series.items()}
+        held["hidden.table"] = self._table.view()
+        held.update({f"hidden.last.{i}": last for i, last in self._last.items()})
+        return {name: x.detach().cpu().contiguous().clone() for name, x in held.items()}
+
+    def state_lengths(self) -> dict[str, list[int]]:
+        """Each row's length of every series (what :meth:`load_state` reads with the tensors)."""
+        return {"table": self._table.lengths, **{str(i): series.lengths for i, series in self._series.items()}}
+
+    def load_state(self, lengths: dict[str, list[int]], tensors: dict[str, torch.Tensor], device: torch.device) -> None:
+        """Take the rows' statistics :meth:`state_tensors` and :meth:`state_lengths` wrote."""
+        self.reset()
+        for i, series in self._series.items():
+            series.load(tensors[f"hidden.series.{i}"].to(device), lengths[str(i)])
+        self._table.load(tensors["hidden.table"].to(device), lengths["table"])
+        self._last = {i: tensors[f"hidden.last.{i}"].to(device) for i in self.layers if f"hidden.last.{i}" in tensors}
+
     # -- rows of a batch that runs on -------------------------------------------------------
     def splice(self, row: int, source: HiddenStateRecorder) -> None:
         """Row ``row`` (the batch size: a new last row) takes the only row of ``source`` (a
@@ -329,6 +349,14 @@ class _Series:
         if length:
             self.buffer[row, :length] = source.buffer[0, :length]
         self.lengths[row] = length
+
+    def load(self, values: torch.Tensor, lengths: list[int]) -> None:
+        """Hold ``values`` ``[B, T]`` (row ``b``'s first ``lengths[b]`` are its series)."""
+        self.lengths = []
+        if values.dim() == 2 and values.shape[0]:
+            self._room(values.shape[0], values.shape[1], values)
+            self.buffer[:, : values.shape[1]] = values
+        self.lengths = list(lengths)
 
     def select_rows(self, kept: Sequence[int]) -> None:
         if self.buffer.dim() == 2:

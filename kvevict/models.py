@@ -205,11 +205,19 @@ def load_model(
     model.eval()
     check_supported(model)
     _TOKENIZERS[model.get_decoder()] = tokenizer
+    _SOURCES[model.get_decoder()] = str(name_or_path)
     return model, tokenizer
 
 
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Decoder module → the tokenizer :func:`load_model` loaded with it."""
+_SOURCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Decoder module → the name or path :func:`load_model` loaded it from."""
+
+
+def source_of(model: PreTrainedModel) -> str | None:
+    """What :func:`load_model` loaded ``model`` from (``"smollm2"``, a hub id, a path), if it did."""
+    return _SOURCES.get(model.get_decoder())
 
 
 def tokenizer_of(decoder: torch.nn.Module) -> PreTrainedTokenizerBase | None:
