@@ -7,13 +7,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Ranking, Selector, keep_top
+from kvevict.policies.base import Assembly, Ranking, Selector, keep_top
 from kvevict.policies.params import declare, number
 from kvevict.signals import Phase, Regime, Requirements, Signals
 
 if TYPE_CHECKING:
     from kvevict.cache import EvictionLayer
-    from kvevict.policies.pipeline import Policy
 
 VALUE_NORM = "value_norm"
 """Per-token state: ``‖v W_O‖₁`` of the entry (mean over its KV head's query heads)."""
@@ -61,7 +60,7 @@ class Critical(Selector):
     summary = "two-stage perturbation-constrained selection (CriticalKV, α = 0.5) over any attention scorer"
     PARAMS = declare(alpha=number(0.5, 0, 1), eps=number(1e-4, 0))
 
-    def check(self, policy: Policy) -> None:
+    def check(self, policy: Assembly) -> None:
         scorer = policy.scorer
         if scorer is None or not scorer.attention_scores:
             raise ValueError(

@@ -8,7 +8,8 @@ import pytest
 
 from kvevict.bench import ruler
 from kvevict.bench.ruler import TASKS, fit_size, postprocess, string_match_all, string_match_part
-from kvevict.bench.tasks import Sample, all_tasks
+from kvevict.bench.task import Sample
+from kvevict.bench.tasks import all_tasks
 
 LENGTHS = (1024, 4096)
 NAMES = (
