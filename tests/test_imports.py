@@ -5,6 +5,8 @@ imports all count) and no module over :data:`MAX_LINES` lines; read from the sou
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import kvevict
@@ -112,3 +114,34 @@ def test_no_module_is_over_the_size_limit() -> None:
     sizes = {str(path.relative_to(PACKAGE.parent)): len(path.read_text().splitlines()) for path in MODULES.values()}
     oversized = {path: lines for path, lines in sizes.items() if lines > MAX_LINES}
     assert set(oversized) <= OVERSIZED_ALLOWED, oversized
+
+
+LEAN_SCRIPT = """
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import kvevict
+
+config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2)
+model = AutoModelForCausalLM.from_config(config).eval()
+cache = kvevict.EvictionCache(model, "snapkv", budget=40)
+with torch.no_grad():
+    model(input_ids=torch.arange(80).remainder(96)[None], past_key_values=cache)
+    model(input_ids=torch.tensor([[5]]), past_key_values=cache)
+assert cache.layer_lengths() == [41, 41], cache.layer_lengths()
+
+from kvevict.commands.common import EXTRAS  # last: it must not be what imports them
+
+print(" ".join(sorted(name for name in EXTRAS["bench"] if name in sys.modules)))
+"""
+
+
+def test_the_library_imports_no_benchmark_stack() -> None:
+    """``import kvevict`` and a cache at work on a model load nothing of ``kvevict[bench]``
+    (a fresh interpreter: this one has the test suite's imports)."""
+    result = subprocess.run([sys.executable, "-c", LEAN_SCRIPT], check=False, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == []
