@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvevict.commands.common import BENCH, Subcommands, model_args, names
+from kvevict.commands.common import BENCH, Subcommands, load_model_from, model_args, names
 
 
 def add_parser(commands: Subcommands) -> None:
@@ -55,7 +55,6 @@ def _recurrence_parser(analyses: Subcommands) -> None:
 
 
 def _recurrence(args: argparse.Namespace) -> int:
-    from kvevict import load_model
     from kvevict.analysis import recurrence as analysis
     from kvevict.policies.lazyeviction import LazyEviction
 
@@ -63,7 +62,7 @@ def _recurrence(args: argparse.Namespace) -> int:
     if args.samples < 1 or args.max_new_tokens < 1:
         raise ValueError("--samples and --max-new-tokens must be >= 1")
     analysis.check_prompt_set(args.prompt_set)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    model, tokenizer = load_model_from(args)
     prompts = analysis.load_prompts(args.prompt_set, args.samples, tokenizer)
     run = analysis.run_recurrence(
         model,
@@ -110,12 +109,11 @@ def _heads_parser(analyses: Subcommands) -> None:
 
 
 def _heads(args: argparse.Namespace) -> int:
-    from kvevict import load_model
     from kvevict.analysis import heads as analysis
 
     if args.samples < 1 or args.length < 64:
         raise ValueError("--samples must be >= 1 and --length >= 64")
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    model, tokenizer = load_model_from(args)
     profile = analysis.head_profile(model, tokenizer, samples=args.samples, length=args.length, seed=args.seed)
     print(f"profile: {analysis.write_profile(profile, args.out)}", file=sys.stderr)
     print(analysis.format_profile(profile))
@@ -146,7 +144,7 @@ def _perturbation_parser(analyses: Subcommands) -> None:
 
 
 def _perturbation(args: argparse.Namespace) -> int:
-    from kvevict import load_model, make_policy
+    from kvevict import make_policy
     from kvevict.analysis import perturbation as analysis
 
     if len(args.policies) < 2:
@@ -157,7 +155,7 @@ def _perturbation(args: argparse.Namespace) -> int:
         make_policy(name).check_budget(args.budget)
     if args.samples < 1:
         raise ValueError("--samples must be >= 1")
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    model, tokenizer = load_model_from(args)
     result = analysis.run_perturbation(
         model, tokenizer, list(args.policies), args.budget, samples=args.samples, length=args.length, seed=args.seed
     )
@@ -192,7 +190,7 @@ def _directional_parser(analyses: Subcommands) -> None:
 
 
 def _directional(args: argparse.Namespace) -> int:
-    from kvevict import load_model, make_policy
+    from kvevict import make_policy
     from kvevict.analysis import directional as analysis
     from kvevict.bench.tasks import get_task
 
@@ -200,7 +198,7 @@ def _directional(args: argparse.Namespace) -> int:
     if args.samples < 1:
         raise ValueError("--samples must be >= 1")
     task = get_task(args.task)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    model, tokenizer = load_model_from(args)
     samples = task.samples(tokenizer, length=args.length, count=args.samples)
     prompts = analysis.sample_prompts(tokenizer, samples)
     layers = analysis.run_directional(model, prompts, args.policy, args.budget, order=args.order)
@@ -238,12 +236,11 @@ def _importance_parser(analyses: Subcommands) -> None:
 
 
 def _importance(args: argparse.Namespace) -> int:
-    from kvevict import load_model
     from kvevict.analysis import importance as analysis
 
     if args.samples < 1 or args.max_new_tokens < 2:
         raise ValueError("--samples must be >= 1 and --max-new-tokens >= 2")
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    model, tokenizer = load_model_from(args)
     samples = analysis.run_importance(
         model, tokenizer, args.out, samples=args.samples, max_new_tokens=args.max_new_tokens, seed=args.seed
     )
@@ -278,7 +275,6 @@ def _retention_parser(analyses: Subcommands) -> None:
 
 
 def _retention(args: argparse.Namespace) -> int:
-    from kvevict import load_model
     from kvevict.analysis import retention as analysis
     from kvevict.budgets import Budget
     from kvevict.policies import make_policy
@@ -287,7 +283,7 @@ def _retention(args: argparse.Namespace) -> int:
     make_policy(args.policy)
     if args.samples < 1 or not args.task.startswith("niah"):
         raise ValueError(f"give a needle task (niah_*) and --samples >= 1, got {args.task!r}, {args.samples}")
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    model, tokenizer = load_model_from(args)
     results = analysis.run_retention(
         model,
         tokenizer,

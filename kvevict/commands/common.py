@@ -8,6 +8,10 @@ import argparse
 import importlib.util
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 EXIT_USAGE = 2
 """The exit status of a usage error: bad input, a missing file, a missing extra."""
@@ -74,3 +78,10 @@ def model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16 or auto")
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where the model loads)")
     parser.add_argument("--attn", default=None, help="base attention kernel: sdpa (default), eager, flash_attention_2")
+
+
+def load_model_from(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model and tokenizer that the options of :func:`model_args` name."""
+    from kvevict.models import load_model
+
+    return load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvevict.commands.common import Subcommands, budget_args, model_args
+from kvevict.commands.common import Subcommands, budget_args, load_model_from, model_args
 
 
 def add_parser(commands: Subcommands) -> None:
@@ -34,7 +34,7 @@ def add_parser(commands: Subcommands) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvevict import Budget, EvictionCache, answer, load_model, make_policy
+    from kvevict import Budget, EvictionCache, answer, make_policy
 
     policy = make_policy(args.policy)  # bad input fails before the model loads
     if args.budget is not None:
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt.count("-") > 1:
         raise ValueError("'-' (read the prompt from standard input) can stand for one prompt only")
     prompts = [sys.stdin.read() if prompt == "-" else prompt for prompt in args.prompt]
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    model, tokenizer = load_model_from(args)
     cache = EvictionCache(model, policy, budget=args.budget, keep=args.keep, interval=args.interval)
     replies = answer(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens, cache=cache)
     for i, reply in enumerate(replies, start=1):
