@@ -82,6 +82,6 @@ def model_args(parser: argparse.ArgumentParser) -> None:
 
 def load_model_from(args: argparse.Namespace) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The model and tokenizer that the options of :func:`model_args` name."""
-    from kvevict.models import load_model
+    import kvevict
 
-    return load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
+    return kvevict.load_model(args.model, dtype=args.dtype, device=args.device, attn_implementation=args.attn)
