@@ -1,4 +1,7 @@
+import re
 import sys
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -42,3 +45,16 @@ def test_the_core_commands_need_no_extra(monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["report", "--help"])  # help needs no extra either
     assert exit_info.value.code == 0
+
+
+def test_the_extras_modules_are_what_pyproject_declares() -> None:
+    """``EXTRAS`` names the import names of the ``bench`` extra's distributions, and none of
+    them is a core dependency (a library install pulls no benchmark stack)."""
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+
+    def names(requirements: list[str]) -> set[str]:
+        return {re.split(r"[<>=!~ ;\[]", requirement, maxsplit=1)[0].replace("-", "_") for requirement in requirements}
+
+    bench = names(project["optional-dependencies"]["bench"])
+    assert set(EXTRAS["bench"]) <= bench
+    assert not bench & names(project["dependencies"])
