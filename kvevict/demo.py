@@ -45,7 +45,7 @@ DEMO = DemoPlan(
             "snapkv",
             "critical+adakv+snapkv",  # CriticalKV (seed 004) over AdaKV
             "momentkv[mi=false]",  # MomentKV (seed 003) with NC; its MI loop costs ~8x a prefill on this CPU
-            "kvzip",  # the best query-agnostic policy (README, "Query-agnostic compression")
+            "kvzip",  # the best query-agnostic policy (docs/policies.md, "Query-agnostic compression")
         ),
         keeps=(0.25, 0.10),
         length=2048,

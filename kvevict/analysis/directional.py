@@ -41,7 +41,7 @@ from kvevict.signals import LogitSpec, as_spec, attention_logits
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from kvevict.bench.tasks import Sample
+    from kvevict.bench.task import Sample
 
 METRICS = ("evicted_mass", "cosine", "amplification", "error", "error_nc")
 

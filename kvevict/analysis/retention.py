@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvevict.bench.tasks import Sample, get_task
+from kvevict.bench.task import Sample
+from kvevict.bench.tasks import get_task
 from kvevict.budgets import descending_ranks
 from kvevict.cache import EvictionCache
 from kvevict.figures import pyplot, save_figure

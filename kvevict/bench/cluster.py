@@ -36,7 +36,8 @@ from kvevict.bench.runner import (
     with_references,
 )
 from kvevict.bench.store import ResultStore
-from kvevict.bench.tasks import Sample, get_task
+from kvevict.bench.task import Sample
+from kvevict.bench.tasks import get_task
 
 INSTALL_HINT = "pip install 'kvevict[ray]'"
 LOCAL_TEMP_DIR = "/tmp/kvevict-ray"

@@ -45,7 +45,7 @@ from rapidfuzz import fuzz
 from rouge import Rouge
 from transformers import PreTrainedTokenizerBase
 
-from kvevict.bench.tasks import Sample, Task
+from kvevict.bench.task import Sample, Task
 from kvevict.generation import split_prompt
 
 HUB_REPO = "THUDM/LongBench"

@@ -14,7 +14,7 @@ import random
 
 from transformers import PreTrainedTokenizerBase
 
-from kvevict.bench.tasks import Sample, Task
+from kvevict.bench.task import Sample, Task
 
 TOPICS = (
     # seed 0

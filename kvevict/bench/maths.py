@@ -29,7 +29,7 @@ from math_verify import parse, verify
 from transformers import PreTrainedTokenizerBase
 
 from kvevict.bench.longbench import json_rows, local_folder, pick
-from kvevict.bench.tasks import Sample, Task
+from kvevict.bench.task import Sample, Task
 
 INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 DATA_DIR_ENV = "KVEVICT_MATH_DIR"

@@ -55,7 +55,7 @@ from transformers import PreTrainedTokenizerBase
 from wonderwords.random_word import _get_words_from_text_file
 
 from kvevict.bench.haystack import essays
-from kvevict.bench.tasks import Sample, Task
+from kvevict.bench.task import Sample, Task
 from kvevict.bench.text import split_sentences
 
 # RULER's templates and answer prefixes, verbatim (scripts/data/synthetic/constants.py).

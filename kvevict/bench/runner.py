@@ -26,7 +26,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCrite
 
 from kvevict.bench.fidelity import fidelity_metrics, reference_logits, replay
 from kvevict.bench.store import ResultStore
-from kvevict.bench.tasks import Sample, Task, get_task
+from kvevict.bench.task import Sample, Task
+from kvevict.bench.tasks import get_task
 from kvevict.budgets import Budget
 from kvevict.cache import EvictionCache
 from kvevict.generation import check_chunk, compress, continue_greedy, prefill, split_prompt

@@ -21,13 +21,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvevict.budgets import adakv_counts, global_counts, headkv_capacities, load_head_profile, pyramid_budgets
-from kvevict.policies.base import Allocator
+from kvevict.policies.base import Allocator, Assembly
 from kvevict.policies.params import Param, declare, integer, number
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kvevict.policies.pipeline import Policy
     from kvevict.views import EntryView
 
 
@@ -42,7 +41,7 @@ class AdaKV(Allocator):
     summary = "head-adaptive budgets within each layer (AdaKV, safeguard 0.2) over any scorer"
     PARAMS = declare(safeguard=number(0.2, 0, 1))
 
-    def check(self, policy: Policy) -> None:
+    def check(self, policy: Assembly) -> None:
         if policy.scorer is None:
             raise ValueError(
                 "adakv shares each layer's budget across heads by comparing their scores, and "
@@ -199,7 +198,7 @@ class GlobalBudget(Allocator):
     PARAMS = declare(safeguard=number(0.2, 0, 1))
     across_layers = True
 
-    def check(self, policy: Policy) -> None:
+    def check(self, policy: Assembly) -> None:
         method = policy.method.name
         if not policy.selects_by_top_scores:
             raise ValueError(

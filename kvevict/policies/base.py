@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 import torch
 
@@ -36,10 +36,23 @@ from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kvevict.policies.pipeline import Policy
     from kvevict.views import CacheSide, EntryView, ScoringCache
 
 Slot = Literal["scorer", "protector", "allocator", "selector", "corrector", "observer"]
+
+
+class Assembly(Protocol):
+    """What :meth:`Stage.check` may read of the policy being assembled: the
+    :class:`~kvevict.policies.pipeline.Policy` it is part of (which imports this module)."""
+
+    method: Method
+    scorer: Scorer | None
+
+    @property
+    def regime(self) -> Regime: ...
+
+    @property
+    def selects_by_top_scores(self) -> bool: ...
 
 
 class Namespaced(MutableMapping):
@@ -138,7 +151,7 @@ class Stage:
             if not self.given(key):
                 setattr(self, key, value)
 
-    def check(self, policy: Policy) -> None:
+    def check(self, policy: Assembly) -> None:
         """Refuse (``ValueError`` saying why; the policy's spelling is prefixed) a policy this
         stage cannot work in (called once the policy is assembled)."""
 
@@ -393,7 +406,7 @@ class TopK(Selector):
     by_top_scores = True
     batched = True
 
-    def check(self, policy: Policy) -> None:
+    def check(self, policy: Assembly) -> None:
         if policy.scorer is None and policy.method.evicts:
             raise ValueError(f"top-k selection needs a scorer, and {policy.method.name} has none")
 

@@ -7,12 +7,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Ranking, Selector, keep_top
+from kvevict.policies.base import Assembly, Ranking, Selector, keep_top
 from kvevict.policies.params import declare, number
 from kvevict.signals import Phase, Regime, Requirements, Signals
 
 if TYPE_CHECKING:
-    from kvevict.policies.pipeline import Policy
     from kvevict.views import EntryView
 
 VALUE_NORM = "value_norm"
@@ -61,7 +60,7 @@ class Critical(Selector):
     summary = "two-stage perturbation-constrained selection (CriticalKV, α = 0.5) over any attention scorer"
     PARAMS = declare(alpha=number(0.5, 0, 1), eps=number(1e-4, 0))
 
-    def check(self, policy: Policy) -> None:
+    def check(self, policy: Assembly) -> None:
         scorer = policy.scorer
         if scorer is None or not scorer.attention_scores:
             raise ValueError(

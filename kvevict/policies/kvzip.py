@@ -104,7 +104,7 @@ class KVzip(Method):
     The repeat instruction is tokenised with the model's tokenizer (known for models from
     :func:`kvevict.load_model`, or give ``tokenizer=``); without one the repeat is the bare
     context (a warning says so). Prefill only; costs about one more prefill per context
-    (see the README).
+    (see docs/policies.md).
     """
 
     name = "kvzip"

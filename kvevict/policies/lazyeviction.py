@@ -77,7 +77,7 @@ class LazyEviction(Method):
     how many entries share the attention (the budget); the paper tunes it per model (its
     Table 10, for budgets of thousands of tokens). For SmolLM2-135M at budgets 128–256,
     ``alpha=2e-3`` was tuned on ``longgen`` seed 0 and confirmed on seed 1's disjoint
-    topics (see the README); 5e-4 lies below uniform attention there and saturates the score.
+    topics (see docs/policies.md); 5e-4 lies below uniform attention there and saturates the score.
     """
 
     name = "lazyeviction"

@@ -153,7 +153,7 @@ class MomentKV(Method):
       ``α_j·‖r_j‖``; evict the argmin, update the statistics, repeat (``evict_chunk=1``, the
       exact loop; ``evict_chunk=c`` evicts ``c`` per update — on SmolLM2 at budget 128 of a
       2k-token prompt, ``c=4`` keeps a different entry for 0.16 % of the kept entries and
-      ``c=16`` for 0.36 %, see the README). ``mi=False``: keep the top ``α``.
+      ``c=16`` for 0.36 %, see docs/policies.md). ``mi=False``: keep the top ``α``.
     - **NC** (``nc=True``, Eqs. 9, 11, 12): ``f_R, log Z_R`` over the retained keys,
       ``log Ẑ_E = log n_e + q·k̄/√d`` (Jensen), ``f̂_E = v̄ + S̃ q/(n_e √d)``,
       ``w_R = σ(log Z_R − log Ẑ_E)``, output ``w_R f_R + (1 − w_R) f̂_E``; every pass after

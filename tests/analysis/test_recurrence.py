@@ -178,7 +178,7 @@ def test_unknown_or_missing_prompt_sets_fail_clearly(tmp_path) -> None:
 
 def test_task_prompt_set_uses_its_samples_and_explains_a_hub_failure(monkeypatch) -> None:
     from kvevict.bench.maths import GSM8K
-    from kvevict.bench.tasks import Sample
+    from kvevict.bench.task import Sample
 
     def fake(self, tokenizer, *, length, count, seed=0):
         return [Sample("gsm8k", i, f"problem {i}", "", "", ("1",), 8, str(i)) for i in range(count)]

@@ -18,7 +18,7 @@ from kvevict.bench.longbench import (
     retrieval_score,
     rouge_score,
 )
-from kvevict.bench.tasks import Sample
+from kvevict.bench.task import Sample
 from kvevict.generation import split_prompt
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -7,7 +7,7 @@ import pytest
 
 from kvevict.bench import maths
 from kvevict.bench.maths import INSTRUCTION, equivalent, gsm8k_reference, last_boxed, last_number
-from kvevict.bench.tasks import Sample
+from kvevict.bench.task import Sample
 
 FIXTURES = Path(__file__).parent / "fixtures" / "math"
 

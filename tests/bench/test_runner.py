@@ -8,7 +8,7 @@ from kvevict.bench import runner as runner_module
 from kvevict.bench import tasks as tasks_module
 from kvevict.bench.runner import BenchConfig, BenchRunner
 from kvevict.bench.store import ResultStore
-from kvevict.bench.tasks import Sample, Task
+from kvevict.bench.task import Sample, Task
 from tests.conftest import tiny_model
 
 WORDS = [

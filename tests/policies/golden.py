@@ -1,4 +1,5 @@
-"""The entries every policy keeps on fixed tiny inputs, for the golden-file test.
+"""The entries every policy keeps on fixed tiny inputs, and the main policies on the embedded
+SmolLM2, for the golden-file tests.
 
 :func:`kept_entries` feeds a tiny random Llama (tests/conftest.py) a fixed prompt, then fixed
 decode tokens (teacher-forced, so a policy's choices never change what the model reads), and
@@ -6,11 +7,19 @@ records the absolute positions each eviction layer holds after the prompt and af
 ``SNAPSHOT_EVERY``-th decode step (padding of head-wise budgets dropped). The golden file
 ``golden/kept_entries.json`` was written from main 9973a50, before the stage redesign (issue 13);
 rewrite it with ``python -m tests.policies.golden`` (only when a change of kept entries is meant).
+
+:func:`real_kept_entries` does the same on the embedded SmolLM2-135M-Instruct for the main
+policies (:data:`REAL_POLICIES`): the first ``REAL_PROMPT`` tokens of the offline essays, then
+the next ``REAL_DECODE_STEPS`` teacher-forced, on one thread (a fixed order of float sums, so
+near-ties break the same way every run); snapshots after the prompt and at the end, each head's
+positions as a hex bitmask. ``golden/kept_entries_smollm2.json`` was written from main 81ce0fa
+(before the cache split, issue 31); rewrite it with ``python -m tests.policies.golden smollm2``.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -62,6 +71,74 @@ def kept_entries(name: str, model: torch.nn.Module) -> list[list[list[list[int]]
     return snapshots
 
 
+REAL_GOLDEN = GOLDEN.with_name("kept_entries_smollm2.json")
+REAL_POLICIES = (
+    "snapkv",
+    "h2o",
+    "tova",
+    "streamingllm",
+    "kvzip",
+    "epikv",
+    "lazyeviction",
+    "critical+adakv+snapkv",
+)
+"""The main policies: prompt-time scorers, decode-time ones, the hidden-state family and a composition."""
+REAL_PROMPT, REAL_BUDGET, REAL_DECODE_STEPS = 300, 64, 16
+
+
+def real_inputs(tokenizer) -> torch.Tensor:
+    """``[1, REAL_PROMPT + REAL_DECODE_STEPS]`` token ids: the start of the offline essays."""
+    from kvevict.bench.haystack import essays
+
+    ids = tokenizer(essays()[:4000], add_special_tokens=False, return_tensors="pt").input_ids
+    return ids[:, : REAL_PROMPT + REAL_DECODE_STEPS]
+
+
+def bitmasks(cache: kvevict.EvictionCache) -> list[list[str]]:
+    """:func:`snapshot` with each head's positions as the hex digits of ``sum(1 << position)``."""
+    return [[format(sum(1 << p for p in heads), "x") for heads in layer] for layer in snapshot(cache)]
+
+
+def positions(bitmask: str) -> list[int]:
+    """The positions of a :func:`bitmasks` entry, ascending."""
+    bits = int(bitmask, 16)
+    return [p for p in range(bits.bit_length()) if bits >> p & 1]
+
+
+def real_kept_entries(name: str, model: torch.nn.Module, ids: torch.Tensor) -> list[list[list[str]]]:
+    """The kept positions of ``name`` on SmolLM2 after the prompt of ``ids`` and after its
+    teacher-forced rest (see the module docstring)."""
+    cache = kvevict.EvictionCache(model, build_policy(name), budget=REAL_BUDGET)
+    with torch.no_grad():
+        model(input_ids=ids[:, :REAL_PROMPT], past_key_values=cache)
+        snapshots = [bitmasks(cache)]
+        for step in range(REAL_PROMPT, ids.shape[-1]):
+            model(input_ids=ids[:, step : step + 1], past_key_values=cache)
+        snapshots.append(bitmasks(cache))
+    cache.close()
+    return snapshots
+
+
+def first_difference(expected: list, now: list) -> str:
+    """Where two :func:`real_kept_entries` results first differ, with the positions only one keeps."""
+    for snap, (before, after) in enumerate(zip(expected, now)):
+        for layer, (heads_before, heads_after) in enumerate(zip(before, after)):
+            for head, (kept_before, kept_after) in enumerate(zip(heads_before, heads_after)):
+                if kept_before != kept_after:
+                    lost = sorted(set(positions(kept_before)) - set(positions(kept_after)))
+                    gained = sorted(set(positions(kept_after)) - set(positions(kept_before)))
+                    return f"snapshot {snap}, layer {layer}, KV head {head}: no longer kept {lost}, now kept {gained}"
+    return "the shapes differ" if expected != now else "no difference"
+
+
+def record_real() -> dict[str, object]:
+    """Kept entries of every policy of :data:`REAL_POLICIES` on the embedded SmolLM2."""
+    torch.set_num_threads(1)
+    model, tokenizer = kvevict.load_model("smollm2")
+    ids = real_inputs(tokenizer)
+    return {name: real_kept_entries(name, model, ids) for name in REAL_POLICIES}
+
+
 def record() -> dict[str, object]:
     """Kept entries of every spelling; a spelling that fails records its error."""
     torch.set_num_threads(1)  # tiny matrices: one thread is ~10x faster on a busy machine
@@ -76,4 +153,7 @@ def record() -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    GOLDEN.write_text(json.dumps(record(), separators=(",", ":")) + "\n")
+    if sys.argv[1:] == ["smollm2"]:
+        REAL_GOLDEN.write_text(json.dumps(record_real(), separators=(",", ":")) + "\n")
+    else:
+        GOLDEN.write_text(json.dumps(record(), separators=(",", ":")) + "\n")

@@ -1,5 +1,6 @@
 """No behaviour change elsewhere (issue 13): every policy keeps exactly the entries it kept
-before the stage redesign, on fixed tiny inputs (see tests/policies/golden.py)."""
+before the stage redesign, on fixed tiny inputs; and the main policies keep on the embedded
+SmolLM2 what they kept before the cache split (issue 31; see tests/policies/golden.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,18 @@ import json
 import pytest
 
 from tests.conftest import build_policy, tiny_model
-from tests.policies.golden import GOLDEN, kept_entries
+from tests.policies.golden import (
+    GOLDEN,
+    REAL_GOLDEN,
+    REAL_POLICIES,
+    first_difference,
+    kept_entries,
+    real_inputs,
+    real_kept_entries,
+)
 
 EXPECTED: dict[str, object] = json.loads(GOLDEN.read_text())
+REAL_EXPECTED: dict[str, list] = json.loads(REAL_GOLDEN.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -57,3 +67,19 @@ def test_changes_on_purpose_happened(name: str, model) -> None:
     assert now != EXPECTED[name]
     if name in SAME_AS:
         assert now == EXPECTED[SAME_AS[name]]
+
+
+@pytest.fixture(scope="module")
+def smollm2_ids(smollm2):
+    return real_inputs(smollm2[1])
+
+
+def test_the_real_golden_file_covers_the_main_policies() -> None:
+    assert list(REAL_EXPECTED) == list(REAL_POLICIES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", REAL_POLICIES)
+def test_the_main_policies_keep_the_same_entries_on_smollm2(name: str, smollm2, smollm2_ids, one_thread) -> None:
+    now = real_kept_entries(name, smollm2[0], smollm2_ids)
+    assert now == REAL_EXPECTED[name], first_difference(REAL_EXPECTED[name], now)
