@@ -242,13 +242,23 @@ class EvictionCache(PassEnds, Cache):
         return self._shared_rows.setdefault(row, {})
 
     def kv_bytes(self) -> int:
-        """Bytes allocated for the retained keys and values of every layer (never left padding)."""
-        return sum(allocated for allocated, _ in self.layer_bytes())
+        """Resident bytes: every distinct tensor storage the layers hold for their entries
+        (keys, values, positions, validity, per-token state, room to grow), counted once even
+        where layers share one (an arena). :meth:`retained_bytes` is the real entries' part."""
+        storages = {}
+        for layer in self.eviction_layers:
+            for x in layer.storage.tensors():
+                storage = x.untyped_storage()
+                storages[(storage.data_ptr(), x.device)] = storage.nbytes()
+        return sum(storages.values())
+
+    def retained_bytes(self) -> int:
+        """Bytes of the real (retained) entries' keys and values, every layer."""
+        return sum(layer.retained_bytes() for layer in self.eviction_layers)
 
     def row_bytes(self) -> list[tuple[int, int]]:
-        """Per row of the batch: (bytes allocated, bytes of real entries) over every layer.
-        Allocated counts each row's longest head for all its heads (head-wise budgets); neither
-        counts left padding nor the padding that lets rows of different lengths share storage."""
+        """Per row of the batch: (resident bytes, bytes of its real entries' keys and values)
+        over every layer (see :meth:`EvictionLayer.row_bytes`)."""
         totals: list[list[int]] = []
         for layer in self.layers:
             rows = layer.row_bytes()
@@ -259,9 +269,8 @@ class EvictionCache(PassEnds, Cache):
         return [(allocated, real) for allocated, real in totals]
 
     def layer_bytes(self) -> list[tuple[int, int]]:
-        """Per layer (full-attention and sliding alike): (bytes allocated, bytes of real
-        entries). They differ only where head-wise budgets pad heads to the longest one of
-        their layer, or rows of a batch keep different numbers of entries."""
+        """Per layer (full-attention and sliding alike): (resident bytes, bytes of the real
+        entries' keys and values)."""
         return [(layer.kv_bytes(), layer.retained_bytes()) for layer in self.layers]
 
     def decode_peak(self) -> int:
@@ -365,7 +374,7 @@ class EvictionCache(PassEnds, Cache):
 
     def layer_lengths(self) -> list[int]:
         """Retained entries per KV head, per layer."""
-        return [layer.keys.shape[-2] if layer.is_initialized else 0 for layer in self.layers]
+        return [layer.n if layer.is_initialized else 0 for layer in self.layers]
 
     def row_memory(self, row: int) -> dict[str, Any]:
         """What one row of the batch holds, as the cache of that sequence alone reports it:

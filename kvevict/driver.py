@@ -39,6 +39,7 @@ class PolicyDriver:
     num_kv_heads: int
 
     def refresh(self, n: int | None = None) -> None: ...
+    def unpack(self) -> None: ...
     def views(self) -> list[RowView]: ...
 
     def _start_tokens(self, views: list[RowView]) -> list[RowView]:
@@ -192,6 +193,7 @@ class PolicyDriver:
 
     def keep(self, mask: torch.Tensor) -> None:
         """Retain the entries where ``mask`` ``[B, Hkv, n]`` (storage columns) is true."""
+        self.unpack()
         self.keep_rows([(view, mask[view.rows, :, view.columns]) for view in self.views()])
 
     def keep_rows(self, rows: list[tuple[RowView, torch.Tensor | None]]) -> None:
@@ -255,6 +257,7 @@ class PolicyDriver:
             row.start, row.width = 0, longest
         # the model's own mask still fits a layout that only lost its oldest entries, in order
         self.compacted = self.compacted or not (ordered and aligned and uniform)
+        self.storage.fit(new_n, max(row.interval for row in self.rows))  # evicted in place: give the rest back
         self.refresh(new_n)
 
     def _holds_everything(self, view: RowView) -> bool:

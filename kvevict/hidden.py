@@ -188,7 +188,7 @@ class HiddenStateRecorder:
                 if count:
                     previous = None if last is None or not series.lengths[row] else last[row : row + 1]
                     series.append_row(row, hidden_changes(hidden[row : row + 1, n - count :], previous)[0])
-        newest = hidden[:, -1].float()
+        newest = hidden[:, -1].to(torch.float32, copy=True)  # not a view: it would keep the whole pass alive
         if last is not None and real.count(0):  # a row without real tokens keeps its last one
             newest = torch.where(torch.tensor([c > 0 for c in real], device=newest.device)[:, None], newest, last)
         self._last[layer] = newest
@@ -226,7 +226,9 @@ class HiddenStateRecorder:
             return torch.full(positions.shape, float("inf"), dtype=torch.float32, device=positions.device)
         table = table.to(positions.device)
         if end is None or end > table.shape[-1]:
-            positions = positions.clamp(max=table.shape[-1] - 1)  # past the table: +inf, as its last column
+            positions = positions.clamp(0, table.shape[-1] - 1)  # past the table: +inf, as its last column
+        elif bool(positions.min() < 0):  # free slots of unpacked storage (masked by the caller's `valid`)
+            positions = positions.clamp(min=0)
         rows = table[:, None, :] if row is None else table[row : row + 1, None, :]
         return rows.expand(positions.shape[0], positions.shape[1], -1).gather(2, positions)  # (faster than take)
 

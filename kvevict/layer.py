@@ -66,7 +66,8 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
     is_croppable = False
 
     def __init__(self, owner: Any, layer_idx: int, window: int | None = None):
-        super().__init__()
+        # not DynamicLayer.__init__: it assigns keys and values, which are read-only views here
+        self.is_initialized = False
         self._owner = weakref.ref(owner)
         self.layer_idx = layer_idx
         self.window = window
@@ -133,16 +134,75 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         """Expose the views ``columns`` (of the current storage) as :attr:`keys`, :attr:`values`, ..."""
         self.n = columns.n
         self._exposed = columns
-        self.keys, self.values = columns.keys, columns.values
-        self.positions = columns.positions
+        self._state_views = dict(columns.state)
+
+    # What the layer holds, as ``[B, Hkv, n, ...]`` views of its storage during a pass. Between
+    # passes a ragged layer's storage is packed (:meth:`end_pass`): reading these then
+    # gives new padded tensors, and leaves the storage packed.
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._exposed.keys if self.storage.packed is None else self.storage.dense("keys", self._free_positions())
+
+    @property
+    def values(self) -> torch.Tensor:
+        return (
+            self._exposed.values
+            if self.storage.packed is None
+            else self.storage.dense("values", self._free_positions())
+        )
+
+    @property
+    def positions(self) -> torch.Tensor:
         """Absolute position of each entry in its own sequence ``[B, Hkv, n]`` (the model's RoPE
-        position; negative for left padding, which is never valid)."""
-        self.valid = columns.valid
+        position; negative for left padding and free slots, which are never valid)."""
+        return (
+            self._exposed.positions
+            if self.storage.packed is None
+            else self.storage.dense("positions", self._free_positions())
+        )
+
+    @property
+    def valid(self) -> torch.Tensor | None:
         """``[B, Hkv, n]`` bool once rows or heads hold different numbers of entries (left
         padding, head-wise budgets, ``keep=`` with prompts of different lengths): each is
         padded to the longest and its padding is masked out of attention and selection.
         ``None`` while every entry is real."""
-        self.state = dict(columns.state)
+        return (
+            self._exposed.valid if self.storage.packed is None else self.storage.dense("valid", self._free_positions())
+        )
+
+    @property
+    def state(self) -> dict[str, torch.Tensor]:
+        """The policy's per-token state by name, ``[B, Hkv, n, ...]``."""
+        if self.storage.packed is None:
+            return self._state_views
+        free = self._free_positions()
+        return {
+            name: self.storage.dense(name, free) for name in self.storage.packed.entries if name in self.storage.state
+        }
+
+    def _free_positions(self, before_pass: bool = False) -> torch.Tensor:
+        """``[B]``: where free slots of unpacked storage sit, a past position of their row that
+        no query of a pass has (``seen − 1``; −1 for a row that has seen nothing)."""
+        seen = [row.sequence.start_seen if before_pass else row.seen for row in self.rows]
+        return torch.tensor([s - 1 if s else -1 for s in seen], device=self.device)
+
+    def end_pass(self) -> None:
+        """At the end of a pass: the pass's views go (they may be of tensors an eviction
+        replaced), and a layer whose rows or heads hold different numbers of entries keeps only
+        its real entries until the next pass (its storage bytes follow them)."""
+        self._pass_views = None
+        if self.is_initialized and self.storage.valid is not None and self.storage.packed is None:
+            self.storage.pack(self.n)
+            self._steady = self._pass_views = None
+            self._exposed, self._state_views = self.storage.columns(0), {}  # no view of the old tensors
+
+    def unpack(self, before_pass: bool = False) -> None:
+        """Before a pass (``before_pass``: its tokens are already counted) or a change of the
+        rows: a packed layer back in padded storage."""
+        if self.storage.packed is not None:
+            room = max(row.interval for row in self.rows)
+            self.refresh(self.storage.unpack(room, self._free_positions(before_pass)))
 
     @property
     def policy(self) -> Any:
@@ -263,13 +323,15 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, num_new = key_states.shape[0], key_states.shape[2]
-        storage.leave_inference_mode()
         if b != len(self.rows):
             raise ValueError(f"batch size changed from {len(self.rows)} to {b}: an EvictionCache holds one batch")
         owner.advance(self.passes + 1, num_new)
+        self.unpack(before_pass=True)
+        storage.leave_inference_mode()
         if owner.side_pass is None:  # a policy's own scoring pass is part of the pass it scores
             self.prompt_pass = self._is_prompt_pass(num_new)
         ends = [row.start + row.width for row in self.rows]
+        storage.fit(self.n, num_new + max(row.interval for row in self.rows))  # e.g. a prompt's chunks are done
         storage.reserve(self.n, max(ends) + num_new)
         n = self.n
         if ends.count(n) == len(ends):  # rows end together: one slice
@@ -336,6 +398,8 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         positions, per-token state, peaks and policy memo, with the counters ``sequence`` (the
         cache's copy of the source's). Each row keeps its own columns from 0; columns past a
         row's width are invalid, so it attends exactly its own entries."""
+        self.unpack()
+        source.unpack()
         self.storage.ensure_valid([(r.start, r.start + r.width) for r in self.rows])
         if row == len(self.rows):
             self.storage.add_row()
@@ -357,25 +421,35 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
 
     def remove_rows(self, rows: list[int]) -> None:
         """Drop batch rows ``rows`` (finished sequences); the others keep what they hold."""
+        self.unpack()
         kept = [i for i in range(len(self.rows)) if i not in set(rows)]
         self.storage.select_rows(torch.tensor(kept, dtype=torch.long, device=self.device))
         self.rows = [self.rows[i] for i in kept]
         self.refresh(max(row.start + row.width for row in self.rows))
 
     def row_bytes(self) -> list[tuple[int, int]]:
-        """Per row: (bytes allocated, bytes of real entries). Allocated counts the row's
-        longest head for every head (head-wise budgets pad heads); neither counts the row's
-        left padding nor the padding up to longer rows of the batch."""
+        """Per row: (resident bytes, bytes of its real entries' keys and values). Resident is
+        what the storage holds for the row: its share of the padded storage (capacity, room
+        to grow and padding included) during a pass or for a layer whose rows and heads agree,
+        else (packed between passes) its real entries with their positions and state."""
         if not self.is_initialized:
             return [(0, 0)] * len(self.rows)
-        per_entry = self.keys.shape[-1] * self.keys.element_size() + self.values.shape[-1] * self.values.element_size()
+        storage = self.storage
+        kv_entry = sum(x.shape[-1] * x.element_size() for x in (storage.keys, storage.values))
         real = self.head_lengths().sum(dim=-1).tolist()
-        return [(self.num_kv_heads * row.width * per_entry, held * per_entry) for row, held in zip(self.rows, real)]
+        if storage.packed is None:
+            share = self.kv_bytes() // len(self.rows)
+            return [(share, held * kv_entry) for held in real]
+        held = storage.packed.held
+        per_entry = sum(x[:1].numel() * x.element_size() for x in storage.packed.entries.values())
+        mask = held[0].numel() * held.element_size()
+        return [(count * per_entry + mask, count * kv_entry) for count in real]
 
     def kv_bytes(self) -> int:
-        """Bytes allocated for keys and values of every row (see :meth:`row_bytes`)."""
-        return sum(allocated for allocated, _ in self.row_bytes())
+        """Bytes this layer's storage holds: keys, values, positions, validity, per-token state,
+        the room to grow (of an arena's block, this layer's slice)."""
+        return sum(x.numel() * x.element_size() for x in self.storage.tensors())
 
     def retained_bytes(self) -> int:
-        """Bytes of the real entries: what a head-wise ragged layout would hold."""
+        """Bytes of the real entries' keys and values."""
         return sum(real for _, real in self.row_bytes())

@@ -326,9 +326,14 @@ class PassEnds:
 
     def finish_pass(self, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
         """End a pass that ran through every layer (called by :class:`PassHook`): the
-        decode-step evictions the layers left pending, then a deferred prefill eviction."""
+        decode-step evictions the layers left pending, then a deferred prefill eviction; then
+        each ragged layer keeps only its real entries until the next pass."""
         self.evict_pending()
         self.finish_prefill(decoder, input_ids)
+        if self.side_pass is None:
+            for layer in self.eviction_layers:
+                layer.end_pass()
+            self._drop_left_arenas()
 
     def evict_pending(self) -> None:
         """End the decode steps the layers left for the end of the pass: each layer's new
@@ -341,8 +346,7 @@ class PassEnds:
         layers = [layer for layer in dict.fromkeys(self.pending) if layer.pending_view() is not None]
         self.pending = []  # (a layer whose pass raised may be listed twice)
         whole_steps = [layer for layer in layers if layer.pending_pass is not None]  # (not just their eviction)
-        # an arena a layer left would keep the others' old storage alive for nothing
-        self._arenas = {key: arena for key, arena in self._arenas.items() if arena.holds(arena.layers)}
+        self._drop_left_arenas()  # (a layer may have left one since: a grown storage, a spliced row)
         stacking = self.stacks_pending and self.policy.stacks_layers
         groups: dict[tuple, list[Any]] = {}
         for layer in layers:
@@ -364,6 +368,12 @@ class PassEnds:
                 self._arenas[key] = LayerArena(group)
         for layer in whole_steps:  # once nothing moves their storage any more in this pass
             layer.settle()
+        self._drop_left_arenas()
+
+    def _drop_left_arenas(self) -> None:
+        """Forget the arenas a layer left (its storage was replaced): an arena's block would
+        otherwise keep the others' old storage alive for nothing."""
+        self._arenas = {key: arena for key, arena in self._arenas.items() if arena.holds(arena.layers)}
 
     def _end_stacked(self, layers: list[Any], arena: LayerArena) -> bool:
         """End the pending decode steps of ``layers`` (of one :meth:`LayerStack.key`, stored in

@@ -123,16 +123,18 @@ def save_file(cache: Any, path: str | Path, model: PreTrainedModel) -> Path:
     encoder = _Encoder("data.", tensors)
     layer_meta = []
     for i, layer in enumerate(layers):
-        storage, n = layer.storage, layer.n
-        for name, x in {**storage.entries(), **({"valid": storage.valid} if storage.valid is not None else {})}.items():
-            tensors[f"layer.{i}.{name if name in ('keys', 'values', 'positions', 'valid') else 'state.' + name}"] = (
-                x.narrow(2, 0, n).detach().cpu().contiguous().clone()
-            )
+        n = layer.n  # (a packed layer's views are padded anew: the file holds them as a pass would see them)
+        entries = {"keys": layer.keys, "values": layer.values, "positions": layer.positions}
+        entries.update({f"state.{name}": value for name, value in layer.state.items()})
+        if layer.valid is not None:
+            entries["valid"] = layer.valid
+        for name, x in entries.items():
+            tensors[f"layer.{i}.{name}"] = x.narrow(2, 0, n).detach().cpu().contiguous().clone()
         layer_meta.append(
             {
                 **{field: getattr(layer, field) for field in LAYER_FIELDS},
                 "n": n,
-                "state": list(storage.state),
+                "state": list(layer.state),
                 "rows": [
                     {**{field: getattr(row, field) for field in ROW_FIELDS}, "memo": encoder.encode(row.memo)}
                     for row in layer.rows
@@ -257,6 +259,7 @@ def _restore(cache: Any, metadata: dict[str, str], tensors: dict[str, torch.Tens
             row.memo = _decode(saved["memo"], tensors)
             layer.rows.append(row)
         layer.refresh(n)
+        layer.end_pass()  # as at the end of a pass
     shared = _decode(state["shared"], tensors)
     for row, data in shared.items():
         cache.row_shared(row).update(data)

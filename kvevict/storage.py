@@ -15,9 +15,23 @@ told to move (gather, refill from the last column, grow, add or drop batch rows)
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+SLACK = 16
+"""Columns a storage may hold beyond its entries and its room to grow before it gives them back."""
+
+
+@dataclass
+class PackedEntries:
+    """A ragged layer's real entries between passes: ``held`` ``[B, Hkv, n]`` says which slots of
+    the padded layout were real, and each entry ``[real entries, ...]`` lists them in storage
+    order (so unpacking gives back the same layout)."""
+
+    held: torch.Tensor
+    entries: dict[str, torch.Tensor]
 
 
 class Columns:
@@ -66,6 +80,8 @@ class LayerStorage:
         self.valid: torch.Tensor | None = None
         self.state: dict[str, torch.Tensor] = {}
         self.capacity = 0
+        self.packed: PackedEntries | None = None
+        """Between passes, the real entries of a ragged layer, and nothing else (:meth:`pack`)."""
         self.replaced()
 
     def replaced(self) -> None:
@@ -81,13 +97,13 @@ class LayerStorage:
         return {"keys": self.keys, "values": self.values, "positions": self.positions, **self.state}
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor held, :attr:`valid` included."""
+        """Every tensor held, :attr:`valid` and packed entries included."""
         held = [self.keys, self.values, self.positions, *self.state.values()]
-        return held if self.valid is None else [*held, self.valid]
-
-    def resident_bytes(self) -> int:
-        """Bytes of the distinct storages behind :meth:`tensors` (an arena's block counts once per layer slice)."""
-        return sum(x.numel() * x.element_size() for x in self.tensors())
+        if self.valid is not None:
+            held.append(self.valid)
+        if self.packed is not None:
+            held += [self.packed.held, *self.packed.entries.values()]
+        return held
 
     def columns(self, n: int) -> Columns:
         """The views of the first ``n`` columns, kept for the two column counts a decode step
@@ -105,7 +121,7 @@ class LayerStorage:
         self.keys = keys.new_zeros(b, h, 0, keys.shape[-1])
         self.values = values.new_zeros(b, h, 0, values.shape[-1])
         self.positions = torch.zeros(b, h, 0, dtype=torch.long, device=keys.device)
-        self.valid, self.state, self.capacity = None, {}, 0
+        self.valid, self.state, self.capacity, self.packed = None, {}, 0, None
         self.replaced()
 
     def _map(self, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -119,7 +135,7 @@ class LayerStorage:
         geometrically: appends are O(1) amortised)."""
         if needed <= self.capacity:
             return
-        capacity = max(needed, self.capacity + self.capacity // 2)
+        capacity = max(needed, self.capacity + self.capacity // 4)  # ≤ 1.25× what is held, O(1) amortised
 
         def grow(x: torch.Tensor) -> torch.Tensor:
             bigger = x.new_zeros(*x.shape[:2], capacity, *x.shape[3:])
@@ -128,6 +144,77 @@ class LayerStorage:
 
         self._map(grow)
         self.capacity = capacity
+
+    def fit(self, used: int, room: int) -> None:
+        """Give back what the storage holds beyond ``used`` columns plus ``room`` to grow (the
+        eviction interval) and a small slack: after an eviction compacted in place, after a
+        prompt compressed, after a scoring pass. Costs one copy of the ``used`` columns, once."""
+        if self.capacity > used + room + max(SLACK, used // 4):
+            capacity = used + room
+
+            def shrink(x: torch.Tensor) -> torch.Tensor:
+                return x.narrow(2, 0, min(capacity, x.shape[2])).clone()
+
+            self._map(shrink)
+            self.capacity = capacity
+
+    def pack(self, n: int) -> None:
+        """Between passes, a layer whose rows or heads hold different numbers of entries keeps
+        only the real ones (:class:`PackedEntries`): nothing is padded to the longest."""
+        assert self.valid is not None and self.packed is None
+        held = self.valid.narrow(2, 0, n).clone()
+        entries = {name: x.narrow(2, 0, n)[held] for name, x in self.entries().items()}
+        self.packed = PackedEntries(held, entries)
+        self.keys, self.values, self.positions = (
+            x.new_empty(*x.shape[:2], 0, *x.shape[3:]) for x in self.kv_positions()
+        )
+        self.state = {
+            name: value.new_empty(*value.shape[:2], 0, *value.shape[3:]) for name, value in self.state.items()
+        }
+        self.valid, self.capacity = None, 0
+        self.replaced()
+
+    def unpack(self, room: int, free: torch.Tensor) -> int:
+        """The packed entries back in padded storage with ``room`` columns to grow, before a
+        pass writes into it; returns the columns in use. A free slot of row ``b`` gets position
+        ``free[b]`` (a past position no query of the pass has: ``seen − 1``, or −1)."""
+        packed = self.packed
+        assert packed is not None
+        self.packed = None
+        held, n = packed.held, packed.held.shape[-1]
+        self.capacity = n + room
+
+        def spread(name: str) -> torch.Tensor:
+            entries = packed.entries[name]
+            dense = entries.new_zeros((*held.shape[:2], self.capacity, *entries.shape[1:]))
+            if name == "positions":
+                dense[:] = free.view(-1, 1, 1)
+            dense.narrow(2, 0, n)[held] = entries
+            return dense
+
+        self.keys, self.values, self.positions = spread("keys"), spread("values"), spread("positions")
+        self.state = {name: spread(name) for name in self.state}
+        self.valid = torch.zeros(*held.shape[:2], self.capacity, dtype=torch.bool, device=held.device)
+        self.valid[:, :, :n] = held
+        self.replaced()
+        return n
+
+    def dense(self, name: str, free: torch.Tensor) -> torch.Tensor | None:
+        """Entry ``name`` (``keys``, ``values``, ``positions``, ``valid``, a state entry) of the
+        packed entries, padded as a pass would see it (free slots of row ``b`` at position
+        ``free[b]``): a new tensor, not kept (reading a packed layer between passes does not
+        inflate it)."""
+        packed = self.packed
+        assert packed is not None
+        held = packed.held
+        if name == "valid":
+            return held
+        entries = packed.entries[name]
+        dense = entries.new_zeros((*held.shape, *entries.shape[1:]))
+        if name == "positions":
+            dense[:] = free.view(-1, 1, 1)
+        dense[held] = entries
+        return dense
 
     def leave_inference_mode(self) -> None:
         """Storage is written in place, which torch forbids on tensors made under ``inference_mode``

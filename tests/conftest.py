@@ -320,3 +320,25 @@ def in_position_order(layer, values: torch.Tensor | None = None) -> torch.Tensor
     storage, so storage order is not position order."""
     order = layer.positions.argsort(dim=-1)
     return (layer.positions if values is None else values).gather(-1, order)
+
+
+def resident_storages(cache) -> dict[int, int]:
+    """Every tensor storage reachable from ``cache`` (model modules and their weights left
+    out), by address: its bytes. What a user's memory walk of the cache finds."""
+    import gc
+    import types
+
+    seen: set[int] = set()
+    storages: dict[int, int] = {}
+    stack = [cache]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, torch.nn.Module | type | types.ModuleType | types.FunctionType):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+            continue
+        stack.extend(gc.get_referents(obj))
+    return storages

@@ -83,10 +83,14 @@ def test_padding_is_masked_and_not_counted_before_any_eviction() -> None:
         model(input_ids=ids, attention_mask=mask, past_key_values=cache)
     layer = cache.eviction_layers[0]
     assert layer.valid is not None and layer.valid.sum(dim=-1)[:, 0].tolist() == list(LENGTHS)
-    per_entry = 2 * layer.keys.shape[-1] * layer.keys.element_size()
-    layers = len(cache.eviction_layers)
-    assert cache.row_bytes() == [(layers * 2 * n * per_entry,) * 2 for n in LENGTHS]
-    assert cache.kv_bytes() == sum(allocated for allocated, _ in cache.row_bytes())
+    kv = 2 * layer.keys.shape[-1] * layer.keys.element_size()  # per entry and KV head
+    extra = 8 + 4  # its int64 position and H2O's fp32 accumulated attention
+    layers, heads, width = len(cache.eviction_layers), 2, max(LENGTHS)
+    # between passes a ragged layer holds its real entries only, and which padded slots they fill
+    assert cache.row_bytes() == [
+        (layers * heads * (n * (kv + extra) + width), layers * heads * n * kv) for n in LENGTHS
+    ]
+    assert cache.kv_bytes() == sum(resident for resident, _ in cache.row_bytes())
     assert cache.kv_bytes() < sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.eviction_layers)
 
 
@@ -99,8 +103,8 @@ def test_rows_keeping_different_numbers_share_padded_storage() -> None:
     assert layer.length == 25  # the longest row
     assert layer.head_lengths()[:, 0].tolist() == [15, 25, 21]
     assert layer.valid is not None and layer.valid.sum(dim=-1).tolist() == [[15, 15], [25, 25], [21, 21]]
-    per_entry = 2 * layer.keys.shape[-1] * layer.keys.element_size()
-    assert layer.row_bytes() == [(2 * n * per_entry,) * 2 for n in (15, 25, 21)]
+    kv, extra = 2 * layer.keys.shape[-1] * layer.keys.element_size(), 8 + 4  # + position, H2O's state
+    assert layer.row_bytes() == [(2 * (n * (kv + extra) + 25), 2 * n * kv) for n in (15, 25, 21)]
 
 
 def test_right_padding_is_refused() -> None:

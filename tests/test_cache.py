@@ -29,8 +29,10 @@ def test_retained_bytes_shrink_to_the_budget() -> None:
         model(input_ids=prompt(160), past_key_values=full)
         model(input_ids=prompt(160), past_key_values=evicting)
     per_token = 2 * 2 * 2 * 16 * 4  # layers × (K, V) × KV heads × head_dim × fp32 bytes
-    assert full.kv_bytes() == 160 * per_token
-    assert evicting.kv_bytes() == 40 * per_token
+    resident = per_token + 2 * 2 * 8  # + each entry's int64 position, per layer and KV head
+    assert (full.retained_bytes(), full.kv_bytes()) == (160 * per_token, 160 * resident)
+    # the prompt's storage is given back once compressed: the entries and one column of room (interval 1)
+    assert (evicting.retained_bytes(), evicting.kv_bytes()) == (40 * per_token, 41 * resident)
     assert all(layer.keys.shape == (1, 2, 40, 16) for layer in evicting.layers)  # physically smaller
 
 
@@ -123,8 +125,11 @@ def test_bytes_and_lengths_cover_every_layer_type_of_a_hybrid_model() -> None:
     full = [i for i, layer in enumerate(cache.layers) if not layer.is_sliding]
     assert all(lengths[i] == 40 for i in full)  # the full-attention layers shrink to the budget
     per_entry = 2 * 2 * 16 * 4  # (K, V) × KV heads × head_dim × fp32 bytes
-    assert cache.layer_bytes() == [(n * per_entry, n * per_entry) for n in lengths]
-    assert isinstance(cache.kv_bytes(), int) and cache.kv_bytes() == sum(lengths) * per_entry
+    slot = per_entry + 2 * (8 + 4)  # + each KV head's int64 position and H2O's fp32 state
+    capacities = [layer.storage.capacity for layer in cache.eviction_layers]
+    assert cache.layer_bytes() == [(c * slot, n * per_entry) for c, n in zip(capacities, lengths)]
+    assert all(n <= c <= n + 1 for c, n in zip(capacities, lengths))  # the entries and one column of room
+    assert isinstance(cache.kv_bytes(), int) and cache.kv_bytes() == sum(capacities) * slot
 
 
 def test_cache_cannot_be_cropped() -> None:

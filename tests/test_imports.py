@@ -15,7 +15,6 @@ PACKAGE = Path(kvevict.__file__).parent
 MAX_LINES = 600
 
 
-
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

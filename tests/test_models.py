@@ -90,7 +90,11 @@ def test_all_sliding_mistral_with_the_default_window_evicts_to_the_budget() -> N
     assert [layer.window for layer in cache.eviction_layers] == [4096, 4096]
     assert cache.layer_lengths() == [32, 32]
     entry = 2 * 16 * 4  # key + value of one head, fp32
-    assert cache.kv_bytes() == 2 * 2 * 32 * entry and cache.layer_bytes() == [(2 * 32 * entry,) * 2] * 2
+    slot = entry + 8 + 4  # + its int64 position and H2O's fp32 state
+    capacities = [layer.storage.capacity for layer in cache.eviction_layers]
+    assert cache.retained_bytes() == 2 * 2 * 32 * entry
+    assert cache.layer_bytes() == [(2 * capacity * slot, 2 * 32 * entry) for capacity in capacities]
+    assert cache.kv_bytes() == 2 * sum(capacities) * slot and all(32 <= c <= 33 for c in capacities)
 
 
 @pytest.mark.parametrize(("budget", "lengths"), [(40, [40, 31]), (16, [16, 16])])
@@ -103,7 +107,10 @@ def test_hybrid_qwen2_evicts_full_layers_and_keeps_sliding_ones_within_their_win
     assert [layer.window for layer in cache.eviction_layers] == [None, 32]
     assert cache.layer_lengths() == lengths
     assert isinstance(cache.kv_bytes(), int) and cache.kv_bytes() == sum(held for held, _ in cache.layer_bytes())
-    assert cache.kv_bytes() == sum(lengths) * 2 * 2 * 16 * 4
+    assert cache.retained_bytes() == sum(lengths) * 2 * 2 * 16 * 4
+    capacities = [layer.storage.capacity for layer in cache.eviction_layers]
+    assert cache.kv_bytes() == sum(capacities) * 2 * (2 * 16 * 4 + 8)  # TOVA keeps no state: + int64 positions
+    assert all(n <= c <= n + 1 for n, c in zip(lengths, capacities))
 
 
 def test_sliding_layers_without_eviction_hold_what_transformers_holds() -> None:

@@ -63,7 +63,7 @@ class RollingKVStatistic(PromptKeeping):
         raw = self.raw(layer, layer.keys[:, :, -num_new:], layer.values[:, :, -num_new:])
         history = memo.get(HISTORY)
         series = raw if history is None else torch.cat([history, raw], dim=-1)
-        memo[HISTORY] = series[..., series.shape[-1] - min(series.shape[-1], self.rolling - 1) :]
+        memo[HISTORY] = series[..., series.shape[-1] - min(series.shape[-1], self.rolling - 1) :].clone()
         return {SCORE: rolling_mean(series, self.rolling)[..., -num_new:]}
 
     def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
@@ -113,7 +113,8 @@ def lag_normalize(x: torch.Tensor, first: int, lag: int, ranges: dict[str, torch
             )
         else:
             out[:, :, start:stop] = min_max_normalize(part, low, high)
-        ranges["running_low"], ranges["running_high"] = low[:, :, -1], high[:, :, -1]
+        # copies, not views: a view would keep the whole pass's cumulative extremes alive
+        ranges["running_low"], ranges["running_high"] = low[:, :, -1].clone(), high[:, :, -1].clone()
         if (first + stop) % lag == 0:  # the chunk is complete: it becomes the reference
             ranges["previous_low"], ranges["previous_high"] = ranges.pop("running_low"), ranges.pop("running_high")
         start = stop

@@ -176,8 +176,9 @@ def test_query_aware_compresses_the_question_too(tmp_path, model, tokenizer) -> 
     )
     for record in store:
         assert record["query_aware"] and record["shared_prefill"] == 1
-        assert record["kv_bytes_prefill"] == 2 * 2 * 2 * 16 * 4 * 40
-        assert record["kv_bytes_prefill_by_layer"] == [[2 * 2 * 16 * 4 * 40] * 2] * 2  # (allocated, real) per layer
+        # resident: 40 entries and a column of room per KV head, each key, value and int64 position
+        assert record["kv_bytes_prefill"] == 2 * 2 * 41 * (2 * 16 * 4 + 8)
+        assert record["kv_bytes_prefill_by_layer"] == [[2 * 41 * (2 * 16 * 4 + 8), 2 * 2 * 16 * 4 * 40]] * 2
 
 
 def test_prefill_chunk_bounds_the_cache_and_is_recorded(tmp_path, model, tokenizer) -> None:

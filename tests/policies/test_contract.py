@@ -17,6 +17,7 @@ from tests.conftest import (
     left_padded,
     padded_positions,
     prompt,
+    resident_storages,
     tiny_model,
 )
 
@@ -125,9 +126,10 @@ def test_absolute_positions_survive_eviction(policy: str) -> None:
             assert len(set(head[held].tolist())) == int(held.sum())
         # Layer 0 keys depend only on token and position; deeper keys of decode tokens also
         # depend on earlier evictions, so only the prompt entries (prefilled in full) compare.
-        comparable = torch.ones_like(positions, dtype=torch.bool) if idx == 0 else positions < PROMPT
+        comparable = valid & (positions < PROMPT) if idx else valid  # free slots of ragged heads are no entries
         for mine, full_states in ((layer.keys, reference.keys), (layer.values, reference.values)):
-            expected = full_states.gather(2, positions[..., None].expand(-1, -1, -1, full_states.shape[-1]))
+            index = positions.clamp(min=0)[..., None].expand(-1, -1, -1, full_states.shape[-1])
+            expected = full_states.gather(2, index)
             torch.testing.assert_close(mine[comparable], expected[comparable], rtol=0, atol=1e-5)
 
 
@@ -176,3 +178,64 @@ def test_a_cache_filled_in_one_grad_mode_goes_on_in_the_other(policy: str) -> No
         results.append(_decode(model, cache, first, 6, go_on))
     for other in results[1:]:
         torch.testing.assert_close(other, results[0], rtol=0, atol=0)
+
+
+def held_entry_bytes(cache: kvevict.EvictionCache) -> tuple[int, int]:
+    """(bytes of every per-entry tensor for the real entries, the same for one entry of each
+    row and KV head of every layer): what resident bytes must follow."""
+    real = slot = 0
+    for layer in cache.eviction_layers:
+        storage = layer.storage
+        tensors = [*(storage.packed.entries.values() if storage.packed else storage.entries().values())]
+        per_entry = sum(x[(0,) * (1 if storage.packed else 3)].numel() * x.element_size() for x in tensors)
+        real += int(layer.head_lengths().sum()) * per_entry
+        slot += layer.head_lengths().numel() * per_entry
+    return real, slot
+
+
+@pytest.mark.parametrize("policy", EVICTING)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_resident_bytes_follow_the_retained_entries(policy: str, batch: int) -> None:
+    """What is evicted is freed: walking every tensor storage reachable from the cache finds
+    what ``kv_bytes()`` reports (give or take the policy's own small bookkeeping), and that is
+    the retained entries plus bounded room: ≤ 1.25 × theirs + one interval and a partial block
+    of 16 entries per row and KV head, after the prefill and after decode steps; rows of a
+    left-padded batch keeping different numbers pay for their own entries only."""
+    model = tiny_model()
+    prompts = [prompt(length, seed=seed) for seed, length in enumerate((PROMPT, PROMPT - 30, PROMPT - 11)[:batch])]
+    ids, mask = left_padded(prompts)
+    interval = 3
+    cache = kvevict.EvictionCache(model, build_policy(policy), budget=BUDGET, interval=interval)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=padded_positions(mask), past_key_values=cache)
+        cache.end_prompt()
+        checks = []
+        for step in range(7):
+            checks.append((resident_storages(cache), cache.kv_bytes(), held_entry_bytes(cache)))
+            mask = torch.cat([mask, mask[:, -1:]], dim=1)
+            token = logits.logits[:, -1].argmax(-1, keepdim=True)
+            logits = model(
+                input_ids=token, attention_mask=mask, position_ids=cache.next_positions(), past_key_values=cache
+            )
+    for walked, reported, (real, slot) in checks:
+        bookkeeping = sum(walked.values()) - reported
+        assert 0 <= bookkeeping <= max(4096, reported // 4), (policy, bookkeeping, reported)
+        assert reported <= 1.25 * real + (interval + 16) * slot + 1024, (policy, reported, real, slot)
+
+
+@pytest.mark.parametrize("policy", ["kvzip", "adakv+snapkv", "headkv", "global+snapkv", "critical+adakv+snapkv"])
+def test_heads_of_different_lengths_pay_for_their_own_entries(policy: str) -> None:
+    """Head-wise budgets: between passes each head holds its own entries only, not its
+    layer's longest (resident within 1.10 × the real entries' bytes); rows of a batch under
+    ``keep=`` (each its own budget) likewise pay for their own entries."""
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, build_policy(policy), keep=0.5)
+    prompts = [prompt(length, seed=seed) for seed, length in enumerate((2 * PROMPT, PROMPT + 20))]
+    ids, mask = left_padded(prompts)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, position_ids=padded_positions(mask), past_key_values=cache)
+    lengths = torch.stack([layer.head_lengths() for layer in cache.eviction_layers])
+    assert lengths.unique().numel() > 2  # heads and rows keep different numbers
+    real, _ = held_entry_bytes(cache)
+    assert cache.kv_bytes() <= 1.10 * real
+    assert sum(resident_storages(cache).values()) <= 1.10 * real + 4096  # and that is what a walk finds
