@@ -135,7 +135,8 @@ class LayerStorage:
         geometrically: appends are O(1) amortised)."""
         if needed <= self.capacity:
             return
-        capacity = max(needed, self.capacity + self.capacity // 4)  # ≤ 1.25× what is held, O(1) amortised
+        # ≤ 1.125× what is held, or 16 columns more: O(1) amortised, within the slack a partial block would have
+        capacity = max(needed, self.capacity + max(SLACK, self.capacity // 8))
 
         def grow(x: torch.Tensor) -> torch.Tensor:
             bigger = x.new_zeros(*x.shape[:2], capacity, *x.shape[3:])

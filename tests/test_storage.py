@@ -51,7 +51,7 @@ def test_growth_is_geometric_and_keeps_the_entries() -> None:
     for needed in range(9, 60):
         storage.reserve(needed - 1, needed)
         capacities.append(storage.capacity)
-    assert len(set(capacities)) <= 11  # 10, 12, 15, 18, 22, 27, 33, 41, 51, 63 (×1.25): not one per column
+    assert len(set(capacities)) <= 5  # 16 columns more each time (×1.125 once larger): not one per column
     assert torch.equal(storage.keys[:, :, :8], before)
 
 
