@@ -1529,6 +1529,8 @@ class EvictionCache(Cache):
             else None
         )
         """Hooks on the decoder layers the policy reads (:mod:`kvevict.hidden`); None if it reads none."""
+        self.hooks = self.policy.attach(model, self)
+        """Hooks the policy installed on the model for this cache (Fast KVzip's gates); None if none."""
         self.rotary = RotaryTable(model)
         """cos/sin of the model's RoPE at any position (ExpectedAttention's future rotations)."""
         self.side_pass: SidePassObserver | None = None
@@ -1578,6 +1580,8 @@ class EvictionCache(Cache):
         """Remove the hooks from the model (also done on garbage collection)."""
         if self.hidden is not None:
             self.hidden.close()
+        if self.hooks is not None:
+            self.hooks.close()
         self._pass_hook.close()
         self.ends_passes = False
         self._arenas = {}  # the layers keep their storage; nothing stacks any more
