@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvevict.bench.options import comma_separated
+from kvevict.gates import train as train_gates
 
 EXIT_USAGE = 2
 BENCH_SUBCOMMANDS = {"memory": "memory", "throughput": "throughput", "decode-speed": "speed"}
@@ -168,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     analyses = analyze.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
     for add_analysis in ANALYSES:
         add_analysis(analyses)
+    train_gates.add_parser(commands)
     return parser
 
 
@@ -601,6 +603,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "report": lambda: _report(args),
         "demo": lambda: _demo(args),
         "analyze": lambda: args.run(args),
+        "train-gates": lambda: args.run(args),
     }
     try:
         return handlers[args.command]()

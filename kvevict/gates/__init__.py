@@ -4,13 +4,17 @@ One gate per decoder layer reads the layer's input hidden states ``h`` (as its a
 reads them: the residual stream after the layer's input norm, what the reference code hooks)
 and predicts, for every token and KV head, a keep score in ``[0, 1]``:
 
-    q_{h,g} = RMSNorm(W_q h + b_q)_{h,g}        (per KV head h and query group g, dim d')
-    k_h     = RMSNorm(W_k h)_h
+    x       = P h                                (a rank-r projection, shared by q and k)
+    q_{h,g} = RMSNorm(W_q x + b_q)_{h,g}        (per KV head h and query group g, dim d')
+    k_h     = RMSNorm(W_k x)_h
     l_{h,g} = k_h·q_{h,g} / √d' + b_{h,g}
     s_{h,g} = 1 / (1 + Σ_s exp(k_{s,h}·q_{h,g} / √d' − l_{h,g}))    (S learned sink keys k_{s,h})
     score_h = mean_g s_{h,g}
 
-(``s = σ(l − logsumexp_s(k_s·q/√d'))``, which is how it is computed.) The gates are trained by
+(``s = σ(l − logsumexp_s(k_s·q/√d'))``, which is how it is computed.) The paper's projections
+``W_q h``, ``W_k h`` are full ``D``-wide matrices; here they share one rank-``r`` factor ``P``
+(``r = 8``), so a 30-layer model's gates weigh hundreds of KB (stored in fp16), not 13 MB.
+The gates are trained by
 distilling KVzip's scores with the LLM frozen (:mod:`kvevict.gates.train`) and stored as one
 safetensors file per model; the ones trained here for the embedded models ship in this
 folder (:func:`packaged_path`).
@@ -33,7 +37,7 @@ from kvevict.hidden import decoder_layers
 
 FOLDER = Path(__file__).parent
 EPSILON = 1e-6
-PARTS = ("q_proj", "q_bias", "k_proj", "q_norm", "k_norm", "sinks", "bias")
+PARTS = ("down", "q_proj", "q_bias", "k_proj", "q_norm", "k_norm", "sinks", "bias")
 """The tensors of one layer's gate (their names in a gates file are ``<layer>.<part>``)."""
 TRAIN_COMMAND = "kvevict train-gates --model {model} --out DIR, then give fastkvzip[gates=DIR/{key}.safetensors]"
 
@@ -51,6 +55,8 @@ class GateShape:
     """``d'``, the gate's query and key dimension."""
     sinks: int = 16
     """Learned sink keys per KV head."""
+    rank: int = 8
+    """``r``, the rank of the input projection ``P``."""
 
 
 def model_key(config: Any) -> str:
@@ -62,7 +68,7 @@ def model_key(config: Any) -> str:
     )
 
 
-def shape_of(config: Any, dim: int = 16, sinks: int = 16) -> GateShape:
+def shape_of(config: Any, dim: int = 16, sinks: int = 16, rank: int = 8) -> GateShape:
     """The gates' sizes for a model config."""
     return GateShape(
         config.num_hidden_layers,
@@ -71,6 +77,7 @@ def shape_of(config: Any, dim: int = 16, sinks: int = 16) -> GateShape:
         config.num_attention_heads // config.num_key_value_heads,
         dim,
         sinks,
+        rank,
     )
 
 
@@ -83,14 +90,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPSILON) -> tor
 def gate_scores(hidden: torch.Tensor, gate: dict[str, torch.Tensor]) -> torch.Tensor:
     """One layer's keep scores ``[B, Hkv, n]`` (fp32, in ``[0, 1]``) of ``n`` tokens from their
     input hidden states ``[B, n, D]`` (module docstring). ``gate`` holds the layer's tensors:
-    ``q_proj`` ``[Hkv·G·d', D]``, ``q_bias`` ``[Hkv·G·d']``, ``k_proj`` ``[Hkv·d', D]``,
+    ``down`` ``[r, D]``, ``q_proj`` ``[Hkv·G·d', r]``, ``q_bias`` ``[Hkv·G·d']``, ``k_proj`` ``[Hkv·d', r]``,
     ``q_norm``/``k_norm`` ``[d']``, ``sinks`` ``[Hkv, S, d']``, ``bias`` ``[Hkv, G]``."""
-    heads, sinks, dim = gate["sinks"].shape
+    heads, _, dim = gate["sinks"].shape
     group = gate["bias"].shape[1]
     b, n, _ = hidden.shape
-    hidden = hidden.to(gate["q_proj"].dtype)
-    q = rms_norm((hidden @ gate["q_proj"].T + gate["q_bias"]).view(b, n, heads, group, dim), gate["q_norm"])
-    k = rms_norm((hidden @ gate["k_proj"].T).view(b, n, heads, dim), gate["k_norm"])
+    x = hidden.to(gate["down"].dtype) @ gate["down"].T
+    q = rms_norm((x @ gate["q_proj"].T + gate["q_bias"]).view(b, n, heads, group, dim), gate["q_norm"])
+    k = rms_norm((x @ gate["k_proj"].T).view(b, n, heads, dim), gate["k_norm"])
     scale = 1.0 / math.sqrt(dim)
     logit = torch.einsum("bnhd,bnhgd->bnhg", k, q) * scale + gate["bias"]
     sink_logits = torch.einsum("hsd,bnhgd->bnhgs", gate["sinks"].float(), q) * scale
@@ -99,20 +106,20 @@ def gate_scores(hidden: torch.Tensor, gate: dict[str, torch.Tensor]) -> torch.Te
 
 
 def initial_gates(shape: GateShape, seed: int = 0) -> list[dict[str, torch.Tensor]]:
-    """Untrained gates, seeded: projections uniform in ``±1/√D`` (PyTorch's ``Linear``), norms 1,
-    sinks and biases 0 (every score 1/(1+S) at first)."""
+    """Untrained gates, seeded: each projection uniform in ``±1/√fan_in`` (PyTorch's ``Linear``),
+    norms 1, sinks and biases 0 (every score 1/(1+S) at first)."""
     generator = torch.Generator().manual_seed(seed)
-    bound = 1.0 / math.sqrt(shape.hidden)
 
     def uniform(*size: int) -> torch.Tensor:
-        return (torch.rand(*size, generator=generator) * 2 - 1) * bound
+        return (torch.rand(*size, generator=generator) * 2 - 1) / math.sqrt(size[-1])
 
     queries = shape.kv_heads * shape.group * shape.dim
     return [
         {
-            "q_proj": uniform(queries, shape.hidden),
-            "q_bias": uniform(queries),
-            "k_proj": uniform(shape.kv_heads * shape.dim, shape.hidden),
+            "down": uniform(shape.rank, shape.hidden),
+            "q_proj": uniform(queries, shape.rank),
+            "q_bias": uniform(queries, shape.rank)[:, 0].contiguous(),
+            "k_proj": uniform(shape.kv_heads * shape.dim, shape.rank),
             "q_norm": torch.ones(shape.dim),
             "k_norm": torch.ones(shape.dim),
             "sinks": torch.zeros(shape.kv_heads, shape.sinks, shape.dim),
@@ -123,17 +130,25 @@ def initial_gates(shape: GateShape, seed: int = 0) -> list[dict[str, torch.Tenso
 
 
 def save_gates(path: str | Path, gates: list[dict[str, torch.Tensor]], metadata: dict[str, str]) -> None:
-    """Write gates as one safetensors file (``<layer>.<part>`` tensors, contiguous fp32)."""
-    tensors = {f"{layer}.{part}": gate[part].detach().float().contiguous() for layer, gate in enumerate(gates) for part in PARTS}
+    """Write gates as one safetensors file (``<layer>.<part>`` tensors in fp16: :func:`load_gates`
+    gives back exactly what :func:`stored` rounds the gates to)."""
+    tensors = {
+        f"{layer}.{part}": gate[part].detach().half().contiguous() for layer, gate in enumerate(gates) for part in PARTS
+    }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata=metadata)
 
 
 def load_gates(path: str | Path) -> list[dict[str, torch.Tensor]]:
-    """The gates of a file written by :func:`save_gates`."""
+    """The gates of a file written by :func:`save_gates` (fp32)."""
     tensors = load_file(str(path))
     layers = 1 + max(int(name.split(".")[0]) for name in tensors)
-    return [{part: tensors[f"{layer}.{part}"] for part in PARTS} for layer in range(layers)]
+    return [{part: tensors[f"{layer}.{part}"].float() for part in PARTS} for layer in range(layers)]
+
+
+def stored(gates: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """``gates`` as a gates file holds them (rounded to fp16, as fp32)."""
+    return [{part: value.detach().half().float() for part, value in gate.items()} for gate in gates]
 
 
 def packaged_path(config: Any) -> Path:
@@ -144,7 +159,7 @@ def packaged_path(config: Any) -> Path:
 def check_fits(gates: list[dict[str, torch.Tensor]], config: Any, source: str) -> None:
     """Refuse gates made for another model (``ValueError`` saying which sizes differ)."""
     want = shape_of(config)
-    got = (len(gates), gates[0]["q_proj"].shape[1], gates[0]["sinks"].shape[0], gates[0]["bias"].shape[1])
+    got = (len(gates), gates[0]["down"].shape[1], gates[0]["sinks"].shape[0], gates[0]["bias"].shape[1])
     if got != (want.layers, want.hidden, want.kv_heads, want.group):
         raise ValueError(
             f"fastkvzip: the gates in {source} are for (layers, hidden, KV heads, group) = {got}, this model has "

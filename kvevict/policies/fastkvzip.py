@@ -91,7 +91,9 @@ class FastKVzip(Method):
         path = packaged_path(config) if self.gates is None else Path(self.gates)
         if not path.is_file():
             where = f"no gates file {path}" if self.gates is not None else f"no gates for model {model_key(config)}"
-            raise ValueError(f"fastkvzip: {where}; train them with: " + TRAIN_COMMAND.format(model="MODEL", key=model_key(config)))
+            raise ValueError(
+                f"fastkvzip: {where}; train them with: " + TRAIN_COMMAND.format(model="MODEL", key=model_key(config))
+            )
         self._weights = load_gates(path)
         check_fits(self._weights, config, str(path))
 
