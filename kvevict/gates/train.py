@@ -10,7 +10,8 @@
    (its repeat pass scores every entry); the features are each layer's attention input over the
    context (what the gates read at inference), the targets KVzip's scores ``[L, Hkv, n]`` of
    the same tokens. ``tokens`` positions per context (past the 4 sinks), drawn with the seed,
-   are kept; each context is cached in ``DIR/data/`` as it is done, so collection resumes.
+   are kept; each context is cached in ``DIR/data/`` as it is done, so collection resumes
+   (the same data, length, positions and seed; a given text list must then stay the same).
 3. **Training** (:func:`train`): every layer's gate at once with Adam on the binary
    cross-entropy between gate and KVzip scores (the reference's loss), mini-batches drawn with
    the seed; the last tenth of the contexts is held out. A checkpoint every 50 steps
@@ -45,7 +46,7 @@ class TrainConfig:
     """What a training run depends on (recorded in the gates file)."""
 
     model: str
-    count: int = 48
+    count: int = 24
     """Contexts."""
     length: int = 1024
     """Tokens per context."""
@@ -154,6 +155,10 @@ def train(
     start = 0
     if checkpoint is not None and checkpoint.is_file():
         saved = torch.load(checkpoint, weights_only=True)
+        if saved["config"] != _resumable(config):
+            raise ValueError(
+                f"{checkpoint} was written by another training configuration; delete it or use another --out"
+            )
         with torch.no_grad():
             for tensor, value in zip(parameters, saved["parameters"]):
                 tensor.copy_(value)
@@ -171,8 +176,14 @@ def train(
         optimizer.step()
         if checkpoint is not None and (step + 1) % CHECKPOINT_EVERY == 0:
             state = {"parameters": [p.detach().clone() for p in parameters], "optimizer": optimizer.state_dict()}
-            torch.save({**state, "generator": generator.get_state(), "step": step + 1}, checkpoint)
+            state |= {"generator": generator.get_state(), "step": step + 1, "config": _resumable(config)}
+            torch.save(state, checkpoint)
     return stored(gates)
+
+
+def _resumable(config: TrainConfig) -> dict[str, object]:
+    """What a checkpoint must have been trained with to resume from it (any ``steps``: a run may go on)."""
+    return {key: value for key, value in asdict(config).items() if key != "steps"}
 
 
 def build(
@@ -181,7 +192,7 @@ def build(
     """Collect (or reload) the data, train, write the gates; returns their path."""
     text_config = model.config.get_text_config(decoder=True)
     shape = shape_of(text_config, config.dim, config.sinks, config.rank)
-    data = out / "data"
+    data = out / "data" / f"{'text' if files else 'offline'}-n{config.length}-t{config.tokens}-seed{config.seed}"
     data.mkdir(parents=True, exist_ok=True)
     pieces = contexts(tokenizer, config, list(files))
     generator = torch.Generator().manual_seed(config.seed)

@@ -124,3 +124,30 @@ def test_decode_regimes_evict_while_decoding(regime: str, one_thread) -> None:
 def test_a_decode_regime_cannot_pool_one_budget_across_layers() -> None:
     with pytest.raises(ValueError, match="regime=prefill"):
         build_policy("global+fastkvzip[regime=both]")
+
+
+@pytest.mark.slow
+def test_the_packaged_gates_keep_the_needle_snapkv_loses_on_smollm2(smollm2) -> None:
+    """Context-only compression of an offline RULER sample (the question comes after it): the
+    SmolLM2 gates shipped with the package keep the needle at keep 0.10, SnapKV's window does not."""
+    from kvevict.bench.tasks import get_task
+
+    model, tokenizer = smollm2
+    task = get_task("niah_single_1")
+    sample = task.samples(tokenizer, length=1024, count=1, seed=0)[0]
+
+    def score(policy: str) -> float:
+        text = kvevict.answer(
+            model,
+            tokenizer,
+            sample.context,
+            sample.question,
+            answer_prefix=sample.answer_prefix,
+            policy=policy,
+            keep=0.1,
+            max_new_tokens=sample.max_new_tokens,
+        )
+        return task.score(text, sample)
+
+    assert score("fastkvzip") == 1.0
+    assert score("snapkv") == 0.0
