@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from kvevict.cache import EvictionCache, EvictionLayer
     from kvevict.policies.pipeline import Policy
 
+
 class Attachment(Protocol):
     """What :meth:`Stage.attach` returns: hooks on the model, removed by :meth:`close`."""
 
