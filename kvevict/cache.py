@@ -135,6 +135,8 @@ class EvictionCache(PassEnds, Cache):
         self.source = source_of(model)
         """What :func:`kvevict.load_model` loaded the model from, if it did (recorded by :meth:`save`)."""
         self._identity_model = weakref.ref(model)
+        self.hooks = self.policy.attach(model, self)
+        """Hooks the policy installed on the model for this cache (Fast KVzip's gates); None if none."""
         self.rotary = RotaryTable(model)
         """cos/sin of the model's RoPE at any position (ExpectedAttention's future rotations)."""
         self.side_pass: SidePassObserver | None = None
@@ -188,6 +190,8 @@ class EvictionCache(PassEnds, Cache):
         """Remove the hooks from the model (also done on garbage collection)."""
         if self.hidden is not None:
             self.hidden.close()
+        if self.hooks is not None:
+            self.hooks.close()
         self._pass_hook.close()
         self.ends_passes = False
         self._arenas = {}  # the layers keep their storage; nothing stacks any more

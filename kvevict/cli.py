@@ -7,10 +7,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvevict.commands import analyze, bench, demo, generate, policies, report, tasks
+from kvevict.commands import analyze, bench, demo, generate, policies, report, tasks, train_gates
 from kvevict.commands.common import guarded
 
-COMMANDS = (policies, generate, tasks, bench, report, demo, analyze)
+COMMANDS = (policies, generate, tasks, bench, report, demo, analyze, train_gates)
 """The command modules, in the order ``kvevict --help`` lists them; each has
 ``add_parser(commands)`` (see :mod:`kvevict.commands`)."""
 

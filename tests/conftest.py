@@ -120,11 +120,13 @@ def tiny_head_profile(seed: int = 0) -> dict[str, list[float]]:
 
 
 def build_policy(name: str, **params):
-    """A registered policy by name, with what the tiny models need (HeadKV: a profile)."""
+    """A registered policy by name, with what the tiny models need (HeadKV: a profile; Fast KVzip: gates)."""
     import kvevict
 
     if "headkv" in name:
         params.setdefault("headkv", {"profile": tiny_head_profile()})
+    if "fastkvzip" in name:  # no gates are trained for the tiny models: initial ones
+        params.setdefault("gates", "initial")
     return kvevict.make_policy(name, **params)
 
 

@@ -21,6 +21,7 @@ from kvevict.policies.base import Method, Stage
 from kvevict.policies.critical import Critical
 from kvevict.policies.epikv import AttnXHS, BandAdaptive, EpiKV, HSVariance
 from kvevict.policies.expected_attention import ExpectedAttention
+from kvevict.policies.fastkvzip import FastKVzip
 from kvevict.policies.h2o import H2O
 from kvevict.policies.kvvar import KVKeyVariance, KVValueVariance, LagKV, LagKVDecode
 from kvevict.policies.kvzip import KVzip
@@ -59,6 +60,7 @@ _METHODS: tuple[type[Method], ...] = (
     SegmentHS,
     KVzip,
     ExpectedAttention,
+    FastKVzip,
 )
 POLICIES: dict[str, type[Method]] = {cls.name: cls for cls in _METHODS}
 _PREFIXES: tuple[type[Stage], ...] = (Critical, AdaKV, PyramidKV, HeadKV, MomentNC, GlobalBudget)

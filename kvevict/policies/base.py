@@ -38,6 +38,13 @@ if TYPE_CHECKING:
 
     from kvevict.views import CacheSide, EntryView, ScoringCache
 
+
+class Attachment(Protocol):
+    """What :meth:`Stage.attach` returns: hooks on the model, removed by :meth:`close`."""
+
+    def close(self) -> None: ...
+
+
 Slot = Literal["scorer", "protector", "allocator", "selector", "corrector", "observer"]
 
 
@@ -154,6 +161,12 @@ class Stage:
     def check(self, policy: Assembly) -> None:
         """Refuse (``ValueError`` saying why; the policy's spelling is prefixed) a policy this
         stage cannot work in (called once the policy is assembled)."""
+
+    def attach(self, model: torch.nn.Module, cache: CacheSide) -> Attachment | None:
+        """Hooks this stage installs on ``model`` for one ``cache`` (called once the cache bound
+        the policy; Fast KVzip's gates read each layer's input), removed by their ``close()``
+        when the cache closes; None (the default): none."""
+        return None
 
     def companions(self) -> tuple[Stage, ...]:
         """Observer stages this stage needs beside it (e.g. the statistics NC reads)."""

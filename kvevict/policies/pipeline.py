@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Corrector, Method, Ranking, Stage, TopK, Uniform, lowest_slots
+from kvevict.policies.base import Attachment, Corrector, Method, Ranking, Stage, TopK, Uniform, lowest_slots
 from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from kvevict.views import EntryView
+    from kvevict.views import CacheSide, EntryView
 
 NAMED_SLOTS = ("corrector", "selector", "allocator")
 """Slots a prefix may fill, in the order they are spelled in a policy's name."""
@@ -313,6 +313,10 @@ class Policy:
         """The kernel's attention output ``[B, q, Hq, d]`` of a pass, corrected before the layer
         evicts (unchanged without a corrector)."""
         return output if self.corrector is None else self.corrector.correct(layer, query, output, scaling)
+
+    def attach(self, model: torch.nn.Module, cache: CacheSide) -> Attachment | None:
+        """The method's hooks on ``model`` for ``cache`` (:meth:`~kvevict.policies.base.Stage.attach`)."""
+        return self.method.attach(model, cache)
 
     # -- hidden states: the method's ---------------------------------------------------------
     @property

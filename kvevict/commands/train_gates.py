@@ -1,0 +1,46 @@
+"""``kvevict train-gates``: train Fast KVzip's gates for a model (:mod:`kvevict.gates.train`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from kvevict.commands.common import BENCH
+from kvevict.gates.train import TrainConfig
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """``kvevict train-gates``."""
+    parser = commands.add_parser(
+        "train-gates",
+        help="train Fast KVzip gates for a model (distilled from kvzip, on CPU)",
+        description="Train Fast KVzip's gates for MODEL by distilling kvevict's kvzip scores; resumable.",
+    )
+    parser.add_argument("--model", required=True, help="smollm2, gemma3, a hub id or a local directory")
+    parser.add_argument("--out", required=True, type=Path, help="folder for the data cache, checkpoint and gates")
+    parser.add_argument(
+        "--text", nargs="*", type=Path, default=[], help="text files to train on (default: offline data)"
+    )
+    defaults = TrainConfig(model="")
+    for key in ("count", "length", "tokens", "steps", "batch", "dim", "sinks", "rank", "seed"):
+        parser.add_argument(f"--{key}", type=int, default=getattr(defaults, key))
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.set_defaults(run=run, extra=BENCH)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvevict.gates.train import SINKS, build
+    from kvevict.models import load_model
+
+    fields = ("count", "length", "tokens", "steps", "batch", "dim", "sinks", "rank", "seed", "lr")
+    config = TrainConfig(model=args.model, **{key: getattr(args, key) for key in fields})
+    if config.length <= SINKS + 1 or config.tokens < 1 or config.count < 2 or config.steps < 1:
+        raise ValueError("--length must exceed 5, --tokens and --steps be >= 1 and --count >= 2 (one is held out)")
+    torch.manual_seed(config.seed)
+    torch.set_num_threads(1)  # the same arithmetic on every run: the same gates for a seed
+    model, tokenizer = load_model(config.model)
+    path = build(model, tokenizer, config, args.out, args.text)
+    print(f"wrote {path}")
+    return 0

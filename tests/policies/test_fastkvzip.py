@@ -1,0 +1,153 @@
+"""Fast KVzip (kvevict.policies.fastkvzip) and its gates (kvevict.gates)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kvevict
+from kvevict.gates import (
+    gate_scores,
+    hook_attention_inputs,
+    initial_gates,
+    load_gates,
+    model_key,
+    save_gates,
+    shape_of,
+    stored,
+)
+from tests.conftest import build_policy, greedy, prompt, tiny_model
+
+
+def hand_gate() -> dict[str, torch.Tensor]:
+    """One KV head, a group of 2, d' = 2, rank 2 over D = 2, two sinks."""
+    return {
+        "down": torch.eye(2),
+        "q_proj": torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [1.0, 0.0]]),
+        "q_bias": torch.tensor([1.0, 0.0, 0.0, 0.0]),
+        "k_proj": torch.tensor([[1.0, 0.0], [0.0, 0.0]]),
+        "q_norm": torch.ones(2),
+        "k_norm": torch.ones(2),
+        "sinks": torch.tensor([[[1.0, 0.0], [0.0, 1.0]]]),
+        "bias": torch.tensor([[0.5, -0.5]]),
+    }
+
+
+def test_the_gate_forward_matches_a_hand_computation() -> None:
+    hidden = torch.tensor([[[3.0, 4.0]]])  # one token
+    # x = h; group 0: q = RMSNorm([3+1, 4]) = [4, 4]/4; group 1: q = RMSNorm([4, 3]); k = RMSNorm([3, 0])
+    q0 = [4 / 4, 4 / 4]
+    q1 = [4 / math.sqrt(12.5), 3 / math.sqrt(12.5)]
+    k = [3 / math.sqrt(4.5), 0.0]
+    r = 1 / math.sqrt(2)
+
+    def keep(q: list[float], bias: float) -> float:
+        logit = (k[0] * q[0] + k[1] * q[1]) * r + bias
+        sinks = [q[0] * r, q[1] * r]  # the sink keys are the unit vectors
+        return 1 / (1 + sum(math.exp(s - logit) for s in sinks))
+
+    expected = (keep(q0, 0.5) + keep(q1, -0.5)) / 2
+    scores = gate_scores(hidden, hand_gate())
+    assert scores.shape == (1, 1, 1)
+    assert scores.item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_saved_gates_load_bit_identically(tmp_path) -> None:
+    config = tiny_model().config
+    gates = stored(initial_gates(shape_of(config), seed=3))
+    path = tmp_path / f"{model_key(config)}.safetensors"
+    save_gates(path, gates, {"seed": "3"})
+    loaded = load_gates(path)
+    assert len(loaded) == len(gates)
+    for mine, theirs in zip(gates, loaded):
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[part], theirs[part]) for part in mine)
+
+
+def test_a_model_without_gates_is_refused_saying_how_to_train_them() -> None:
+    with pytest.raises(ValueError, match="no gates for model llama-.*kvevict train-gates --model"):
+        kvevict.EvictionCache(tiny_model(), "fastkvzip", budget=40)
+
+
+def test_a_gates_file_of_another_model_is_refused(tmp_path) -> None:
+    other = tiny_model(arch="llama").config
+    gates = initial_gates(shape_of(other))[:1]  # one layer: not this model's
+    path = tmp_path / "one-layer.safetensors"
+    save_gates(path, gates, {})
+    with pytest.raises(ValueError, match="are for .* this model has"):
+        kvevict.EvictionCache(tiny_model(), kvevict.make_policy("fastkvzip", gates=str(path)), budget=40)
+
+
+def test_each_entry_is_scored_by_its_layers_gate_on_the_attention_input(one_thread) -> None:
+    model = tiny_model()
+    ids = prompt(64)
+    inputs: dict[int, torch.Tensor] = {}
+
+    def remember(index: int, hidden: torch.Tensor, cache: object) -> None:
+        inputs.setdefault(index, hidden)
+
+    handles = hook_attention_inputs(model, remember)
+    cache = kvevict.EvictionCache(model, build_policy("fastkvzip[per_layer=true]"), budget=200)  # nothing evicted
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)
+    for handle in handles:
+        handle.remove()
+    gates = initial_gates(shape_of(model.config))
+    for layer in cache.eviction_layers:
+        expected = gate_scores(inputs[layer.layer_idx], gates[layer.layer_idx])
+        torch.testing.assert_close(layer.state["fastkvzip/score"], expected)
+
+
+@pytest.mark.parametrize(
+    "name", ["fastkvzip", "fastkvzip[per_layer=true]", "adakv+fastkvzip", "global+fastkvzip", "pyramidkv+fastkvzip"]
+)
+def test_the_prompt_is_compressed_at_prefill_under_any_allocator(name: str, one_thread) -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, build_policy(name), budget=40)
+    with torch.no_grad():
+        model(input_ids=prompt(96), past_key_values=cache)
+    held = sum(int(layer.head_lengths().sum()) for layer in cache.eviction_layers)
+    assert held <= 2 * 2 * 40 + 2  # a pooled budget: the whole pool, (rounding) at most one more per layer
+    assert max(cache.layer_lengths()) < 96
+
+
+@pytest.mark.parametrize("regime", ["decode", "both"])
+def test_decode_regimes_evict_while_decoding(regime: str, one_thread) -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, build_policy(f"fastkvzip[regime={regime}]"), budget=40)
+    greedy(model, prompt(30), cache, new_tokens=20)
+    assert cache.layer_lengths() == [40, 40]
+
+
+def test_a_decode_regime_cannot_pool_one_budget_across_layers() -> None:
+    with pytest.raises(ValueError, match="regime=prefill"):
+        build_policy("global+fastkvzip[regime=both]")
+
+
+@pytest.mark.slow
+def test_the_packaged_gates_keep_the_needle_snapkv_loses_on_smollm2(smollm2) -> None:
+    """Context-only compression of an offline RULER sample (the question comes after it): the
+    SmolLM2 gates shipped with the package keep the needle at keep 0.10, SnapKV's window does not."""
+    from kvevict.bench.tasks import get_task
+
+    model, tokenizer = smollm2
+    task = get_task("niah_single_1")
+    sample = task.samples(tokenizer, length=1024, count=1, seed=0)[0]
+
+    def score(policy: str) -> float:
+        text = kvevict.answer(
+            model,
+            tokenizer,
+            sample.context,
+            sample.question,
+            answer_prefix=sample.answer_prefix,
+            policy=policy,
+            keep=0.1,
+            max_new_tokens=sample.max_new_tokens,
+        )
+        return task.score(text, sample)
+
+    assert score("fastkvzip") == 1.0
+    assert score("snapkv") == 0.0
