@@ -159,6 +159,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", type=Path, default=Path("results/demo"), help="results directory (default: results/demo)"
     )
 
+    lm_eval = commands.add_parser(  # parsed by lm-eval itself (kvevict.lm_eval.main)
+        "lm-eval",
+        help="evaluate a policy on lm-evaluation-harness tasks (`kvevict lm-eval --help`)",
+        description="lm-eval's own command line with --model kvevict: kvevict lm-eval --model_args "
+        "pretrained=smollm2,policy=snapkv,budget=64 --tasks kvevict. Needs pip install 'kvevict[lm-eval]'.",
+    )
+    lm_eval.add_argument("args", nargs=argparse.REMAINDER, help="lm-eval's arguments")
+
     analyze = commands.add_parser(
         "analyze",
         help="measurements behind the papers' figures",
@@ -590,6 +598,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return module.main(argv[2:])
         except (ValueError, OSError) as err:  # bad input, missing files, an unknown hub id
             print(f"kvevict bench {name}: error: {err}", file=sys.stderr)
+            return EXIT_USAGE
+    if argv[:1] == ["lm-eval"]:  # lm-eval's own arguments, which its parser reads
+        try:
+            return importlib.import_module("kvevict.lm_eval").main(argv[1:])
+        except ModuleNotFoundError as err:
+            print(f"kvevict lm-eval: error: {err}", file=sys.stderr)
             return EXIT_USAGE
     parser = build_parser()
     args = parser.parse_args(argv)
