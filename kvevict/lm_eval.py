@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -210,8 +210,7 @@ class KvevictLM(HFLM):
         passes = sorted(shared, key=lambda key: (-len(key[0]), key))
         size = override_bs or (self.batch_size if isinstance(self.batch_size, int) else self.max_batch_size)
         results: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
-        for start in range(0, len(passes), size):
-            batch = passes[start : start + size]
+        for batch in self._batches(passes, size):
             for (inputs, scored), logits in zip(batch, self._score(batch)):
                 for index in shared[(inputs, scored)]:
                     key, _, continuation = requests[index]
@@ -222,13 +221,38 @@ class KvevictLM(HFLM):
                         self.cache_hook.add_partial("loglikelihood", key, results[index])
         return results
 
+    def _batches(
+        self, passes: Sequence[tuple[tuple[int, ...], int]], size: int
+    ) -> Iterator[list[tuple[tuple[int, ...], int]]]:
+        """``passes`` (longest first) in batches of up to ``size`` whose prompts span as many chunks:
+        a chunk that is all padding for a row, beside longer rows, does not give it what it gets
+        alone under every policy (one that evicts as the padding passes)."""
+        chunk = self._chunk()
+        batch: list[tuple[tuple[int, ...], int]] = []
+        for item in passes:
+            if batch and (len(batch) == size or self._chunks(batch[0], chunk) != self._chunks(item, chunk)):
+                yield batch
+                batch = []
+            batch.append(item)
+        if batch:
+            yield batch
+
+    def _chunk(self) -> int | None:
+        """The chunk of the prompts now prefilled (rolling texts are always chunked)."""
+        return self.settings.prefill_chunk or ROLLING_CHUNK if self._rolling else self.settings.prefill_chunk
+
+    def _chunks(self, item: tuple[tuple[int, ...], int], chunk: int | None) -> int:
+        """How many chunks the prompt of a pass spans (0 when prefilled in one pass)."""
+        inputs, scored = item
+        return 0 if chunk is None else -(-(len(inputs) - (0 if self._rolling else scored)) // chunk)
+
     @torch.inference_mode()
     def _score(self, batch: Sequence[tuple[tuple[int, ...], int]]) -> list[torch.Tensor]:
         """The log-probabilities ``[n, V]`` predicting the last ``n`` tokens after each ``inputs`` of ``batch``."""
         model, cache, pad = self.model, self.settings.cache(self.model), pad_token_id(self.tokenizer)
         rows = [torch.tensor([inputs], dtype=torch.long) for inputs, _ in batch]
         if self._rolling:
-            chunk = self.settings.prefill_chunk or ROLLING_CHUNK
+            chunk = self._chunk()
             ids, mask = pad_to_multiple(*left_padded(rows, pad), chunk, pad)
             logits = prefill(model, ids, cache, mask, chunk, every_logit=True)
         else:
@@ -259,6 +283,14 @@ class KvevictLM(HFLM):
         return ids, mask
 
     # -- generate_until -------------------------------------------------------------------------
+    def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
+        """``hf``'s generation (see :meth:`_model_generate`); prompts prefilled in chunks one at a time
+        (``hf`` batches prompts of any lengths, see :meth:`_batches`)."""
+        if self.settings.prefill_chunk is None:
+            return super().generate_until(requests, disable_tqdm=disable_tqdm)
+        generate = super().generate_until
+        return [text for request in requests for text in generate([request], disable_tqdm=True)]
+
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any):
         """``hf``'s generation after the prompt but its last token was prefilled under the policy."""
         mask = generation_kwargs.pop("attention_mask")
