@@ -75,7 +75,11 @@ def prefill(
         end = start + step
         extra = {} if mask is None else {"attention_mask": mask[:, :end], "position_ids": positions[:, start:end]}
         output = model(
-            input_ids=ids[:, start:end], **with_cache(cache), use_cache=True, logits_to_keep=int(not every_logit), **extra
+            input_ids=ids[:, start:end],
+            **with_cache(cache),
+            use_cache=True,
+            logits_to_keep=int(not every_logit),
+            **extra,
         )
         logits.append(output.logits)
     cache.end_prompt()

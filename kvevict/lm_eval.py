@@ -59,8 +59,7 @@ try:
     from lm_eval.models.huggingface import HFLM
 except ModuleNotFoundError as err:  # the optional extra
     raise ModuleNotFoundError(
-        f"kvevict's lm-eval model needs lm-evaluation-harness ({err.name} is missing): "
-        "pip install 'kvevict[lm-eval]'"
+        f"kvevict's lm-eval model needs lm-evaluation-harness ({err.name} is missing): pip install 'kvevict[lm-eval]'"
     ) from err
 
 TASKS = Path(__file__).parent / "lm_eval_tasks"
@@ -105,7 +104,7 @@ class CacheSettings:
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, str):
-            raise ValueError(f"model arg policy must be a policy spec such as snapkv[window=8], got {self.policy!r}")
+            raise TypeError(f"model arg policy must be a policy spec such as snapkv[window=8], got {self.policy!r}")
         policy = make_policy(self.policy)
         _integer("budget", self.budget, 1)
         if self.keep is not None and (isinstance(self.keep, bool) or not isinstance(self.keep, (int, float))):
@@ -172,7 +171,7 @@ class KvevictLM(HFLM):
                 device = "cuda"
             pretrained, tokenizer = load_model(pretrained, dtype, device, attn_implementation)
         elif not isinstance(pretrained, PreTrainedModel):
-            raise ValueError(f"model arg pretrained must be a model name, a path or a loaded model, got {pretrained!r}")
+            raise TypeError(f"model arg pretrained must be a model name, a path or a loaded model, got {pretrained!r}")
         tokenizer = tokenizer or tokenizer_of(pretrained.get_decoder())
         if tokenizer is None:
             raise ValueError("a loaded model (pretrained=) needs its tokenizer (tokenizer=)")
@@ -267,7 +266,8 @@ class KvevictLM(HFLM):
                 **with_cache(cache),
             ).logits
         return [
-            torch.log_softmax(row[-scored:], dim=-1, dtype=self.softmax_dtype) for row, (_, scored) in zip(logits, batch)
+            torch.log_softmax(row[-scored:], dim=-1, dtype=self.softmax_dtype)
+            for row, (_, scored) in zip(logits, batch)
         ]
 
     def _compress(
@@ -318,10 +318,11 @@ def main(argv: Sequence[str]) -> int:
     args = list(argv)
     if args[:1] not in (["run"], ["ls"], ["validate"]):
         args.insert(0, "run")
-    if args[0] != "ls" and "--include_path" not in args:
+    if not any(arg.split("=")[0] == "--include_path" for arg in args):
         args += ["--include_path", str(TASKS)]
     if args[0] == "run":
         named = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg in ("--model", "-M")]
+        named += [arg.split("=", 1)[1] for arg in args if arg.startswith("--model=")]
         if any(name != "kvevict" for name in named):
             print(f"kvevict lm-eval: error: the model is kvevict (got --model {named[0]})", file=sys.stderr)
             return 2
@@ -332,7 +333,7 @@ def main(argv: Sequence[str]) -> int:
     sys.argv = ["lm-eval", *args]
     try:
         cli_evaluate()
-    except ValueError as err:  # bad model args, a malformed task: one line
+    except (ValueError, TypeError) as err:  # bad model args, a malformed task: one line
         print(f"kvevict lm-eval: error: {err}", file=sys.stderr)
         return 2
     except SystemExit as exit_:

@@ -7,13 +7,13 @@ import torch
 
 pytest.importorskip("lm_eval", reason="the lm-eval extra is not installed: pip install 'kvevict[lm-eval]'")
 
-import lm_eval  # noqa: E402
-from lm_eval.models.huggingface import HFLM  # noqa: E402
-from lm_eval.tasks import TaskManager  # noqa: E402
+import lm_eval
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
 
-from kvevict.cli import main as cli_main  # noqa: E402
-from kvevict.lm_eval import TASKS, KvevictLM  # noqa: E402
-from tests.conftest import tiny_model  # noqa: E402
+from kvevict.cli import main as cli_main
+from kvevict.lm_eval import TASKS, KvevictLM
+from tests.conftest import tiny_model
 
 LONG, SHORT, GENERATE, ROLLING = "kvevict_niah_long", "kvevict_niah_short", "kvevict_niah_long_gen", "kvevict_essays"
 
@@ -47,7 +47,9 @@ def responses(results: dict, name: str) -> list:
 
 
 def log_likelihoods(results: dict, name: str) -> torch.Tensor:
-    values = [response[0] if isinstance(response[0], float) else response[0][0] for response in responses(results, name)]
+    values = [
+        response[0] if isinstance(response[0], float) else response[0][0] for response in responses(results, name)
+    ]
     return torch.tensor(values, dtype=torch.float64)
 
 
@@ -58,7 +60,7 @@ def test_full_gives_the_hf_model_s_numbers_on_the_embedded_model(smollm2, tasks)
     ours = evaluate(KvevictLM(pretrained=model, tokenizer=tokenizer, batch_size=4), tasks, [SHORT], limit=4)
     assert ours["results"][SHORT]["acc,none"] == hf["results"][SHORT]["acc,none"] == 1.0
     torch.testing.assert_close(log_likelihoods(ours, SHORT), log_likelihoods(hf, SHORT), rtol=0, atol=1e-4)
-    assert [greedy for (_, greedy), in responses(ours, SHORT)] == [greedy for (_, greedy), in responses(hf, SHORT)]
+    assert [greedy for ((_, greedy),) in responses(ours, SHORT)] == [greedy for ((_, greedy),) in responses(hf, SHORT)]
 
 
 def test_full_gives_the_hf_model_s_numbers_for_every_request_type(tiny, tokenizer, tasks) -> None:
