@@ -167,8 +167,8 @@ class KvevictLM(HFLM):
         if isinstance(pretrained, str):
             if tokenizer is not None:
                 raise ValueError("model arg tokenizer goes with a loaded model; pretrained= names one with its own")
-            if device is None and torch.cuda.is_available():
-                device = "cuda"
+            if device is None or (str(device).startswith("cuda") and not torch.cuda.is_available()):
+                device = "cuda" if torch.cuda.is_available() else None  # as hf; lm-eval's CLI says cuda:0 by default
             pretrained, tokenizer = load_model(pretrained, dtype, device, attn_implementation)
         elif not isinstance(pretrained, PreTrainedModel):
             raise TypeError(f"model arg pretrained must be a model name, a path or a loaded model, got {pretrained!r}")
@@ -308,8 +308,13 @@ class KvevictLM(HFLM):
         return output[:, extra:]
 
     def get_model_info(self) -> dict[str, Any]:
-        """What lm-eval records of the model, with the cache's settings."""
-        return {"kvevict": vars(self.settings) | {"one_by_one": self.one_by_one}}
+        """What lm-eval records of the model (``hf``'s, but the hub's commit, which a loaded model has
+        none of) and the cache's settings."""
+        return {
+            "model_num_parameters": self.model.num_parameters(),
+            "model_dtype": str(self.model.dtype),
+            "kvevict": vars(self.settings) | {"one_by_one": self.one_by_one},
+        }
 
 
 def main(argv: Sequence[str]) -> int:
