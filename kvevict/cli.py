@@ -7,10 +7,10 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvevict.commands import analyze, bench, demo, generate, policies, report, tasks, train_gates
+from kvevict.commands import analyze, bench, demo, generate, lm_eval, policies, report, tasks, train_gates
 from kvevict.commands.common import guarded
 
-COMMANDS = (policies, generate, tasks, bench, report, demo, analyze, train_gates)
+COMMANDS = (policies, generate, tasks, bench, report, demo, analyze, train_gates, lm_eval)
 """The command modules, in the order ``kvevict --help`` lists them; each has
 ``add_parser(commands)`` (see :mod:`kvevict.commands`)."""
 
@@ -37,6 +37,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if bench.is_subcommand(argv):  # beside bench's positional tasks
         return bench.run_subcommand(argv)
+    if lm_eval.is_command(argv):  # lm-eval's own arguments, which its parser reads
+        return lm_eval.run_passthrough(argv[1:])
     args = build_parser().parse_args(argv)
     return guarded(f"kvevict {args.command}", lambda: args.run(args), args.extra)
 

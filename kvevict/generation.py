@@ -52,13 +52,16 @@ def prefill(
     cache: EvictionCache,
     mask: torch.Tensor | None = None,
     chunk: int | None = None,
+    *,
+    every_logit: bool = False,
 ) -> torch.Tensor:
     """Process the prompt ``ids`` into ``cache``, compressed under its policy: in one pass, or
     ``chunk`` tokens per pass (each chunk attends to the retained entries plus itself, then the
     cache evicts back to its budget: never more than ``budget + chunk`` entries per KV head).
     ``mask``: the attention mask of a left-padded batch; real tokens get positions from 0, as in
     ``generate``. The prompt then ends: whatever is fed next is decoded, not compressed with it.
-    Returns the logits after the prompt's last token, ``[B, V]``."""
+    Returns the logits after the prompt's last token, ``[B, V]``; with ``every_logit``, those
+    after each of its tokens, ``[B, n, V]`` (each chunk's read through the entries retained before it)."""
     check_chunk(chunk)
     ids = ids.to(model.device)
     if cache.prompt_length is None and cache.get_seq_length() == 0:
@@ -67,12 +70,20 @@ def prefill(
         mask = mask.to(model.device)
         positions = padded_positions(mask)
     step = chunk or ids.shape[-1]
+    logits = []
     for start in range(0, ids.shape[-1], step):
         end = start + step
         extra = {} if mask is None else {"attention_mask": mask[:, :end], "position_ids": positions[:, start:end]}
-        output = model(input_ids=ids[:, start:end], **with_cache(cache), use_cache=True, logits_to_keep=1, **extra)
+        output = model(
+            input_ids=ids[:, start:end],
+            **with_cache(cache),
+            use_cache=True,
+            logits_to_keep=int(not every_logit),
+            **extra,
+        )
+        logits.append(output.logits)
     cache.end_prompt()
-    return output.logits[:, -1]
+    return torch.cat(logits, dim=1) if every_logit else output.logits[:, -1]
 
 
 def check_chunk(chunk: int | None) -> None:

@@ -18,6 +18,7 @@ EXIT_USAGE = 2
 
 EXTRAS: dict[str, tuple[str, ...]] = {
     "bench": ("datasets", "math_verify", "matplotlib", "rapidfuzz", "rouge", "wonderwords"),
+    "lm-eval": ("lm_eval",),
 }
 """The modules an optional dependency group of ``pyproject.toml`` brings that a core install
 lacks (``kvevict[bench]``: the benchmark, analysis and plotting stack; its ``tqdm`` comes with
