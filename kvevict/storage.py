@@ -33,6 +33,16 @@ class PackedEntries:
     held: torch.Tensor
     entries: dict[str, torch.Tensor]
 
+    def spread(self, name: str, columns: int, free: torch.Tensor) -> torch.Tensor:
+        """Entry ``name`` in the padded layout ``[B, Hkv, columns, ...]`` (``columns`` ≥ the
+        packed width): zeros, and free slots of row ``b`` at position ``free[b]``."""
+        held, entries = self.held, self.entries[name]
+        dense = entries.new_zeros((*held.shape[:2], columns, *entries.shape[1:]))
+        if name == "positions":
+            dense[:] = free.view(-1, 1, 1)
+        dense.narrow(2, 0, held.shape[-1])[held] = entries
+        return dense
+
 
 class Columns:
     """Views of a storage's first ``n`` columns (what a layer exposes as ``keys``, ``values``,
@@ -185,14 +195,7 @@ class LayerStorage:
         held, n = packed.held, packed.held.shape[-1]
         self.capacity = n + room
 
-        def spread(name: str) -> torch.Tensor:
-            entries = packed.entries[name]
-            dense = entries.new_zeros((*held.shape[:2], self.capacity, *entries.shape[1:]))
-            if name == "positions":
-                dense[:] = free.view(-1, 1, 1)
-            dense.narrow(2, 0, n)[held] = entries
-            return dense
-
+        spread = lambda name: packed.spread(name, self.capacity, free)
         self.keys, self.values, self.positions = spread("keys"), spread("values"), spread("positions")
         self.state = {name: spread(name) for name in self.state}
         self.valid = torch.zeros(*held.shape[:2], self.capacity, dtype=torch.bool, device=held.device)
@@ -207,15 +210,7 @@ class LayerStorage:
         inflate it)."""
         packed = self.packed
         assert packed is not None
-        held = packed.held
-        if name == "valid":
-            return held
-        entries = packed.entries[name]
-        dense = entries.new_zeros((*held.shape, *entries.shape[1:]))
-        if name == "positions":
-            dense[:] = free.view(-1, 1, 1)
-        dense[held] = entries
-        return dense
+        return packed.held if name == "valid" else packed.spread(name, packed.held.shape[-1], free)
 
     def leave_inference_mode(self) -> None:
         """Storage is written in place, which torch forbids on tensors made under ``inference_mode``
