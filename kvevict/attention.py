@@ -185,7 +185,9 @@ def _layer_mask(base: str, mask: torch.Tensor | None, query: torch.Tensor, layer
         if layer.window is not None:
             allowed &= window_mask(layer.positions, queries[..., 0], layer.window)
         if valid is not None:
-            allowed &= valid[:, :, None, :] | (positions == queries)
+            # a padding query (negative position) sees its own column; a real one only real entries
+            # (an unused column may hold a stale position equal to a real query's)
+            allowed &= valid[:, :, None, :] | ((positions == queries) & (queries < 0))
         allowed = allowed.repeat_interleave(query.shape[1] // allowed.shape[1], dim=1)
     if base == "sdpa":
         return allowed

@@ -236,7 +236,7 @@ class PassBookkeeping:
                 "of the first pass, with a real token in every row: pad the whole prompt on the left and feed it in "
                 "one pass, then decode (or batch prompts of equal length)"
             )
-        valid = self.storage.ensure_valid([(0, self.n)] * len(self.rows))
+        valid = self.storage.ensure_valid([(row.start, row.start + row.width) for row in self.rows])
         for i, (row, pad) in enumerate(zip(self.rows, pads)):
             if not pad:
                 continue

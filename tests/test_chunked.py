@@ -84,16 +84,27 @@ def test_chunked_prefill_holds_at_most_budget_plus_chunk(policy: str) -> None:
 
 
 @pytest.mark.parametrize(
+    "lengths",
+    [LENGTHS, (BUDGET + 10, PROMPT, BUDGET + 30)],  # the second: a short row's first chunks are only padding
+    ids=["padding-in-the-first-chunk", "chunks-of-padding-only"],
+)
+@pytest.mark.parametrize(
     "policy", [name for name in PREFILL_EVICTING if not kvevict.make_policy(name).deferred_prefill]
 )
-def test_chunked_prefill_of_a_left_padded_batch_gives_each_row_what_it_gets_alone(policy: str) -> None:
+def test_chunked_prefill_of_a_left_padded_batch_gives_each_row_what_it_gets_alone(
+    policy: str, lengths: tuple[int, ...]
+) -> None:
     model = tiny_model()
-    prompts = [prompt(length, seed=seed) for seed, length in enumerate(LENGTHS)]
+    prompts = [prompt(length, seed=seed) for seed, length in enumerate(lengths)]
     ids, mask = left_padded(prompts)
     cache = kvevict.EvictionCache(model, build_policy(policy), budget=BUDGET, prompt_length=ids.shape[1])
+    if cache.hidden is not None and max(lengths) - min(lengths) >= CHUNK:  # EpiKV's family reads hidden states
+        with pytest.raises(ValueError, match="padding only on the left of the first pass"):  # by column
+            chunked_greedy(model, ids, cache, CHUNK, new_tokens=1, mask=mask)
+        return
     batch_tokens, batch_logits = chunked_greedy(model, ids, cache, CHUNK, new_tokens=6, mask=mask)
     for row, alone_ids in enumerate(prompts):
-        pad = ids.shape[1] - alone_ids.shape[1]
+        pad = (ids.shape[1] - alone_ids.shape[1]) % CHUNK  # chunks of padding only: the row has not started
         alone = kvevict.EvictionCache(model, build_policy(policy), budget=BUDGET, prompt_length=alone_ids.shape[1])
         with torch.no_grad():  # the row's first chunk lost its padding columns: the same chunk boundaries
             model(input_ids=alone_ids[:, : CHUNK - pad], past_key_values=alone)
