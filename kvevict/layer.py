@@ -29,6 +29,7 @@ Must not touch: the cache's other layers, or tensors other than through its stor
 from __future__ import annotations
 
 import copy
+import math
 import weakref
 from typing import Any
 
@@ -444,6 +445,15 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         per_entry = sum(x[:1].numel() * x.element_size() for x in storage.packed.entries.values())
         mask = held[0].numel() * held.element_size()
         return [(count * per_entry + mask, count * kv_entry) for count in real]
+
+    def column_bytes(self) -> int:
+        """Bytes one column of one row takes in padded storage: a key and a value per KV head,
+        their positions, validity and per-token state (0 before the first pass)."""
+        if not self.is_initialized:
+            return 0
+        entries = self.storage.entries().values()  # shapes [B, Hkv, capacity, ...] (packed: capacity 0)
+        per_head = sum(math.prod(x.shape[3:]) * x.element_size() for x in entries) + torch.bool.itemsize  # + valid
+        return self.storage.keys.shape[1] * per_head
 
     def kv_bytes(self) -> int:
         """Bytes this layer's storage holds: keys, values, positions, validity, per-token state,

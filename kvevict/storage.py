@@ -24,6 +24,14 @@ SLACK = 16
 """Columns a storage may hold beyond its entries and its room to grow before it gives them back."""
 
 
+def capacity_bound(entries: int, room: int) -> int:
+    """The most columns a storage holds while it never holds more than ``entries`` entries per
+    row and head and keeps ``room`` columns to grow (the eviction interval): what it may keep
+    before :meth:`LayerStorage.fit` gives columns back, which also bounds geometric growth
+    (≤ 1.125×, or :data:`SLACK` columns more)."""
+    return entries + room + max(SLACK, entries // 4)
+
+
 @dataclass
 class PackedEntries:
     """A ragged layer's real entries between passes: ``held`` ``[B, Hkv, n]`` says which slots of
@@ -160,7 +168,7 @@ class LayerStorage:
         """Give back what the storage holds beyond ``used`` columns plus ``room`` to grow (the
         eviction interval) and a small slack: after an eviction compacted in place, after a
         prompt compressed, after a scoring pass. Costs one copy of the ``used`` columns, once."""
-        if self.capacity > used + room + max(SLACK, used // 4):
+        if self.capacity > capacity_bound(used, room):
             capacity = used + room
 
             def shrink(x: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,9 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 import kvevict
 from kvevict.policies.h2o import ACCUMULATED, H2O
 from kvevict.rows import LayerStack
-from kvevict.storage import Columns
+from kvevict.storage import Columns, capacity_bound
 from tests.conftest import COMMON, build_policy, greedy, prompt, reference_logits, tiny_model
+from tests.policies.test_contract import POLICIES
 
 
 def test_seq_length_counts_seen_tokens_and_mask_sizes_the_retained() -> None:
@@ -535,3 +536,30 @@ def test_long_decoding_keeps_a_bounded_number_of_views_and_reallocations() -> No
     assert len(views) <= 2 * len(cache.eviction_layers)
     assert len(buffers) <= 4  # 64 → 128 → 256 → 512 columns for 320 tokens
     assert recorder.scored == 320
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("interval", [None, 5])
+def test_a_row_never_holds_more_than_its_ceiling(policy: str, interval: int | None) -> None:
+    """What a scheduler reserves for a row (``row_ceiling``) bounds what every head of it holds
+    while it decodes: a decode-time policy its budget and interval (the prompt's entries until
+    its first eviction), any other policy its entries plus the new tokens; and the storage's
+    resident bytes stay within the capacity bound of that ceiling."""
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, build_policy(policy), budget=None if policy == "full" else 40, interval=interval)
+    new_tokens = 23
+    with torch.no_grad():
+        logits = model(input_ids=prompt(72), past_key_values=cache).logits
+        cache.end_prompt()
+        ceiling = cache.row_ceiling(0, new_tokens)
+        room = max(cache.sequences[0].interval, 1)
+        for step in range(new_tokens):
+            if step == 11:  # halfway, the ceiling of what is left is no higher
+                assert cache.row_ceiling(0, new_tokens - step) <= ceiling
+            logits = model(input_ids=logits[:, -1:].argmax(-1), past_key_values=cache).logits
+            assert cache.kv_bytes() <= capacity_bound(ceiling, room) * cache.column_bytes()
+    assert cache.decode_peak() <= ceiling
+    if cache.policy.evicts_in("decode"):
+        assert ceiling <= 40 + room + (72 if cache.policy.regime == "decode" else 0)
+    else:
+        assert ceiling == cache.decode_peak() == max(layer.rows[0].width for layer in cache.eviction_layers)
