@@ -9,13 +9,16 @@ would).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 from transformers import Cache, PreTrainedModel
 
+from kvevict.batching import left_padded
 from kvevict.cache import EvictionCache
 from kvevict.compat import with_cache
+from kvevict.generation import prefill
 
 
 @dataclass(frozen=True)
@@ -69,3 +72,45 @@ def reference_logits(model: PreTrainedModel, ids: torch.Tensor, answer: torch.Te
     """Full-cache logits predicting each ``answer`` token after ``ids`` (one forward pass)."""
     sequence = torch.cat([ids, answer[None, :-1].to(ids.device)], dim=-1).to(model.device)
     return model(input_ids=sequence).logits[0, ids.shape[-1] - 1 :]
+
+
+@torch.inference_mode()
+def teacher_forced(
+    model: PreTrainedModel,
+    prompts: Sequence[torch.Tensor],
+    sequences: Sequence[Sequence[int]],
+    make_cache: Callable[[], EvictionCache],
+    progress: bool = False,
+) -> list[tuple[float, float]]:
+    """Teacher-forced fidelity of a cache against the full cache along given sequences: row
+    ``i`` feeds ``prompts[i]`` ``[1, n_i]`` then ``sequences[i]`` (``T`` tokens each) token by
+    token, both through a cache from ``make_cache`` (evicting as generation would) and through
+    the full cache, as one left-padded batch each. At every one of the ``T`` positions the two
+    next-token distributions are compared; returns per row (top-1 agreement, mean
+    KL(full ‖ cache) in nats), in fp32 and the log domain. Fed a policy's own generation this
+    asks whether the full cache would have predicted it; fed the full cache's, whether the policy
+    would: neither breaks down because the free-running sequences diverged once."""
+    from tqdm import tqdm
+
+    length = len(sequences[0])
+    if any(len(tokens) != length for tokens in sequences) or len(prompts) != len(sequences):
+        raise ValueError("teacher forcing takes one sequence of the same number of tokens per prompt")
+    ids, mask = left_padded(list(prompts))
+    forced = torch.tensor([list(tokens) for tokens in sequences], device=model.device)
+    caches = [make_cache(), EvictionCache(model, "full")]
+    logits = [prefill(model, ids, cache, mask) for cache in caches]
+    agree = torch.zeros(len(prompts), device=model.device)
+    kl = torch.zeros(len(prompts), device=model.device)
+    for t in tqdm(range(length), desc="teacher forcing", unit="token", disable=not progress):
+        policy, full = (x.float().log_softmax(dim=-1) for x in logits)
+        agree += policy.argmax(dim=-1) == full.argmax(dim=-1)
+        kl += (full.exp() * (full - policy)).sum(dim=-1).clamp_min(0)
+        if t + 1 < length:
+            token = forced[:, t : t + 1]
+            logits = [
+                model(input_ids=token, position_ids=cache.next_positions(), **with_cache(cache)).logits[:, -1]
+                for cache in caches
+            ]
+    for cache in caches:
+        cache.close()
+    return [(a / length, k / length) for a, k in zip(agree.tolist(), kl.tolist())]

@@ -201,7 +201,7 @@ Builder = Callable[[int, random.Random], Prompt]
 """Builds the prompt at a haystack size, drawing what depends on the size from the given RNG."""
 
 
-def _parts(template: str, answer_prefix: str, **fields: object) -> tuple[str, str, str]:
+def template_parts(template: str, answer_prefix: str, **fields: object) -> tuple[str, str, str]:
     """RULER's template cut at ``{context}``: the text before the haystack, the question (without
     the newline before it) and the answer prefix (without its leading space)."""
     before, question = template.split("{context}")
@@ -305,7 +305,7 @@ def _draw_kind(kind: Kind, rng: random.Random) -> str:
     return str(uuid.UUID(int=rng.getrandbits(128), version=4))
 
 
-def _singular(text: str) -> str:
+def singular(text: str) -> str:
     """RULER's rewording of the niah template when exactly one value is asked for."""
     for old, new in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
         text = text.replace(old, new)
@@ -344,8 +344,8 @@ class Niah(RulerTask):
         query = ", ".join(queries[:-1]) + ", and " + queries[-1] if len(queries) > 1 else queries[0]
         template, answer_prefix, type_needle_v = NIAH_TEMPLATE, NIAH_ANSWER_PREFIX, self.value_type
         if len(answers) == 1:
-            template, answer_prefix, type_needle_v = _singular(template), _singular(answer_prefix), type_needle_v[:-1]
-        before, question, prefix = _parts(template, answer_prefix, type_needle_v=type_needle_v, query=query)
+            template, answer_prefix, type_needle_v = singular(template), singular(answer_prefix), type_needle_v[:-1]
+        before, question, prefix = template_parts(template, answer_prefix, type_needle_v=type_needle_v, query=query)
         depths = sorted(rng.sample(DEPTHS, len(needles))) if self.haystack == "essay" else []
 
         def build(size: int, rng: random.Random) -> Prompt:
@@ -475,7 +475,7 @@ class VariableTracking(RulerTask):
     def _draw(self, rng: random.Random, tokenizer: PreTrainedTokenizerBase, length: int) -> Builder:
         example = f"{self._example(rng, tokenizer, 500)}\n\n" if length >= EXAMPLE_MIN_LENGTH else ""
         groups, chains, value = self._chains(rng, 5)
-        before, question, prefix = _parts(VT_TEMPLATE, VT_ANSWER_PREFIX, query=value, num_v=self.num_hops + 1)
+        before, question, prefix = template_parts(VT_TEMPLATE, VT_ANSWER_PREFIX, query=value, num_v=self.num_hops + 1)
 
         def build(size: int, rng: random.Random) -> Prompt:
             context = f"{example}{before}{self._haystack(chains, size, rng)}"
@@ -529,7 +529,7 @@ class CommonWords(RulerTask):
             listed, common = self._words(rng, *((20, 3, 1) if short else (40, 10, 3)))
             example = f"{CWE_TEMPLATE.format(context=listed)}{CWE_ANSWER_PREFIX} {_numbered(common)}\n"
         frequencies = (6, 1) if short else (self.freq_cw, self.freq_ucw)
-        before, question, prefix = _parts(CWE_TEMPLATE, CWE_ANSWER_PREFIX)
+        before, question, prefix = template_parts(CWE_TEMPLATE, CWE_ANSWER_PREFIX)
 
         def build(size: int, rng: random.Random) -> Prompt:
             listed, common = self._words(rng, size, *frequencies)
@@ -568,7 +568,7 @@ class FrequentWords(RulerTask):
         )
         vocabulary[0] = "..."
         shares = [k**-self.alpha / zeta(self.alpha) for k in range(1, len(vocabulary) + 1)]
-        before, question, prefix = _parts(FWE_TEMPLATE, FWE_ANSWER_PREFIX)
+        before, question, prefix = template_parts(FWE_TEMPLATE, FWE_ANSWER_PREFIX)
 
         def build(size: int, rng: random.Random) -> Prompt:
             words = [word for word, share in zip(vocabulary, shares, strict=True) for _ in range(int(size * share))]

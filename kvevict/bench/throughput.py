@@ -1,33 +1,30 @@
-"""``kvevict bench throughput``: sequences served per second under a KV memory cap.
+"""``kvevict bench throughput``: sequences served per second under a cap on resident KV memory.
 
 For each setting (policy × budget or keep; the full cache always runs first, as the
-reference) ``N`` prompts are served by one loop of continuous batching:
+reference) the jobs of one *workload* are served by continuous batching
+(:mod:`kvevict.bench.serving`: admission by each row's ceiling, resident bytes):
 
-* **Admission.** A prompt is admitted while the KV memory of the running batch, reserved to
-  the end of every running sequence (what each row holds now plus one entry per head and
-  layer for each token it still has to feed), plus the new prompt's prefill transient and
-  its own decode growth, fits in ``--memory-cap``. The prefill transient is the whole
-  prompt when it is prefilled in one pass, and the most entries a head held while an
-  earlier prompt of the setting was prefilled in chunks (``EvictionCache.peak_entries``;
-  ``budget + chunk`` under a uniform allocation). A prompt is prefilled in one pass (the
-  fastest) when that fits, else in chunks of ``--prefill-chunk`` where the policy can score
-  a prompt chunk by chunk and that admits it.
-* **Compression.** Each admitted prompt is prefilled alone into a batch-1
-  :class:`~kvevict.cache.EvictionCache` (compressed under the policy), then spliced into the
-  running batch (``EvictionCache.splice``): into the slot of a finished sequence, or as a
-  new row.
-* **Decoding.** The running sequences decode together, one greedy token per row and step,
-  each at its own position; a finished sequence (``--new-tokens`` tokens) frees its slot.
+* ``oneshot``: ``--prompts`` prompts of ``--length`` tokens from ``--task`` (a long context
+  and its question), ``--new-tokens`` generated after each; prefilled in one pass, or in
+  chunks of ``--prefill-chunk`` where only that admits them. Quality: top-1 agreement of each
+  sequence's tokens with the full cache's, position by position.
+* ``longgen``: ``--prompts`` short essay prompts (:mod:`kvevict.bench.longgen`) and long
+  generations (``--new-tokens`` in the hundreds to thousands, no repeated 4-gram, no early
+  end). The free-running agreement falls as soon as a sequence diverges once, so each record
+  also carries **teacher-forced fidelity** (:func:`~kvevict.bench.fidelity.teacher_forced`):
+  the full cache's sequences fed through the policy and the policy's fed through the full
+  cache, top-1 agreement and KL at every generated position (``teacher_forced_top1``,
+  ``teacher_forced_kl``: both directions' mean; ``teacher_forced`` has each).
+* ``ask``: *compress once, ask many times*. ``--prompts`` documents of ``--length`` tokens,
+  ``--questions`` needle questions each (:mod:`kvevict.bench.documents`); each document is
+  compressed once, context-only, and every question answered from a copy of its compressed
+  cache (the full cache's peer: prefix caching, the context computed once and copied).
+  Reported: answers per second, the task score, resident KV MiB per compressed document.
 
-KV memory is computed from the tensors the caches hold: the entries of each row (its
-longest head, for all its heads, every layer: ``EvictionCache.row_bytes``), plus the
-prefill transient; ``peak_kv_bytes`` is the most held at any moment (within a decode step,
-before it evicts; within a prefill, at its peak). Storage slack (preallocated columns) and
-activations are not counted. Quality: top-1 agreement of each sequence's greedy tokens with
-the full cache's, position by position, averaged over the sequences.
-
-One JSON line per setting in ``OUT/throughput.jsonl``, written when the setting finished;
-a rerun skips finished settings. A benchmark, never a test: timings depend on the machine.
+``--new-tokens`` may list several lengths (``256,1024``): every setting runs at each, so the
+ratio to the full cache can be read against generation length. One JSON line per setting and
+length in ``OUT/throughput.jsonl``, written when it finished; a rerun skips finished ones.
+A benchmark, never a test: timings depend on the machine.
 """
 
 from __future__ import annotations
@@ -36,11 +33,10 @@ import argparse
 import json
 import math
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -48,27 +44,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvevict.bench.memory import MIB
 from kvevict.bench.options import comma_separated
 from kvevict.bench.report import text_table
-from kvevict.cache import EvictionCache
-from kvevict.compat import with_cache
+from kvevict.bench.serving import Served, Server
+from kvevict.bench.workloads import Document, Learned, Library, PromptJob, QuestionJob, Setting
 from kvevict.figures import pyplot, save_figure
-from kvevict.generation import prefill
 from kvevict.policies import make_policy
 
 RESULTS_FILE = "throughput.jsonl"
-
-
-@dataclass(frozen=True)
-class Setting:
-    """One policy at one budget (tokens per KV head) or keep (fraction of the prompt)."""
-
-    policy: str
-    budget: int | None = None
-    keep: float | None = None
-
-    @property
-    def label(self) -> str:
-        size = f"budget {self.budget}" if self.budget is not None else f"keep {self.keep}" if self.keep else ""
-        return f"{self.policy} {size}".strip()
+Workload = Literal["oneshot", "longgen", "ask"]
+WORKLOADS: tuple[str, ...] = ("oneshot", "longgen", "ask")
 
 
 @dataclass(frozen=True)
@@ -83,9 +66,14 @@ class ThroughputConfig:
     memory_cap_mib: float
     prefill_chunk: int | None = 256
     seed: int = 0
+    workload: Workload = "oneshot"
+    questions: int = 8
+    """Questions per document (``ask``)."""
+    fidelity: bool = True
+    """Teacher-forced fidelity of every ``longgen`` setting (two extra forced decodes, untimed)."""
 
     def __post_init__(self) -> None:
-        for name in ("prompts", "length", "new_tokens"):
+        for name in ("prompts", "length", "new_tokens", "questions"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -93,6 +81,8 @@ class ThroughputConfig:
             raise ValueError(f"the memory cap must be a positive number of MiB, got {self.memory_cap_mib}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"the prefill chunk must be a positive number of tokens, got {self.prefill_chunk}")
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"unknown workload {self.workload!r}: choose one of {', '.join(WORKLOADS)}")
 
     @property
     def cap_bytes(self) -> int:
@@ -120,152 +110,36 @@ def token_bytes(model: PreTrainedModel) -> int:
     return 2 * config.num_hidden_layers * heads * head_dim * model.dtype.itemsize
 
 
-def _chunk_for(setting: Setting, chunk: int | None, cache: EvictionCache, length: int) -> int | None:
-    """The prefill chunk ``setting`` may use: where the policy scores a prompt chunk by chunk and
-    its budget plus a chunk holds less than the whole prompt (None: one pass only). A decode-time
-    policy that evicts later chunks holds the first one whole, so it takes chunks of at most its
-    budget (:class:`~kvevict.policies.selection.PromptKeeping`)."""
-    policy = cache.policy
-    if chunk is None or setting.policy == "full" or policy.deferred_prefill or not policy.evicts_in("prefill", True):
-        return None
-    budget = cache.budget.resolve(length)
-    if budget is None or budget + chunk >= length:
-        return None
-    return chunk if policy.evicts_in("prefill") or chunk <= budget else None
-
-
-def _chunk_peak(cache: EvictionCache, length: int, chunk: int, measured: int) -> int:
-    """Entries per head a chunked prefill will hold at most: ``budget + chunk`` under a uniform
-    allocation; else the most an earlier chunked prefill of the setting held (the whole prompt
-    before any was measured: layer- and head-wise budgets exceed the budget on some heads)."""
-    if measured:
-        return measured
-    if cache.policy.allocator.name == "uniform":
-        return min(length, cache.budget.resolve(length) + chunk)
-    return length
-
-
-@dataclass
-class _Served:
-    """Counters of one setting's run."""
-
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    prompt_tokens: int = 0
-    peak_bytes: int = 0
-    max_batch: int = 0
-    prefill_peak: int = 0
-    """Most entries per head a chunked prefill of this setting held (the next one's prediction)."""
-
-
-@torch.inference_mode()
-def serve(
-    model: PreTrainedModel,
-    prompts: Sequence[torch.Tensor],
-    setting: Setting,
-    new_tokens: int,
-    cap_bytes: int,
-    chunk: int | None = None,
-) -> tuple[list[list[int]], dict[str, Any]]:
-    """Generate ``new_tokens`` greedy tokens after each prompt ``[1, n]`` under ``cap_bytes`` of
-    KV memory (module docstring); returns the tokens of each prompt and the run's figures."""
-    per_token = token_bytes(model)
-    budget = {} if setting.policy == "full" else {"budget": setting.budget, "keep": setting.keep}
-    pending = list(range(len(prompts)))
-    outputs: list[list[int]] = [[] for _ in prompts]
-    batch: EvictionCache | None = None
-    slots: list[int | None] = []  # the sequence each batch row serves (None: finished, free)
-    served, chunks = _Served(), [None] * len(prompts)
-    start = time.perf_counter()
-
-    def held() -> int:
-        rows = batch.row_bytes() if batch is not None else []
-        return sum(allocated for (allocated, _), seq in zip(rows, slots) if seq is not None)
-
-    def reserved() -> int:
-        return held() + sum(new_tokens - len(outputs[seq]) for seq in slots if seq is not None) * per_token
-
-    def retire() -> None:
-        """Free the slots of finished sequences (the whole batch once none runs)."""
-        nonlocal batch, slots
-        slots = [None if seq is None or len(outputs[seq]) >= new_tokens else seq for seq in slots]
-        if batch is not None and all(seq is None for seq in slots):
-            batch.close()
-            batch, slots = None, []
-
-    while pending or slots:
-        retire()
-        while pending:  # admit while the cap holds the running batch, the prefill transient and the newcomer's growth
-            ids = prompts[pending[0]]
-            cache = EvictionCache(model, setting.policy, prompt_length=ids.shape[-1], **budget)
-            chunk_used, transient = None, ids.shape[-1]  # one pass (fastest) while the whole prompt fits
-            chunkable = _chunk_for(setting, chunk, cache, ids.shape[-1])
-            if reserved() + (transient + new_tokens) * per_token > cap_bytes and chunkable is not None:
-                chunk_used, transient = chunkable, _chunk_peak(cache, ids.shape[-1], chunkable, served.prefill_peak)
-            if reserved() + (transient + new_tokens) * per_token > cap_bytes:
-                cache.close()
-                if any(seq is not None for seq in slots):
-                    break  # wait for a running sequence to finish
-                raise ValueError(
-                    f"the memory cap ({cap_bytes / MIB:.1f} MiB) holds no {setting.label} sequence: one needs "
-                    f"{(transient + new_tokens) * per_token / MIB:.1f} MiB ({transient} prompt entries per head "
-                    f"+ {new_tokens} new tokens)"
-                )
-            seq = pending.pop(0)
-            before, tick = held(), time.perf_counter()
-            logits = prefill(model, ids, cache, chunk=chunk_used)
-            served.prefill_s += time.perf_counter() - tick
-            served.prompt_tokens += ids.shape[-1]
-            served.peak_bytes = max(served.peak_bytes, before + cache.peak_entries() * per_token)
-            if chunk_used is not None:
-                served.prefill_peak = max(served.prefill_peak, cache.peak_entries())
-            chunks[seq] = chunk_used
-            outputs[seq].append(int(logits[0].argmax()))
-            if batch is None:
-                batch, slots = cache, [seq]
-            else:
-                row = slots.index(None) if None in slots else len(slots)
-                batch.splice(row, cache)  # the finished sequence's slot, or a new row
-                cache.close()
-                slots[row : row + 1] = [seq]
-            served.max_batch = max(served.max_batch, sum(seq is not None for seq in slots))
-        retire()
-        free = [row for row, seq in enumerate(slots) if seq is None]
-        if free:  # no newcomer fits into these slots now
-            batch.remove_rows(free)
-            slots = [seq for seq in slots if seq is not None]
-        if not slots:
-            continue
-        tokens = torch.tensor([[outputs[seq][-1]] for seq in slots], device=model.device)
-        served.peak_bytes = max(served.peak_bytes, held() + len(slots) * per_token)  # appended, not yet evicted
-        tick = time.perf_counter()
-        logits = model(input_ids=tokens, position_ids=batch.next_positions(), **with_cache(batch)).logits[:, -1]
-        served.decode_s += time.perf_counter() - tick
-        for seq, token in zip(slots, logits.argmax(-1).tolist()):
-            outputs[seq].append(token)
-    seconds = time.perf_counter() - start
-    generated = len(prompts) * new_tokens
-    figures = {
-        "sequences": len(prompts),
-        "max_batch": served.max_batch,
-        "peak_kv_bytes": served.peak_bytes,
-        "prefill_chunk": max((c for c in chunks if c is not None), default=None),
-        "prefill_chunks": chunks,  # per sequence: None where it was prefilled in one pass
-        "prompt_tokens": served.prompt_tokens,
-        "prefill_tokens_per_s": served.prompt_tokens / served.prefill_s,
-        "decode_tokens_per_s": (generated - len(prompts)) / served.decode_s if served.decode_s else None,
-        "tokens_per_s": generated / seconds,
-        "seconds": seconds,
-        "prefill_seconds": served.prefill_s,
-        "decode_seconds": served.decode_s,
-    }
-    return outputs, figures
+def estimate_column_bytes(model: PreTrainedModel) -> int:
+    """Resident bytes of one entry column of one row before a cache has shown its own: keys and
+    values plus each KV head's position (int64) and validity (bool); per-token policy state
+    joins once the first cache of a setting is built."""
+    config = model.config.get_text_config(decoder=True)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return token_bytes(model) + config.num_hidden_layers * heads * (8 + 1)
 
 
 def agreement(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> float:
     """Top-1 agreement: the share of positions where each sequence's greedy token is the reference's."""
-    same = [a == b for out, ref in zip(outputs, reference, strict=True) for a, b in zip(out, ref, strict=True)]
-    return sum(same) / len(same)
+    same = [a == b for out, ref in zip(outputs, reference, strict=True) for a, b in zip(out, ref)]
+    return sum(same) / max(len(same), 1)
+
+
+def _figures(served: Served, jobs: int, prompt_tokens: int) -> dict[str, Any]:
+    generated = sum(len(out) for out in served.outputs)
+    return {
+        "sequences": jobs,
+        "max_batch": served.max_batch,
+        "mean_batch": sum(served.batch_sizes) / len(served.batch_sizes) if served.batch_sizes else 0.0,
+        "peak_kv_bytes": served.peak_bytes,
+        "prompt_tokens": prompt_tokens,
+        "prefill_tokens_per_s": prompt_tokens / served.prefill_s if served.prefill_s else None,
+        "decode_tokens_per_s": (generated - jobs) / served.decode_s if served.decode_s else None,
+        "tokens_per_s": generated / served.seconds,
+        "seconds": served.seconds,
+        "prefill_seconds": served.prefill_s,
+        "decode_seconds": served.decode_s,
+    }
 
 
 class ThroughputStore:
@@ -295,113 +169,276 @@ def identity(config: ThroughputConfig, setting: Setting) -> dict[str, Any]:
 
 
 def task_prompts(config: ThroughputConfig, tokenizer: PreTrainedTokenizerBase) -> list[torch.Tensor]:
-    """The token ids of ``config.prompts`` samples of ``config.task`` (context, question and answer prefix)."""
+    """The token ids of ``config.prompts`` samples of the workload's task (``longgen``'s essay
+    prompts for the long-generation workload; context, question and answer prefix otherwise)."""
     from kvevict.bench.runner import PromptIds
     from kvevict.bench.tasks import get_task
 
-    samples = get_task(config.task).samples(tokenizer, length=config.length, count=config.prompts, seed=config.seed)
+    task = "longgen" if config.workload == "longgen" else config.task
+    samples = get_task(task).samples(tokenizer, length=config.length, count=config.prompts, seed=config.seed)
     return [PromptIds.of(tokenizer, sample).ids for sample in samples]
+
+
+def ask_documents(config: ThroughputConfig, tokenizer: PreTrainedTokenizerBase) -> list[Document]:
+    """``config.prompts`` documents with ``config.questions`` questions each (the ``ask`` workload)."""
+    from kvevict.bench.documents import documents
+    from kvevict.bench.runner import PromptIds
+
+    grouped = documents(
+        tokenizer, length=config.length, count=config.prompts, questions=config.questions, seed=config.seed
+    )
+    built = []
+    for samples in grouped:
+        prompts = [PromptIds.of(tokenizer, sample) for sample in samples]
+        context = prompts[0].head
+        tails = [prompt.ids[:, context.shape[-1] :] for prompt in prompts]
+        built.append(Document(context, tails, samples))
+    return built
+
+
+def workload_inputs(config: ThroughputConfig, tokenizer: PreTrainedTokenizerBase) -> list[Any]:
+    """What the configuration's workload serves: prompts, or documents with their questions."""
+    return ask_documents(config, tokenizer) if config.workload == "ask" else task_prompts(config, tokenizer)
+
+
+def _stop_tokens(model: PreTrainedModel) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+
+
+def serve_setting(
+    model: PreTrainedModel,
+    inputs: Sequence[Any],
+    config: ThroughputConfig,
+    setting: Setting,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+) -> tuple[list[list[int]], dict[str, Any]]:
+    """Serve the workload's jobs under ``setting``; returns each job's tokens and the figures."""
+    from kvevict.bench.workloads import EssayTokens
+
+    learned = Learned()
+    if config.workload == "ask":
+        library = Library(model, inputs, setting, learned)
+        jobs = [
+            QuestionJob(library, d, q, config.new_tokens)
+            for d, doc in enumerate(inputs)
+            for q in range(len(doc.questions))
+        ]
+        server = Server(model, config.cap_bytes, stop_tokens=_stop_tokens(model), shared_bytes=library.resident_bytes)
+        prompt_tokens = sum(doc.context.shape[-1] + sum(q.shape[-1] for q in doc.questions) for doc in inputs)
+    else:
+        jobs = [PromptJob(model, ids, setting, config.new_tokens, learned, config.prefill_chunk) for ids in inputs]
+        essay = EssayTokens(banned=_stop_tokens(model)) if config.workload == "longgen" else None
+        server = Server(model, config.cap_bytes, next_tokens=essay)
+        prompt_tokens = sum(ids.shape[-1] for ids in inputs)
+    served = server.serve(jobs, estimate_column_bytes(model))
+    figures = _figures(served, len(jobs), prompt_tokens)
+    if config.workload == "ask":
+        figures |= _answers(served, inputs, library, tokenizer)
+    else:
+        figures["prefill_chunks"] = learned.chunks  # per sequence: None where it was prefilled in one pass
+        figures["prefill_chunk"] = max((c for c in learned.chunks if c is not None), default=None)
+    return served.outputs, figures
+
+
+def _answers(served: Served, documents: Sequence[Document], library: Library, tokenizer) -> dict[str, Any]:
+    """The ``ask`` workload's figures: answers per second, the task score, KV per document."""
+    from kvevict.bench.documents import score
+
+    if tokenizer is None:
+        raise ValueError("the ask workload scores answers, which needs the model's tokenizer")
+    samples = [sample for doc in documents for sample in doc.samples]
+    answers = [tokenizer.decode(tokens, skip_special_tokens=True).strip() for tokens in served.outputs]
+    scores = [score(answer, sample) for answer, sample in zip(answers, samples, strict=True)]
+    return {
+        "answers": len(answers),
+        "answers_per_s": len(answers) / served.seconds,
+        "score": 100 * sum(scores) / len(scores),
+        "kv_bytes_per_document": sum(library.document_bytes) / len(library.document_bytes),
+        "predictions": answers,
+    }
+
+
+def _teacher_forced(
+    model: PreTrainedModel, prompts: Sequence[torch.Tensor], setting: Setting, outputs: list, reference: list
+) -> dict[str, Any]:
+    """Both directions of teacher-forced fidelity against the full cache (the full cache: 1 and 0)."""
+    from kvevict.bench.fidelity import teacher_forced
+
+    if setting.policy == "full":
+        directions = {"full_through_policy": (1.0, 0.0), "policy_through_full": (1.0, 0.0)}
+    else:
+        length = max(ids.shape[-1] for ids in prompts)
+        rows = teacher_forced(model, [*prompts, *prompts], [*reference, *outputs], lambda: setting.cache(model, length))
+        n = len(prompts)
+        directions = {
+            name: (sum(a for a, _ in part) / n, sum(k for _, k in part) / n)
+            for name, part in (("full_through_policy", rows[:n]), ("policy_through_full", rows[n:]))
+        }
+    top1 = sum(a for a, _ in directions.values()) / 2
+    kl = sum(k for _, k in directions.values()) / 2
+    detail = {name: {"top1": a, "kl": k} for name, (a, k) in directions.items()}
+    return {"teacher_forced_top1": top1, "teacher_forced_kl": kl, "teacher_forced": detail}
 
 
 def run_throughput(
     model: PreTrainedModel,
-    prompts: Sequence[torch.Tensor],
+    inputs: Sequence[Any],
     config: ThroughputConfig,
     runs: Sequence[Setting],
     out: str | Path,
     progress: bool = True,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> list[dict[str, Any]]:
-    """Serve ``prompts`` under every setting (the full cache first), into ``out``; returns the records."""
+    """Serve the workload's ``inputs`` (prompts ``[1, n]``, or :class:`Document` for ``ask``)
+    under every setting (the full cache first), into ``out``; returns the records."""
     from tqdm import tqdm
 
-    if len(prompts) != config.prompts:
-        raise ValueError(f"{len(prompts)} prompts given, the configuration says {config.prompts}")
+    if len(inputs) != config.prompts:
+        raise ValueError(f"{len(inputs)} prompts given, the configuration says {config.prompts}")
     store = ThroughputStore(out)
     runs = [Setting("full"), *(s for s in runs if s.policy != "full")]
-    records = []
-    for setting in tqdm(runs, desc="bench throughput", unit="setting", disable=not progress):
+    records: list[dict[str, Any]] = []
+    for setting in tqdm(runs, desc=f"bench throughput ({config.workload})", unit="setting", disable=not progress):
         record = store.get(identity(config, setting))
         if record is None:
-            outputs, figures = serve(model, prompts, setting, config.new_tokens, config.cap_bytes, config.prefill_chunk)
+            outputs, figures = serve_setting(model, inputs, config, setting, tokenizer)
             reference = outputs if setting.policy == "full" else records[0]["outputs"]
             record = {**identity(config, setting), **figures, "quality": agreement(outputs, reference)}
+            if config.workload == "longgen" and config.fidelity:
+                record |= _teacher_forced(model, inputs, setting, outputs, reference)
             record["outputs"] = outputs
             store.add(record)
         records.append(record)
     return records
 
 
+def _size(record: dict[str, Any]) -> str:
+    if record["policy"] == "full":
+        return "-"
+    return str(record["budget"]) if record["budget"] is not None else f"keep {record['keep']:g}"
+
+
+def _rate(record: dict[str, Any]) -> float:
+    """What a workload serves per second: answers (``ask``), else tokens, end to end."""
+    return record["answers_per_s"] if record.get("workload") == "ask" else record["tokens_per_s"]
+
+
 def format_table(records: Sequence[dict[str, Any]]) -> str:
-    full = next(r for r in records if r["policy"] == "full")
-    rows = []
-    for r in records:
-        size = "-" if r["policy"] == "full" else str(r["budget"] if r["budget"] is not None else f"keep {r['keep']}")
-        rows.append(
-            [
-                r["policy"],
-                size,
-                str(r["prefill_chunk"] or "-"),
-                str(r["max_batch"]),
-                f"{r['peak_kv_bytes'] / MIB:.1f}",
-                f"{r['prefill_tokens_per_s']:.0f}",
-                "-" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.1f}",
-                f"{r['tokens_per_s']:.2f}",
-                f"{r['tokens_per_s'] / full['tokens_per_s']:.2f}x",
-                _share(r),
-                f"{r['quality']:.3f}",
-            ]
+    """One table per generation length, every setting a row, its rate against the full cache's."""
+    first = records[0]
+    workload = first.get("workload", "oneshot")
+    header = ["policy", "budget", "max batch", "mean batch", "peak KV MiB"]
+    if workload == "ask":
+        header += ["KV MiB / doc", "answers/s", "vs full", "score"]
+    else:
+        header += ["chunk", "decode tok/s", "tok/s", "vs full", "prefill share", "top-1 free"]
+        header += ["top-1 forced", "KL forced"] if workload == "longgen" else []
+    lines = []
+    for length in dict.fromkeys(r["new_tokens"] for r in records):
+        group = [r for r in records if r["new_tokens"] == length]
+        full = next(r for r in group if r["policy"] == "full")
+        rows = []
+        for r in group:
+            cells = [r["policy"], _size(r), str(r["max_batch"]), f"{r.get('mean_batch', 0):.1f}"]
+            cells.append(f"{r['peak_kv_bytes'] / MIB:.1f}")
+            if workload == "ask":
+                cells += [f"{r['kv_bytes_per_document'] / MIB:.2f}", f"{r['answers_per_s']:.2f}"]
+                cells += [f"{_rate(r) / _rate(full):.2f}x", f"{r['score']:.1f}"]
+            else:
+                decode = "-" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.1f}"
+                cells += [str(r["prefill_chunk"] or "-"), decode, f"{r['tokens_per_s']:.2f}"]
+                cells += [f"{_rate(r) / _rate(full):.2f}x", _share(r), f"{r['quality']:.3f}"]
+                if workload == "longgen":
+                    forced = r.get("teacher_forced_top1")
+                    cells += ["-", "-"] if forced is None else [f"{forced:.3f}", f"{r['teacher_forced_kl']:.3f}"]
+            rows.append(cells)
+        unit = f"{first['questions']} questions per document" if workload == "ask" else "prompts"
+        title = (
+            f"{workload} under {first['memory_cap_mib']:g} MiB of resident KV: {first['prompts']} "
+            f"{'documents' if workload == 'ask' else unit} of ~{first['length']} tokens"
+            + (f", {unit}" if workload == "ask" else "")
+            + f", {length} new tokens each"
         )
-    header = ["policy", "budget", "chunk", "max batch", "peak KV MiB", "prefill tok/s", "decode tok/s"]
-    header += ["tok/s", "vs full", "prefill share", "top-1 agreement"]
-    cap = records[0]["memory_cap_mib"]
-    title = f"throughput under {cap:g} MiB of KV, {records[0]['prompts']} prompts of ~{records[0]['length']} tokens"
-    return "\n".join([f"{title}, {records[0]['new_tokens']} new tokens each", *text_table(header, rows)])
+        lines += [title, *text_table(header, rows), ""]
+    return "\n".join(lines).rstrip()
 
 
 def _share(record: dict[str, Any]) -> str:
     """The share of the run's time spent prefilling. Prefill is the same work under every
     policy, so ``1 / share`` of the full cache bounds what any policy's ratio can reach."""
-    if "prefill_seconds" not in record:  # a record written before this figure existed
-        return "-"
     return f"{record['prefill_seconds'] / record['seconds']:.0%}"
 
 
+def _quality(record: dict[str, Any]) -> float:
+    """The workload's quality figure in [0, 1]: the score (``ask``), teacher-forced top-1
+    (``longgen``, where measured), else top-1 agreement with the full cache."""
+    if record.get("workload") == "ask":
+        return record["score"] / 100
+    return record.get("teacher_forced_top1", record["quality"])
+
+
 def plot(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """End-to-end tokens/s and top-1 agreement vs budget (or keep), one line per policy; full dashed."""
+    """Rate against the full cache and quality, one bar per setting, each named on its axis
+    (and, with several generation lengths, the ratio against length, one line per setting)."""
     plt = pyplot()
-    figure, (speed, quality) = plt.subplots(1, 2, figsize=(10, 4))
-    full = next(r for r in records if r["policy"] == "full")
-    for name in dict.fromkeys(r["policy"] for r in records if r["policy"] != "full"):
-        points = sorted(
-            (r["budget"] if r["budget"] is not None else r["keep"], r["tokens_per_s"], r["quality"])
-            for r in records
-            if r["policy"] == name
-        )
-        sizes, speeds, qualities = zip(*points)
-        speed.plot(sizes, speeds, marker="o", label=name)
-        quality.plot(sizes, qualities, marker="o", label=name)
-    speed.axhline(full["tokens_per_s"], color="grey", linestyle="--", label="full")
-    quality.axhline(1.0, color="grey", linestyle="--", label="full")
-    xlabel = "keep (fraction of the prompt)" if any(r["keep"] for r in records) else "budget (tokens per KV head)"
-    speed.set(xlabel=xlabel, ylabel="tokens / s (end to end)", title=f"under {full['memory_cap_mib']:g} MiB of KV")
-    quality.set(xlabel=xlabel, ylabel="top-1 agreement with full", ylim=(0, 1.05))
-    speed.legend()
+    lengths = list(dict.fromkeys(r["new_tokens"] for r in records))
+    panels = 3 if len(lengths) > 1 else 2
+    figure, axes = plt.subplots(1, panels, figsize=(5 * panels, 4.2))
+    last = [r for r in records if r["new_tokens"] == lengths[-1]]
+    full = next(r for r in last if r["policy"] == "full")
+    labels = [f"{r['policy']}\n{_size(r)}" if r["policy"] != "full" else "full" for r in last]
+    colors = ["grey" if r["policy"] == "full" else "tab:green" for r in last]
+    unit = "answers" if records[0].get("workload") == "ask" else "tokens"
+    for axis, values, ylabel in (
+        (axes[0], [_rate(r) / _rate(full) for r in last], f"{unit}/s vs the full cache"),
+        (axes[1], [_quality(r) for r in last], "quality (score, or forced top-1)"),
+    ):
+        axis.bar(range(len(last)), values, color=colors)
+        axis.set_xticks(range(len(last)), labels, rotation=30, ha="right", fontsize=8)
+        axis.set(ylabel=ylabel)
+        for x, value in enumerate(values):
+            axis.annotate(f"{value:.2f}", (x, value), ha="center", va="bottom", fontsize=8)
+    axes[0].axhline(1.0, color="black", linestyle="--", linewidth=1)
+    axes[0].set_title(f"{lengths[-1]} new tokens, cap {full['memory_cap_mib']:g} MiB")
+    if len(lengths) > 1:
+        for setting in dict.fromkeys((r["policy"], _size(r)) for r in records if r["policy"] != "full"):
+            points = []
+            for length in lengths:
+                group = [r for r in records if r["new_tokens"] == length]
+                base = next(r for r in group if r["policy"] == "full")
+                match = [r for r in group if (r["policy"], _size(r)) == setting]
+                points += [(length, _rate(match[0]) / _rate(base))] if match else []
+            axes[2].plot(*zip(*points), marker="o", label=" ".join(setting))
+        axes[2].axhline(1.0, color="black", linestyle="--", linewidth=1, label="full")
+        axes[2].set(xscale="log", xlabel="new tokens per sequence", ylabel=f"{unit}/s vs the full cache")
+        axes[2].legend(fontsize=7)
+    figure.tight_layout()
     return save_figure(figure, path)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvevict bench throughput",
-        description="Serve N prompts under a KV memory cap with continuous batching, per policy and budget: "
-        "admission counting the prefill transient, chunked prefill where it admits more, finished sequences' "
-        "slots refilled. One JSON line per setting in OUT/throughput.jsonl (resumable), a table, OUT/throughput.png.",
+        description="Serve a workload under a cap on resident KV memory with continuous batching, per policy and "
+        "budget: admission by each row's ceiling (budget + interval for a decode-time policy), chunked prefill "
+        "where it admits more, finished sequences' slots refilled. Workloads: oneshot (long prompt, short answer), "
+        "longgen (short prompt, long generation; teacher-forced fidelity), ask (compress a document once, ask "
+        "many questions). One JSON line per setting in OUT/throughput.jsonl (resumable), tables, OUT/throughput.png.",
     )
     parser.add_argument("--model", default="smollm2", help="model name or path (default: the embedded smollm2)")
-    parser.add_argument("--task", default="niah_single_1", help="offline task the prompts come from")
-    parser.add_argument("--prompts", type=int, default=8, help="prompts to serve per setting (default 8)")
-    parser.add_argument("--length", type=int, default=2048, help="prompt length in tokens (default 2048)")
-    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
-    parser.add_argument("--memory-cap", type=float, default=512, help="KV memory cap in MiB (default 512)")
+    parser.add_argument("--workload", choices=WORKLOADS, default="oneshot", help="what is served (default oneshot)")
+    parser.add_argument("--task", default="niah_single_1", help="offline task of the oneshot prompts")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts (ask: documents) per setting (default 8)")
+    parser.add_argument("--questions", type=int, default=8, help="questions per document, ask (default 8)")
+    parser.add_argument("--length", type=int, default=2048, help="prompt or document length in tokens (default 2048)")
+    parser.add_argument(
+        "--new-tokens",
+        type=comma_separated(int),
+        default=(64,),
+        help="tokens generated per sequence, or several lengths (256,1024) (default 64)",
+    )
+    parser.add_argument("--memory-cap", type=float, default=512, help="resident KV memory cap in MiB (default 512)")
     parser.add_argument("--policies", default="full,snapkv", help="comma-separated policies (full always runs)")
     sizes = parser.add_mutually_exclusive_group()
     sizes.add_argument(
@@ -416,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--prefill-chunk", type=int, default=256, help="chunked prefill where it admits more (0: never; default 256)"
     )
+    parser.add_argument(
+        "--no-fidelity", action="store_true", help="longgen: skip teacher-forced fidelity (two untimed replays)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts (default 0)")
     parser.add_argument("--out", type=Path, required=True, help="results directory (created; resumed if it exists)")
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
@@ -428,18 +468,29 @@ def main(argv: Sequence[str]) -> int:
 
     args = build_parser().parse_args(argv)
     runs = settings(split_names(args.policies), args.budgets, args.keep)
-    config = ThroughputConfig(
-        model=args.model,
-        task=args.task,
-        prompts=args.prompts,
-        length=args.length,
-        new_tokens=args.new_tokens,
-        memory_cap_mib=args.memory_cap,
-        prefill_chunk=args.prefill_chunk or None,
-        seed=args.seed,
-    )
+    configs = [
+        ThroughputConfig(
+            model=args.model,
+            task=args.task,
+            prompts=args.prompts,
+            length=args.length,
+            new_tokens=new_tokens,
+            memory_cap_mib=args.memory_cap,
+            prefill_chunk=args.prefill_chunk or None,
+            seed=args.seed,
+            workload=args.workload,
+            questions=args.questions,
+            fidelity=not args.no_fidelity,
+        )
+        for new_tokens in args.new_tokens
+    ]
     model, tokenizer = load_model(args.model, dtype=args.dtype)
-    records = run_throughput(model, task_prompts(config, tokenizer), config, runs, args.out)
+    inputs = workload_inputs(configs[0], tokenizer)
+    records = [
+        record
+        for config in configs
+        for record in run_throughput(model, inputs, config, runs, args.out, tokenizer=tokenizer)
+    ]
     print(format_table(records))
     print(f"results: {args.out / RESULTS_FILE}\nplot: {plot(records, args.out / 'throughput.png')}", flush=True)
     return 0

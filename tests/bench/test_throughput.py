@@ -1,5 +1,6 @@
-"""``kvevict bench throughput`` on the tiny model: admission under the cap, every sequence
-generated exactly once (and as it is alone), the records' fields, resumption."""
+"""``kvevict bench throughput`` on the tiny model: admission by each row's ceiling under the cap
+on resident bytes, every sequence generated exactly once (and as it is alone), the three
+workloads' records, resumption."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ import torch
 
 import kvevict
 from kvevict.bench import throughput
-from kvevict.bench.throughput import MIB, Setting, ThroughputConfig, run_throughput, settings, token_bytes
+from kvevict.bench.serving import batch_bound
+from kvevict.bench.throughput import MIB, Setting, ThroughputConfig, run_throughput, settings
+from kvevict.bench.workloads import Learned, PromptJob
 from kvevict.cli import main
 from kvevict.generation import prefill
+from kvevict.storage import capacity_bound
 from tests.conftest import prompt, tiny_model
 
 NEW = 6
@@ -34,11 +38,25 @@ def alone(model, ids: torch.Tensor, setting: Setting, chunk: int | None) -> list
     return tokens
 
 
+def full_column_bytes(model) -> int:
+    cache = kvevict.EvictionCache(model, "full")
+    prefill(model, prompt(8), cache)
+    return cache.column_bytes()
+
+
+def two_full_sequences(model, length: int, new: int) -> float:
+    """A cap (MiB) that holds two full-cache rows of ``length + new`` entries and the prefill
+    of a third prompt beside them, but not three rows."""
+    column = full_column_bytes(model)
+    cap = batch_bound([length + new] * 2, 1, column) + capacity_bound(length, 0) * column
+    assert cap < batch_bound([length + new] * 3, 1, column)
+    return cap / MIB
+
+
 def test_serves_every_sequence_once_under_the_cap_as_it_is_alone(tmp_path) -> None:
     model = tiny_model()
     prompts = [prompt(n, seed=seed) for seed, n in enumerate(LENGTHS)]
-    per_token = token_bytes(model)
-    cap = 2.5 * (100 + NEW) * per_token / MIB  # two full sequences (prefill included), not three
+    cap = two_full_sequences(model, 100, NEW)
     config = ThroughputConfig("tiny", "random", len(prompts), 100, NEW, cap, prefill_chunk=16)
     runs = settings(["snapkv", "h2o"], budgets=(40,))
     records = run_throughput(model, prompts, config, runs, tmp_path, progress=False)
@@ -53,19 +71,44 @@ def test_serves_every_sequence_once_under_the_cap_as_it_is_alone(tmp_path) -> No
     assert "prefill share" in throughput.format_table(records)
     full, snapkv, h2o = records
     assert full["max_batch"] == 2 and full["prefill_chunk"] is None and full["quality"] == 1.0
-    assert (
-        snapkv["prefill_chunks"][0] is None and 16 in snapkv["prefill_chunks"]
-    )  # chunked once one pass no longer fits
-    assert snapkv["max_batch"] > full["max_batch"]
+    assert snapkv["max_batch"] > full["max_batch"] and h2o["max_batch"] > full["max_batch"]
     assert 0 <= h2o["quality"] <= 1
+
+
+@pytest.mark.parametrize("policy", ["h2o", "tova", "streamingllm"])
+def test_a_decode_time_policy_is_admitted_by_its_ceiling_not_by_full_growth(tmp_path, policy: str) -> None:
+    """Long generations under a cap that holds two full-cache sequences: rows held at budget +
+    interval fit several times as many at once, and the resident peak stays under the cap."""
+    model = tiny_model()
+    length, new = 12, 90
+    prompts = [prompt(length, seed=seed) for seed in range(8)]
+    cap = two_full_sequences(model, length, new)
+    config = ThroughputConfig("tiny", "random", 8, length, new, cap, workload="longgen", fidelity=False)
+    full, evicting = run_throughput(model, prompts, config, settings([policy], budgets=(16,)), tmp_path, False)
+    assert full["max_batch"] == 2
+    assert evicting["max_batch"] >= 2 * full["max_batch"]
+    for record in (full, evicting):
+        assert record["peak_kv_bytes"] <= config.cap_bytes
+        assert [len(tokens) for tokens in record["outputs"]] == [new] * 8  # every sequence served once, whole
+
+
+def test_teacher_forced_fidelity_is_recorded_for_long_generations(tmp_path) -> None:
+    model = tiny_model()
+    prompts = [prompt(10, seed=seed) for seed in range(3)]
+    config = ThroughputConfig("tiny", "random", 3, 10, 30, 50.0, workload="longgen")
+    full, tova = run_throughput(model, prompts, config, settings(["tova"], budgets=(16,)), tmp_path, False)
+    assert full["teacher_forced_top1"] == 1.0 and full["teacher_forced_kl"] == 0.0
+    assert 0 <= tova["teacher_forced_top1"] <= 1 and tova["teacher_forced_kl"] >= 0
+    assert set(tova["teacher_forced"]) == {"full_through_policy", "policy_through_full"}
+    assert "top-1 forced" in throughput.format_table([full, tova])
 
 
 def test_a_prompt_is_chunked_only_where_the_policy_can_evict_chunks_of_that_size() -> None:
     model = tiny_model()
     for policy, budget, chunk in (("snapkv", 40, 48), ("kv-key-var", 40, 16), ("kv-key-var", 40, 48), ("full", 40, 16)):
-        cache = kvevict.EvictionCache(model, policy, **({} if policy == "full" else {"budget": budget}))
+        job = PromptJob(model, prompt(100), Setting(policy, None if policy == "full" else budget), 4, Learned(), chunk)
         expected = None if policy == "full" or (policy == "kv-key-var" and chunk > budget) else chunk
-        assert throughput._chunk_for(Setting(policy, budget), chunk, cache, 100) == expected
+        assert job._chunkable() == expected
 
 
 def test_a_rerun_skips_finished_settings(tmp_path, monkeypatch) -> None:
@@ -74,8 +117,8 @@ def test_a_rerun_skips_finished_settings(tmp_path, monkeypatch) -> None:
     config = ThroughputConfig("tiny", "random", 2, 60, 3, 1.0, prefill_chunk=None)
     first = run_throughput(model, prompts, config, settings(["full", "tova"], budgets=(40,)), tmp_path, False)
     served = []
-    original = throughput.serve
-    monkeypatch.setattr(throughput, "serve", lambda *args: served.append(args[2]) or original(*args))
+    original = throughput.serve_setting
+    monkeypatch.setattr(throughput, "serve_setting", lambda *args: served.append(args[3]) or original(*args))
     again = run_throughput(model, prompts, config, settings(["tova"], budgets=(40, 48)), tmp_path, False)
     assert served == [Setting("tova", 48)]  # full and tova 40 were finished
     assert again[:2] == first
@@ -85,7 +128,7 @@ def test_a_rerun_skips_finished_settings(tmp_path, monkeypatch) -> None:
 def test_a_cap_that_holds_no_sequence_is_refused(tmp_path) -> None:
     model = tiny_model()
     config = ThroughputConfig("tiny", "random", 1, 60, 3, 0.001)
-    with pytest.raises(ValueError, match="holds no full sequence"):
+    with pytest.raises(ValueError, match="holds no sequence of this setting"):
         run_throughput(model, [prompt(60)], config, settings(["full"]), tmp_path, False)
 
 
@@ -94,3 +137,36 @@ def test_command_line_refuses_bad_input(capsys, tmp_path) -> None:
     assert "need --budgets" in capsys.readouterr().err
     assert main(["bench", "throughput", "--keep", "0.2", "--memory-cap", "-1", "--out", str(tmp_path)]) == 2
     assert "memory cap must be a positive number" in capsys.readouterr().err
+
+
+def test_compress_once_ask_many_answers_every_question_from_a_copy_of_its_document(tmp_path, tokenizer) -> None:
+    """Each document is compressed once; every question's tokens are what compressing the
+    document, then asking that question alone, gives; a compressed document holds fewer bytes."""
+    from kvevict.bench.throughput import ask_documents
+    from kvevict.compat import with_cache
+
+    model = tiny_model(vocab=len(tokenizer))
+    config = ThroughputConfig("tiny", "niah", 2, 300, 5, 64.0, workload="ask", questions=3)
+    documents = ask_documents(config, tokenizer)
+    assert [len(doc.questions) for doc in documents] == [3, 3]
+    full, snapkv = run_throughput(
+        model, documents, config, settings(["snapkv"], keeps=(0.25,)), tmp_path, False, tokenizer=tokenizer
+    )
+    for record, setting in ((full, Setting("full")), (snapkv, Setting("snapkv", keep=0.25))):
+        assert record["answers"] == 6 and len(record["predictions"]) == 6
+        assert 0 <= record["score"] <= 100
+        expected = []
+        for doc in documents:
+            for tail in doc.questions:
+                cache = setting.cache(model, doc.context.shape[-1])
+                prefill(model, doc.context, cache)
+                tokens = []
+                with torch.inference_mode():
+                    logits = model(input_ids=tail, **with_cache(cache)).logits[0, -1]
+                    while len(tokens) < 5 and (not tokens or tokens[-1] != model.generation_config.eos_token_id):
+                        tokens.append(int(logits.argmax()))
+                        logits = model(input_ids=torch.tensor([[tokens[-1]]]), **with_cache(cache)).logits[0, -1]
+                expected.append(tokens)
+        assert record["outputs"] == expected
+    assert snapkv["kv_bytes_per_document"] < 0.5 * full["kv_bytes_per_document"]
+    assert "answers/s" in throughput.format_table([full, snapkv])
