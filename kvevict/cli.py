@@ -7,10 +7,22 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from kvevict.commands import analyze, bench, demo, generate, lm_eval, policies, report, tasks, train_gates
+from kvevict.commands import (
+    analyze,
+    ask,
+    bench,
+    compress,
+    demo,
+    generate,
+    lm_eval,
+    policies,
+    report,
+    tasks,
+    train_gates,
+)
 from kvevict.commands.common import guarded
 
-COMMANDS = (policies, generate, tasks, bench, report, demo, analyze, train_gates, lm_eval)
+COMMANDS = (policies, generate, compress, ask, tasks, bench, report, demo, analyze, train_gates, lm_eval)
 """The command modules, in the order ``kvevict --help`` lists them; each has
 ``add_parser(commands)`` (see :mod:`kvevict.commands`)."""
 

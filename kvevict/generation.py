@@ -41,6 +41,42 @@ def split_prompt(
     return head, tail
 
 
+CONTEXT_MARK = "\ue000"
+"""A character no template holds, standing for a context already in the cache (:func:`question_ids`)."""
+
+
+def question_ids(
+    tokenizer: PreTrainedTokenizerBase, question: str, answer_prefix: str = "", *, chat_template: bool = True
+) -> torch.Tensor:
+    """Token ids ``[1, m]`` of what follows a context prefilled on its own (:func:`split_prompt`'s
+    rest: the question, the end of the user turn, the generation prompt and the answer prefix),
+    for a context that is only in the cache (a saved, compressed document)."""
+    return split_prompt(tokenizer, CONTEXT_MARK, question, answer_prefix, chat_template=chat_template)[1]
+
+
+def greedy_after(
+    model: PreTrainedModel, cache: EvictionCache, ids: torch.Tensor, max_new_tokens: int, stop_tokens: Sequence[int]
+) -> list[int]:
+    """Feed ``ids`` ``[1, m]`` after what ``cache`` holds (its prompt done: a decode pass), then
+    decode greedily until a stop token or ``max_new_tokens``; returns the new tokens."""
+    tokens: list[int] = []
+    with torch.inference_mode():
+        logits = model(input_ids=ids.to(model.device), **with_cache(cache)).logits[0, -1]
+        while len(tokens) < max_new_tokens:
+            tokens.append(int(logits.argmax()))
+            if tokens[-1] in stop_tokens or len(tokens) == max_new_tokens:
+                break
+            token = torch.tensor([[tokens[-1]]], device=model.device)
+            logits = model(input_ids=token, **with_cache(cache)).logits[0, -1]
+    return tokens
+
+
+def stop_tokens_of(model: PreTrainedModel) -> list[int]:
+    """The model's end-of-sequence tokens (its generation config's)."""
+    eos = model.generation_config.eos_token_id
+    return list(eos) if isinstance(eos, list) else [] if eos is None else [eos]
+
+
 def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -54,6 +90,7 @@ def prefill(
     chunk: int | None = None,
     *,
     every_logit: bool = False,
+    progress: bool = False,
 ) -> torch.Tensor:
     """Process the prompt ``ids`` into ``cache``, compressed under its policy: in one pass, or
     ``chunk`` tokens per pass (each chunk attends to the retained entries plus itself, then the
@@ -61,7 +98,10 @@ def prefill(
     ``mask``: the attention mask of a left-padded batch; real tokens get positions from 0, as in
     ``generate``. The prompt then ends: whatever is fed next is decoded, not compressed with it.
     Returns the logits after the prompt's last token, ``[B, V]``; with ``every_logit``, those
-    after each of its tokens, ``[B, n, V]`` (each chunk's read through the entries retained before it)."""
+    after each of its tokens, ``[B, n, V]`` (each chunk's read through the entries retained before it).
+    ``progress``: a progress bar over the chunks (a long document)."""
+    from tqdm import tqdm
+
     check_chunk(chunk)
     ids = ids.to(model.device)
     if cache.prompt_length is None and cache.get_seq_length() == 0:
@@ -71,7 +111,8 @@ def prefill(
         positions = padded_positions(mask)
     step = chunk or ids.shape[-1]
     logits = []
-    for start in range(0, ids.shape[-1], step):
+    starts = range(0, ids.shape[-1], step)
+    for start in tqdm(starts, desc="prefill", unit="chunk", disable=not progress or len(starts) < 2):
         end = start + step
         extra = {} if mask is None else {"attention_mask": mask[:, :end], "position_ids": positions[:, start:end]}
         output = model(

@@ -123,17 +123,21 @@ def save_file(cache: Any, path: str | Path, model: PreTrainedModel) -> Path:
     encoder = _Encoder("data.", tensors)
     layer_meta = []
     for i, layer in enumerate(layers):
-        n = layer.n  # (a packed layer's views are padded anew: the file holds them as a pass would see them)
-        entries = {"keys": layer.keys, "values": layer.values, "positions": layer.positions}
-        entries.update({f"state.{name}": value for name, value in layer.state.items()})
-        if layer.valid is not None:
-            entries["valid"] = layer.valid
+        n, packed = layer.n, layer.storage.packed
+        if packed is not None:  # heads or rows of different lengths: the real entries only, as held
+            entries = {"valid": packed.held}
+            entries.update({_entry_name(name, layer.state): x for name, x in packed.entries.items()})
+        else:
+            entries = {"keys": layer.keys, "values": layer.values, "positions": layer.positions}
+            entries.update({f"state.{name}": value for name, value in layer.state.items()})
+            entries = {name: x.narrow(2, 0, n) for name, x in entries.items()}
         for name, x in entries.items():
-            tensors[f"layer.{i}.{name}"] = x.narrow(2, 0, n).detach().cpu().contiguous().clone()
+            tensors[f"layer.{i}.{name}"] = x.detach().cpu().contiguous().clone()
         layer_meta.append(
             {
                 **{field: getattr(layer, field) for field in LAYER_FIELDS},
                 "n": n,
+                "packed": packed is not None,
                 "state": list(layer.state),
                 "rows": [
                     {**{field: getattr(row, field) for field in ROW_FIELDS}, "memo": encoder.encode(row.memo)}
@@ -177,15 +181,16 @@ def save_file(cache: Any, path: str | Path, model: PreTrainedModel) -> Path:
     return path
 
 
-def read_file(path: str | Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """The metadata and tensors of a saved cache, checked for format and version."""
+def read_file(path: str | Path, tensors: bool = True) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """The metadata and tensors (none unless ``tensors``) of a saved cache, checked for format and version."""
     path = Path(path)
     if not path.is_file():
         raise OSError(f"cannot read a saved cache at {str(path)!r}: no such file")
     try:
         with safe_open(str(path), framework="pt") as file:
             metadata = file.metadata() or {}
-            tensors = {name: file.get_tensor(name) for name in file.keys()}  # noqa: SIM118 (safe_open has no iterator)
+            names = file.keys() if tensors else []
+            held = {name: file.get_tensor(name) for name in names}
     except (SafetensorError, RuntimeError, ValueError) as error:
         raise ValueError(f"{path} is not a readable kvevict cache (truncated or corrupted): {error}") from None
     if metadata.get("format") != FORMAT:
@@ -194,7 +199,7 @@ def read_file(path: str | Path) -> tuple[dict[str, str], dict[str, torch.Tensor]
         raise ValueError(
             f"{path} has kvevict cache format version {metadata.get('version')!r}; this kvevict reads version {VERSION}"
         )
-    return metadata, tensors
+    return metadata, held
 
 
 def check_model(metadata: dict[str, str], model: PreTrainedModel, path: str | Path) -> None:
@@ -233,6 +238,8 @@ def _restore(cache: Any, metadata: dict[str, str], tensors: dict[str, torch.Tens
     cache.appended_pass, cache.begun_pass = state["appended_pass"], state["begun_pass"]
     cache.row_offsets = state["row_offsets"]
     for i, (layer, meta) in enumerate(zip(layers, layer_meta)):
+        if meta.get("packed"):
+            _spread_packed(tensors, f"layer.{i}.", meta["state"])
         keys = tensors[f"layer.{i}.keys"].to(device)
         layer.lazy_initialization(keys, tensors[f"layer.{i}.values"].to(device))
         n = meta["n"]
@@ -267,6 +274,22 @@ def _restore(cache: Any, metadata: dict[str, str], tensors: dict[str, torch.Tens
         if state["hidden"] is None:
             raise KeyError("hidden-state statistics (the policy reads them, the file has none)")
         cache.hidden.load_state(state["hidden"], tensors, device)
+
+
+def _entry_name(name: str, state: dict[str, torch.Tensor]) -> str:
+    return f"state.{name}" if name in state else name
+
+
+def _spread_packed(tensors: dict[str, torch.Tensor], prefix: str, state: list[str]) -> None:
+    """A packed layer's entries (the real ones, listed in storage order) back in the padded
+    layout ``[B, Hkv, n, ...]`` the file's other layers use; free slots hold zeros at position -1
+    (masked out by ``valid``, given their past positions when the layer is next unpacked)."""
+    held = tensors[f"{prefix}valid"]
+    for name in ("keys", "values", "positions", *(f"state.{entry}" for entry in state)):
+        real = tensors[f"{prefix}{name}"]
+        dense = real.new_full((*held.shape, *real.shape[1:]), -1 if name == "positions" else 0)
+        dense[held] = real
+        tensors[f"{prefix}{name}"] = dense
 
 
 def policy_of(metadata: dict[str, str]) -> tuple[str, dict[str, object], dict[str, object]]:

@@ -46,7 +46,17 @@ def test_a_loaded_cache_answers_bit_identically(tmp_path, policy: str, budget: i
     assert torch.equal(decode(model, loaded, before, 8), decode(model, cache, before, 8))
 
 
-def test_a_saved_batch_row_goes_on_as_it_would_have(tmp_path) -> None:
+@pytest.mark.parametrize("policy", ["adakv+snapkv", "kvzip"])
+def test_a_file_holds_the_real_entries_of_ragged_heads_only(tmp_path, policy: str) -> None:
+    """Heads that keep different numbers of entries are saved as they are held (packed): the
+    file is about the cache's resident bytes, not every head padded to its layer's longest."""
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, policy, keep=0.3)
+    prefill(model, prompt(200), cache)
+    padded = sum(layer.n * layer.column_bytes() for layer in cache.eviction_layers)
+    assert cache.kv_bytes() < padded  # ragged
+    size = cache.save(tmp_path / "doc.kv").stat().st_size
+    assert size < cache.kv_bytes() + 64 * 1024  # + the metadata_row_goes_on_as_it_would_have(tmp_path) -> None:
     model = tiny_model()
     ids, mask = left_padded([prompt(70), prompt(52, seed=1)])
     cache = kvevict.EvictionCache(model, "h2o", budget=32)

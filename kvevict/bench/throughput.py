@@ -47,6 +47,7 @@ from kvevict.bench.report import text_table
 from kvevict.bench.serving import Served, Server
 from kvevict.bench.workloads import Document, Learned, Library, PromptJob, QuestionJob, Setting
 from kvevict.figures import pyplot, save_figure
+from kvevict.generation import stop_tokens_of
 from kvevict.policies import make_policy
 
 RESULTS_FILE = "throughput.jsonl"
@@ -201,11 +202,6 @@ def workload_inputs(config: ThroughputConfig, tokenizer: PreTrainedTokenizerBase
     return ask_documents(config, tokenizer) if config.workload == "ask" else task_prompts(config, tokenizer)
 
 
-def _stop_tokens(model: PreTrainedModel) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    return set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-
-
 def serve_setting(
     model: PreTrainedModel,
     inputs: Sequence[Any],
@@ -224,11 +220,11 @@ def serve_setting(
             for d, doc in enumerate(inputs)
             for q in range(len(doc.questions))
         ]
-        server = Server(model, config.cap_bytes, stop_tokens=_stop_tokens(model), shared_bytes=library.resident_bytes)
+        server = Server(model, config.cap_bytes, stop_tokens=stop_tokens_of(model), shared_bytes=library.resident_bytes)
         prompt_tokens = sum(doc.context.shape[-1] + sum(q.shape[-1] for q in doc.questions) for doc in inputs)
     else:
         jobs = [PromptJob(model, ids, setting, config.new_tokens, learned, config.prefill_chunk) for ids in inputs]
-        essay = EssayTokens(banned=_stop_tokens(model)) if config.workload == "longgen" else None
+        essay = EssayTokens(banned=stop_tokens_of(model)) if config.workload == "longgen" else None
         server = Server(model, config.cap_bytes, next_tokens=essay)
         prompt_tokens = sum(ids.shape[-1] for ids in inputs)
     served = server.serve(jobs, estimate_column_bytes(model))

@@ -13,7 +13,7 @@ from kvevict.bench.serving import batch_bound
 from kvevict.bench.throughput import MIB, Setting, ThroughputConfig, run_throughput, settings
 from kvevict.bench.workloads import Learned, PromptJob
 from kvevict.cli import main
-from kvevict.generation import prefill
+from kvevict.generation import greedy_after, prefill, stop_tokens_of
 from kvevict.storage import capacity_bound
 from tests.conftest import prompt, tiny_model
 
@@ -143,7 +143,6 @@ def test_compress_once_ask_many_answers_every_question_from_a_copy_of_its_docume
     """Each document is compressed once; every question's tokens are what compressing the
     document, then asking that question alone, gives; a compressed document holds fewer bytes."""
     from kvevict.bench.throughput import ask_documents
-    from kvevict.compat import with_cache
 
     model = tiny_model(vocab=len(tokenizer))
     config = ThroughputConfig("tiny", "niah", 2, 300, 5, 64.0, workload="ask", questions=3)
@@ -160,13 +159,7 @@ def test_compress_once_ask_many_answers_every_question_from_a_copy_of_its_docume
             for tail in doc.questions:
                 cache = setting.cache(model, doc.context.shape[-1])
                 prefill(model, doc.context, cache)
-                tokens = []
-                with torch.inference_mode():
-                    logits = model(input_ids=tail, **with_cache(cache)).logits[0, -1]
-                    while len(tokens) < 5 and (not tokens or tokens[-1] != model.generation_config.eos_token_id):
-                        tokens.append(int(logits.argmax()))
-                        logits = model(input_ids=torch.tensor([[tokens[-1]]]), **with_cache(cache)).logits[0, -1]
-                expected.append(tokens)
+                expected.append(greedy_after(model, cache, tail, 5, stop_tokens_of(model)))
         assert record["outputs"] == expected
     assert snapkv["kv_bytes_per_document"] < 0.5 * full["kv_bytes_per_document"]
     assert "answers/s" in throughput.format_table([full, snapkv])
