@@ -16,6 +16,8 @@ def test_policies_lists_name_and_summary(capsys) -> None:
     "command",
     [
         "generate",
+        "compress",
+        "ask",
         "policies",
         "demo",
         "tasks",
