@@ -5,8 +5,10 @@ import dataclasses
 
 import pytest
 
-from kvevict.bench.throughput import token_bytes
+from kvevict.bench.serving import batch_bound
 from kvevict.demo import DEMO, run_demo
+from kvevict.storage import capacity_bound
+from tests.bench.test_throughput import full_column_bytes
 from tests.conftest import tiny_model
 
 
@@ -16,7 +18,9 @@ def test_the_plan_covers_the_three_acts_the_seeds_and_both_keeps() -> None:
     assert {"critical+adakv+snapkv", "momentkv[mi=false]", "kvzip"} <= set(compress.policies)
     assert generate.tasks == ("longgen",) and generate.budgets == (128,)
     assert {"lazyeviction[alpha=0.002]", "epikv", "rkv", "moment-nc+h2o"} <= set(generate.policies)
-    assert DEMO.payoff.memory_cap_mib > 0
+    assert DEMO.long.workload == "longgen" and DEMO.ask.workload == "ask" and DEMO.ask.questions == 8
+    final = 60 + DEMO.long.new_tokens  # longgen's prompts are ~60 tokens
+    assert DEMO.long_budget <= final / 4  # a budget of at most a quarter of the final length
 
 
 @pytest.fixture
@@ -27,10 +31,12 @@ def small_plan(tokenizer):
     )
     generate = dataclasses.replace(DEMO.generate, model="tiny", policies=("full", "h2o", "tova"), budgets=(24,))
     generate = dataclasses.replace(generate, max_new_tokens=12)
-    # room for two full sequences' KV: eviction admits more of them at once
-    cap = 2 * 200 * token_bytes(model) / 2**20
-    payoff = dataclasses.replace(DEMO.payoff, model="tiny", prompts=3, length=160, new_tokens=4, memory_cap_mib=cap)
-    return dataclasses.replace(DEMO, compress=compress, generate=generate, payoff=payoff), model
+    # room for two full sequences' resident KV (a third one's prefill beside them): eviction admits more
+    column = full_column_bytes(model)
+    cap = (batch_bound([100] * 2, 1, column) + capacity_bound(70, 0) * column) / 2**20
+    long = dataclasses.replace(DEMO.long, model="tiny", prompts=4, new_tokens=30, memory_cap_mib=cap)
+    ask = dataclasses.replace(DEMO.ask, model="tiny", prompts=2, length=200, new_tokens=4, questions=3)
+    return dataclasses.replace(DEMO, compress=compress, generate=generate, long=long, long_budget=16, ask=ask), model
 
 
 def test_the_demo_prints_three_tables_plots_and_a_recommendation(small_plan, tokenizer, tmp_path, capsys) -> None:
@@ -40,14 +46,17 @@ def test_the_demo_prints_three_tables_plots_and_a_recommendation(small_plan, tok
     for title in (
         "Act 1 · Compress a document once, ask later",
         "Act 2 · Evict while generating",
-        "Act 3 · The payoff",
+        "Act 3 · The payoff: long generations",
+        "Act 3 · The payoff: compress once, ask many times",
     ):
         assert title in out
     assert "Recommendation (from the numbers above)" in out and recommendation in out
-    best_prefill = recommendation.splitlines()[2].split()[7]  # "- compress ... later: <policy> at keep ..."
-    assert best_prefill in ("streamingllm", "snapkv")
-    assert best_prefill in out.split("Act 3")[1]  # act 3 serves act 1's best policy
-    for name in ("compress.png", "generate.png", "payoff.png"):
+    best_decode = recommendation.splitlines()[2].split()[3]  # "- long generations: <policy> agrees ..."
+    best_prefill = recommendation.splitlines()[3].split()[7]  # "- compress ... later: <policy> at keep ..."
+    assert best_decode in ("h2o", "tova") and best_prefill in ("streamingllm", "snapkv")
+    assert best_decode in out.split("Act 3")[1].split("compress once")[0]  # act 3 serves act 2's best policy
+    assert best_prefill in out.split("compress once, ask many")[1]  # and act 1's
+    for name in ("compress.png", "generate.png", "payoff-long.png", "payoff-ask.png"):
         assert (tmp_path / name).stat().st_size > 5_000
     # resumable and deterministic: a rerun reuses every result and prints the same tables
     results = sorted(path.read_text() for path in tmp_path.rglob("*.jsonl"))

@@ -187,13 +187,13 @@ def plot_report(rows: list[ReportRow], path: str | Path) -> Path:
     figure, axes = plt.subplots(lines, columns, figsize=(4.2 * columns, 3.4 * lines), squeeze=False)
     uses_keep = any(row.keep is not None for row in rows)
     policies = sorted({row.policy for row in rows if row.policy != "full"})
-    colors = {policy: plt.get_cmap("tab10")(i % 10) for i, policy in enumerate(policies)}  # same color in every panel
+    styles = {policy: _line_style(plt, i, len(policies)) for i, policy in enumerate(policies)}  # same in every panel
     for axis, task in zip(axes.flat, tasks):
         task_rows = [row for row in rows if row.task == task]
         for policy in policies:
             points = sorted((row.x, row.score) for row in task_rows if row.policy == policy and row.x is not None)
             if points:
-                axis.plot(*zip(*points), marker="o", label=policy, color=colors[policy])
+                axis.plot(*zip(*points), label=policy, **styles[policy])
         for row in task_rows:
             if row.policy == "full":
                 axis.axhline(row.score, color="black", linestyle="--", linewidth=1, label="full")
@@ -207,5 +207,24 @@ def plot_report(rows: list[ReportRow], path: str | Path) -> Path:
     for axis in list(axes.flat)[len(tasks) :]:
         axis.set_visible(False)
     legend = {label: handle for axis in axes.flat for handle, label in zip(*axis.get_legend_handles_labels())}
-    figure.legend(legend.values(), legend.keys(), loc="lower center", ncol=min(len(legend), 8), frameon=False)
-    return save_figure(figure, path, rect=(0, 0.07, 1, 1))
+    per_row = max(1, min(len(legend), 2 * columns))  # every policy named: as many legend rows as that takes
+    legend_rows = -(-len(legend) // per_row)
+    figure.set_figheight(figure.get_figheight() + 0.3 * legend_rows)
+    figure.legend(legend.values(), legend.keys(), loc="lower center", ncol=per_row, frameon=False, fontsize=8)
+    return save_figure(figure, path, rect=(0, 0.3 * legend_rows / figure.get_figheight() + 0.02, 1, 1))
+
+
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+LINESTYLES = ("-", "--", "-.", ":")
+
+
+def _line_style(plt: Any, index: int, count: int) -> dict[str, Any]:
+    """A policy's line: its own color, marker and dash, and a marker that shrinks with the
+    index, so lines that coincide (several policies scoring 0) stay visible one inside another."""
+    return {
+        "color": plt.get_cmap("tab10")(index % 10),
+        "marker": MARKERS[index % len(MARKERS)],
+        "linestyle": LINESTYLES[index % len(LINESTYLES)],
+        "markersize": 4 + 6 * (count - index) / max(count, 1),
+        "markerfacecolor": "none" if index % 2 else None,
+    }
