@@ -130,38 +130,39 @@ def run_demo(
         _plot_bars(act2, out / "generate.png"),
     )
     best_prefill, best_decode = _best(act1), _best(act2)
-    long = run_throughput(
-        model,
-        task_prompts(plan.long, tokenizer),
-        plan.long,
-        [Setting(best_decode.policy, budget=plan.long_budget)],
-        out / "payoff-long",
-    )
-    _show(
-        "Act 3 · The payoff: long generations",
+    long = _payoff(
+        "long generations",
         f"act 2's best policy at budget {plan.long_budget} against the full cache, {plan.long.prompts} essays of "
         f"{plan.long.new_tokens} tokens under {plan.long.memory_cap_mib:g} MiB of resident KV",
-        format_table(long).splitlines(),
-        plot(long, out / "payoff-long.png"),
+        (model, tokenizer, task_prompts(plan.long, tokenizer), plan.long),
+        Setting(best_decode.policy, budget=plan.long_budget),
+        out / "payoff-long",
     )
-    ask = run_throughput(
-        model,
-        ask_documents(plan.ask, tokenizer),
-        plan.ask,
-        [Setting(best_prefill.policy, keep=best_prefill.keep)],
-        out / "payoff-ask",
-        tokenizer=tokenizer,
-    )
-    _show(
-        "Act 3 · The payoff: compress once, ask many times",
+    ask = _payoff(
+        "compress once, ask many times",
         f"act 1's best policy against the full cache with prefix reuse, {plan.ask.prompts} documents of "
-        f"{plan.ask.length} tokens, {plan.ask.questions} questions each",
-        format_table(ask).splitlines(),
-        plot(ask, out / "payoff-ask.png"),
+        f"{plan.ask.length} tokens, {plan.ask.questions} questions each, under {plan.ask.memory_cap_mib:g} MiB",
+        (model, tokenizer, ask_documents(plan.ask, tokenizer), plan.ask),
+        Setting(best_prefill.policy, keep=best_prefill.keep),
+        out / "payoff-ask",
     )
     recommendation = _recommend(act1, best_prefill, act2, best_decode, long, ask)
     print(recommendation)
     return recommendation
+
+
+def _payoff(workload: str, subtitle: str, served: tuple, setting: Setting, out: Path) -> list[dict]:
+    """One workload of act 3 (``served``: model, tokenizer, its inputs and configuration): the
+    full cache against ``setting``; prints its table, plots it to ``out.png``."""
+    model, tokenizer, inputs, config = served
+    records = run_throughput(model, inputs, config, [setting], out, tokenizer=tokenizer)
+    _show(
+        f"Act 3 · The payoff: {workload}",
+        subtitle,
+        format_table(records).splitlines(),
+        plot(records, out.with_suffix(".png")),
+    )
+    return records
 
 
 def _rows(records) -> list[ReportRow]:
