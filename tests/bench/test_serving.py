@@ -1,0 +1,45 @@
+"""Continuous batching under a cap on resident bytes (``kvevict.bench.serving``): the batch bound,
+admission by ceiling, a job whose real ceiling exceeds its prediction, the refusal."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvevict.bench.serving import Server, batch_bound
+from kvevict.bench.throughput import estimate_column_bytes
+from kvevict.bench.workloads import Learned, PromptJob, Setting
+from kvevict.storage import capacity_bound
+from tests.bench.test_throughput import full_column_bytes
+from tests.conftest import prompt, tiny_model
+
+
+def test_a_batch_is_bounded_by_its_longest_rows_padded_storage() -> None:
+    assert batch_bound([], 4, 100) == 0
+    assert batch_bound([10, 40, 25], 4, 100) == 3 * capacity_bound(40, 4) * 100
+    assert capacity_bound(40, 4) == 40 + 4 + 16 and capacity_bound(400, 4) == 400 + 4 + 100
+
+
+class Underestimated(PromptJob):
+    """A prompt whose row's ceiling is predicted far too low (as for a policy whose heads
+    keep more than its budget before any was measured)."""
+
+    def predicted_ceiling(self) -> int:
+        return 1
+
+
+def test_a_job_whose_real_ceiling_does_not_fit_waits_for_a_row_to_finish() -> None:
+    model = tiny_model()
+    column = full_column_bytes(model)
+    cap = batch_bound([67] * 3, 1, column) - column  # 60 + 7 fed tokens per row: two full rows, not three
+    assert batch_bound([67] * 2, 1, column) + capacity_bound(60, 0) * column <= cap  # and a prefill beside them
+    jobs = [Underestimated(model, prompt(60, seed=s), Setting("full"), 8, Learned()) for s in range(4)]
+    served = Server(model, cap).serve(jobs, estimate_column_bytes(model))
+    assert served.max_batch == 2 and served.peak_bytes <= cap
+    assert [len(tokens) for tokens in served.outputs] == [8] * 4
+
+
+def test_a_cap_below_one_sequence_is_refused() -> None:
+    model = tiny_model()
+    jobs = [PromptJob(model, prompt(60), Setting("full"), 8, Learned())]
+    with pytest.raises(ValueError, match=r"holds no sequence of this setting: one needs about [\d.]+ MiB"):
+        Server(model, 1000).serve(jobs, estimate_column_bytes(model))
