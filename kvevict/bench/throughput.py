@@ -350,9 +350,10 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
                     cells += ["-", "-"] if forced is None else [f"{forced:.3f}", f"{r['teacher_forced_kl']:.3f}"]
             rows.append(cells)
         unit = f"{first['questions']} questions per document" if workload == "ask" else "prompts"
+        tokens = first["length"] if workload == "ask" else round(first["prompt_tokens"] / first["sequences"])
         title = (
             f"{workload} under {first['memory_cap_mib']:g} MiB of resident KV: {first['prompts']} "
-            f"{'documents' if workload == 'ask' else unit} of ~{first['length']} tokens"
+            f"{'documents' if workload == 'ask' else unit} of ~{tokens} tokens"
             + (f", {unit}" if workload == "ask" else "")
             + f", {length} new tokens each"
         )
