@@ -277,25 +277,30 @@ class EvictionCache(PassEnds, Cache):
         entries' keys and values)."""
         return [(layer.kv_bytes(), layer.retained_bytes()) for layer in self.layers]
 
-    def column_bytes(self) -> int:
-        """Resident bytes of one entry of one row in every layer's padded storage: keys, values,
-        positions, validity and per-token state (what :meth:`kv_bytes` grows by per column)."""
-        return sum(layer.column_bytes() for layer in self.eviction_layers)
+    def column_bytes(self) -> list[int]:
+        """Per eviction layer: resident bytes of one entry of one row in its padded storage (keys,
+        values, positions, validity, per-token state: what :meth:`kv_bytes` grows by per column)."""
+        return [layer.column_bytes() for layer in self.eviction_layers]
 
-    def row_ceiling(self, row: int, new_tokens: int) -> int:
-        """The most entries any KV head of row ``row`` will hold while it decodes ``new_tokens``
-        more tokens, one per pass: what a scheduler reserves for it. A decode-time policy holds
-        at most its budget plus its eviction interval (the entries appended since its last
-        eviction), or, before its first decode-time eviction, what the prompt left plus one
-        interval; a row that no longer evicts grows by every new token."""
-        held = max((layer.rows[row].width for layer in self.eviction_layers), default=0)
+    def row_ceiling(self, row: int, new_tokens: int) -> list[int]:
+        """Per eviction layer: the most entries any KV head of row ``row`` will hold there while
+        it decodes ``new_tokens`` more tokens, one per pass: what a scheduler reserves for it. A
+        decode-time policy holds at most its budget plus its eviction interval (the entries
+        appended since its last eviction), or, before its first decode-time eviction, what the
+        prompt left plus one interval; a row that no longer evicts grows by every new token; a
+        sliding-window layer holds its window (and the token that enters it)."""
         sequence = self.sequences[row]
-        growing = held + new_tokens
-        if sequence.budget is None or not self.policy.evicts_in("decode"):
-            return growing
+        evicting = sequence.budget is not None and self.policy.evicts_in("decode")
         steps, interval = sequence.seen - sequence.prompt_length, sequence.interval
-        before_first_eviction = held - steps if steps < interval else 0
-        return min(growing, max(sequence.budget, before_first_eviction) + interval)
+        ceilings = []
+        for layer in self.eviction_layers:
+            held = layer.rows[row].width
+            ceiling = held + new_tokens
+            if evicting:
+                before_first_eviction = held - steps if steps < interval else 0
+                ceiling = min(ceiling, max(sequence.budget, before_first_eviction) + interval)
+            ceilings.append(ceiling if layer.window is None else min(ceiling, layer.window + 1))
+        return ceilings
 
     def decode_peak(self) -> int:
         """Most entries any KV head held while decoding (budget + interval for lagged eviction)."""

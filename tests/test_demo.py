@@ -5,10 +5,9 @@ import dataclasses
 
 import pytest
 
-from kvevict.bench.serving import batch_bound
 from kvevict.demo import DEMO, run_demo
 from kvevict.storage import capacity_bound
-from tests.bench.test_throughput import full_column_bytes
+from tests.bench.test_throughput import full_column_bytes, rows_bound
 from tests.conftest import tiny_model
 
 
@@ -32,8 +31,7 @@ def small_plan(tokenizer):
     generate = dataclasses.replace(DEMO.generate, model="tiny", policies=("full", "h2o", "tova"), budgets=(24,))
     generate = dataclasses.replace(generate, max_new_tokens=12)
     # room for two full sequences' resident KV (a third one's prefill beside them): eviction admits more
-    column = full_column_bytes(model)
-    cap = (batch_bound([100] * 2, 1, column) + capacity_bound(70, 0) * column) / 2**20
+    cap = (rows_bound(model, 2, 100) + capacity_bound(70, 0) * sum(full_column_bytes(model))) / 2**20
     long = dataclasses.replace(DEMO.long, model="tiny", prompts=4, new_tokens=30, memory_cap_mib=cap)
     ask = dataclasses.replace(DEMO.ask, model="tiny", prompts=2, length=200, new_tokens=4, questions=3)
     return dataclasses.replace(DEMO, compress=compress, generate=generate, long=long, long_budget=16, ask=ask), model

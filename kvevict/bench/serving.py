@@ -49,21 +49,33 @@ class Job(Protocol):
     new_tokens: int
     """Tokens to generate (the first comes from the job's own pass)."""
 
-    def transient_entries(self, free_bytes: int, column_bytes: int) -> int | None:
-        """Entries per KV head its cache holds at most while it is built, choosing the cheapest
-        way that fits ``free_bytes`` (e.g. chunked prefill); None: no way fits."""
+    def transient_bytes(self, free_bytes: int, column_bytes: Sequence[int]) -> int | None:
+        """Resident bytes its cache holds at most while it is built (``column_bytes``: per layer,
+        of an entry column), choosing the cheapest way that fits ``free_bytes`` (e.g. chunked
+        prefill); None: no way fits."""
 
-    def predicted_ceiling(self) -> int:
-        """Its row's ceiling (entries per head), predicted before its cache exists."""
+    def predicted_ceiling(self) -> list[int]:
+        """Its row's ceiling (per layer, entries per head), predicted before its cache exists."""
 
     def start(self) -> tuple[EvictionCache, torch.Tensor]:
-        """Build its batch-1 cache (as chosen by the last :meth:`transient_entries`) and return it
+        """Build its batch-1 cache (as chosen by the last :meth:`transient_bytes`) and return it
         with the logits ``[V]`` of its first new token."""
 
 
-def batch_bound(ceilings: Sequence[int], room: int, column_bytes: int) -> int:
-    """Resident bytes of a batch whose rows have ``ceilings`` (entries per head), padded storage."""
-    return len(ceilings) * capacity_bound(max(ceilings), room) * column_bytes if ceilings else 0
+def padded_bytes(entries: Sequence[int], column_bytes: Sequence[int], room: int = 0) -> int:
+    """Resident bytes of one row holding ``entries[l]`` entries per head in layer ``l`` (room to
+    grow and slack included: :func:`~kvevict.storage.capacity_bound`)."""
+    return sum(capacity_bound(n, room) * size for n, size in zip(entries, column_bytes, strict=True))
+
+
+def batch_bound(ceilings: Sequence[Sequence[int]], room: int, column_bytes: Sequence[int]) -> int:
+    """Resident bytes of a batch whose rows have ``ceilings`` (per layer, entries per head) in
+    padded storage: each layer as long as its longest row's ceiling there (the layers of a pass
+    are all unpacked at once), ``column_bytes[l]`` per entry column of a row of layer ``l``."""
+    if not ceilings:
+        return 0
+    longest = [max(row[layer] for row in ceilings) for layer in range(len(column_bytes))]
+    return len(ceilings) * padded_bytes(longest, column_bytes, room)
 
 
 @dataclass
@@ -83,7 +95,7 @@ class Served:
 @dataclass
 class _Row:
     job: int
-    ceiling: int
+    ceiling: list[int]
 
 
 class Server:
@@ -106,13 +118,13 @@ class Server:
         self.batch: EvictionCache | None = None
         self.rows: list[_Row | None] = []
         self.waiting: tuple[int, EvictionCache] | None = None
-        self.column_bytes = 0
+        self.column_bytes: list[int] = []
         self.room = 1
 
-    def _ceilings(self, extra: Sequence[int] = ()) -> list[int]:
+    def _ceilings(self, extra: Sequence[Sequence[int]] = ()) -> list[Sequence[int]]:
         return [row.ceiling for row in self.rows if row is not None] + list(extra)
 
-    def _bound(self, extra: Sequence[int] = ()) -> int:
+    def _bound(self, extra: Sequence[Sequence[int]] = ()) -> int:
         waiting = 0 if self.waiting is None else self.waiting[1].kv_bytes()
         return batch_bound(self._ceilings(extra), self.room, self.column_bytes) + waiting + self.shared_bytes()
 
@@ -121,11 +133,11 @@ class Server:
         return 0 if output and output[-1] in self.stop_tokens else jobs[job].new_tokens - len(output)
 
     @torch.inference_mode()
-    def serve(self, jobs: Sequence[Job], estimate_column_bytes: int) -> Served:
-        """Serve every job once; ``estimate_column_bytes``: resident bytes per entry column of a
-        row before any cache was measured (replaced by the first built cache's)."""
+    def serve(self, jobs: Sequence[Job], estimate_column_bytes: Sequence[int]) -> Served:
+        """Serve every job once; ``estimate_column_bytes``: per layer, resident bytes per entry
+        column of a row before any cache was measured (raised to each built cache's)."""
         served = Served(outputs=[[] for _ in jobs])
-        self.column_bytes = estimate_column_bytes
+        self.column_bytes = list(estimate_column_bytes)
         pending = list(range(len(jobs)))
         start = time.perf_counter()
         while pending or self.waiting is not None or any(row is not None for row in self.rows):
@@ -154,23 +166,25 @@ class Server:
             return False
         job = pending[0]
         free = self.cap - self._bound()
-        transient = jobs[job].transient_entries(free, self.column_bytes)
+        transient = jobs[job].transient_bytes(free, self.column_bytes)
         predicted = jobs[job].predicted_ceiling()
         if transient is None or self._bound([predicted]) > self.cap:
             if running:
                 return False  # wait for a running row to finish
-            need = capacity_bound(max(transient or 0, predicted), self.room) * self.column_bytes
+            need = max(transient or 0, padded_bytes(predicted, self.column_bytes, self.room))
+            shared = self.shared_bytes()
             raise ValueError(
                 f"the memory cap ({self.cap / MIB:.1f} MiB) holds no sequence of this setting: one needs about "
-                f"{need / MIB:.1f} MiB ({predicted} entries per head at most while it decodes)"
+                f"{need / MIB:.1f} MiB ({max(predicted)} entries per head at most while it decodes)"
+                + (f", besides the {shared / MIB:.1f} MiB its compressed document holds" if shared else "")
             )
         pending.pop(0)
         tick = time.perf_counter()
         cache, logits = jobs[job].start()
         served.prefill_s += time.perf_counter() - tick
-        self.column_bytes = max(self.column_bytes, cache.column_bytes())
+        self.column_bytes = [max(mine, theirs) for mine, theirs in zip(self.column_bytes, cache.column_bytes())]
         self.room = max(self.room, cache.sequences[0].interval)
-        built = max(cache.kv_bytes(), cache.peak_entries() * cache.column_bytes())  # its pass's padded storage
+        built = max(cache.kv_bytes(), cache.peak_entries() * sum(cache.column_bytes()))  # its pass's padded storage
         served.peak_bytes = max(served.peak_bytes, self._resident() + built)
         served.outputs[job].append(self.next_tokens(logits[None], [served.outputs[job]])[0])
         ceiling = cache.row_ceiling(0, self._remaining(served, job, jobs))

@@ -111,13 +111,14 @@ def token_bytes(model: PreTrainedModel) -> int:
     return 2 * config.num_hidden_layers * heads * head_dim * model.dtype.itemsize
 
 
-def estimate_column_bytes(model: PreTrainedModel) -> int:
-    """Resident bytes of one entry column of one row before a cache has shown its own: keys and
-    values plus each KV head's position (int64) and validity (bool); per-token policy state
-    joins once the first cache of a setting is built."""
+def estimate_column_bytes(model: PreTrainedModel) -> list[int]:
+    """Per layer, resident bytes of one entry column of one row before a cache has shown its
+    own: keys and values plus each KV head's position (int64) and validity (bool); per-token
+    policy state joins once the first cache of a setting is built."""
     config = model.config.get_text_config(decoder=True)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return token_bytes(model) + config.num_hidden_layers * heads * (8 + 1)
+    layers = config.num_hidden_layers
+    return [token_bytes(model) // layers + heads * (8 + 1)] * layers
 
 
 def agreement(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> float:

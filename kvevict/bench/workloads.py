@@ -24,10 +24,10 @@ import torch
 from transformers import PreTrainedModel
 
 from kvevict.bench.longgen import GENERATION
+from kvevict.bench.serving import padded_bytes
 from kvevict.cache import EvictionCache
 from kvevict.compat import with_cache
 from kvevict.generation import prefill
-from kvevict.storage import capacity_bound
 
 
 @dataclass(frozen=True)
@@ -123,9 +123,9 @@ class PromptJob:
             return None
         return chunk if policy.evicts_in("prefill") or chunk <= budget else None
 
-    def transient_entries(self, free_bytes: int, column_bytes: int) -> int | None:
-        one_pass = round(self.length * self.learned.prefill_factor)
-        if capacity_bound(one_pass, 0) * column_bytes <= free_bytes:
+    def transient_bytes(self, free_bytes: int, column_bytes: Sequence[int]) -> int | None:
+        one_pass = padded_bytes([round(self.length * self.learned.prefill_factor)] * len(column_bytes), column_bytes)
+        if one_pass <= free_bytes:
             self._chunk_used = None
             return one_pass
         chunk = self._chunkable()
@@ -137,10 +137,12 @@ class PromptJob:
             uniform = self.cache().policy.allocator.name == "uniform"
             peak = min(self.length, self.cache().budget.resolve(self.length) + chunk) if uniform else self.length
         self._chunk_used = chunk
-        return peak if capacity_bound(peak, 0) * column_bytes <= free_bytes else None
+        chunked = padded_bytes([peak] * len(column_bytes), column_bytes)
+        return chunked if chunked <= free_bytes else None
 
-    def predicted_ceiling(self) -> int:
-        return predict_ceiling(self.cache(), self.length, self.new_tokens - 1, self.learned)
+    def predicted_ceiling(self) -> list[int]:
+        cache = self.cache()
+        return [predict_ceiling(cache, self.length, self.new_tokens - 1, self.learned)] * len(cache.eviction_layers)
 
     def start(self) -> tuple[EvictionCache, torch.Tensor]:
         cache, learned = self.cache(), self.learned
@@ -213,25 +215,25 @@ class QuestionJob:
     def _context_length(self) -> int:
         return self.library.documents[self.document].context.shape[-1]
 
-    def transient_entries(self, free_bytes: int, column_bytes: int) -> int | None:
+    def transient_bytes(self, free_bytes: int, column_bytes: Sequence[int]) -> int | None:
         length, learned = self._context_length(), self.library.learned
-        built = self.library.caches.get(self.document)
-        # a copy of the compressed document and the question; the document's own prefill the first time
-        held = self.predicted_ceiling() if built is not None else round(length * learned.prefill_factor)
-        return held if capacity_bound(held, 0) * column_bytes <= free_bytes else None
+        if self.document in self.library.caches:  # a copy of the compressed document, then the question
+            transient = padded_bytes(self.predicted_ceiling(), column_bytes)
+        else:  # the document's own prefill the first time
+            transient = padded_bytes([round(length * learned.prefill_factor)] * len(column_bytes), column_bytes)
+        return transient if transient <= free_bytes else None
 
-    def predicted_ceiling(self) -> int:
-        library = self.library
+    def predicted_ceiling(self) -> list[int]:
+        library, grows = self.library, self._tail.shape[-1] + self.new_tokens
         cache = library.caches.get(self.document)
-        if cache is not None:
-            held = max(layer.rows[0].width for layer in cache.eviction_layers)
-            return held + self._tail.shape[-1] + self.new_tokens
+        if cache is not None:  # each layer's longest head in the compressed document
+            return [layer.rows[0].width + grows for layer in cache.eviction_layers]
         probe = library.setting.cache(library.model, self._context_length())
         try:
             held = _prompt_entries(probe, self._context_length(), library.learned)
+            return [held + grows] * len(probe.eviction_layers)
         finally:
             probe.close()
-        return held + self._tail.shape[-1] + self.new_tokens
 
     def start(self) -> tuple[EvictionCache, torch.Tensor]:
         library = self.library

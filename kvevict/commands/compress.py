@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     cache = EvictionCache(model, policy, budget=args.budget, keep=args.keep, interval=args.interval)
     prefill(model, context, cache, chunk=args.prefill_chunk, progress=True)
     path = cache.save(args.out)
-    full = context.shape[-1] * cache.column_bytes()
+    full = context.shape[-1] * sum(cache.column_bytes())
     print(
         f"{args.file}: {context.shape[-1]} tokens compressed by {args.policy} ({cache.budget}) to "
         f"{max(cache.layer_lengths())} per KV head; resident KV {cache.kv_bytes() / 2**20:.2f} MiB "

@@ -9,13 +9,14 @@ from kvevict.bench.serving import Server, batch_bound
 from kvevict.bench.throughput import estimate_column_bytes
 from kvevict.bench.workloads import Learned, PromptJob, Setting
 from kvevict.storage import capacity_bound
-from tests.bench.test_throughput import full_column_bytes
+from tests.bench.test_throughput import full_column_bytes, rows_bound
 from tests.conftest import prompt, tiny_model
 
 
-def test_a_batch_is_bounded_by_its_longest_rows_padded_storage() -> None:
-    assert batch_bound([], 4, 100) == 0
-    assert batch_bound([10, 40, 25], 4, 100) == 3 * capacity_bound(40, 4) * 100
+def test_a_batch_is_bounded_by_its_longest_rows_padded_storage_layer_by_layer() -> None:
+    assert batch_bound([], 4, [100, 10]) == 0
+    rows = [[10, 400], [40, 5], [25, 5]]  # per layer: a layer as long as its longest row there
+    assert batch_bound(rows, 4, [100, 10]) == 3 * (capacity_bound(40, 4) * 100 + capacity_bound(400, 4) * 10)
     assert capacity_bound(40, 4) == 40 + 4 + 16 and capacity_bound(400, 4) == 400 + 4 + 100
 
 
@@ -23,15 +24,15 @@ class Underestimated(PromptJob):
     """A prompt whose row's ceiling is predicted far too low (as for a policy whose heads
     keep more than its budget before any was measured)."""
 
-    def predicted_ceiling(self) -> int:
-        return 1
+    def predicted_ceiling(self) -> list[int]:
+        return [1] * len(self.cache().eviction_layers)
 
 
 def test_a_job_whose_real_ceiling_does_not_fit_waits_for_a_row_to_finish() -> None:
     model = tiny_model()
-    column = full_column_bytes(model)
-    cap = batch_bound([67] * 3, 1, column) - column  # 60 + 7 fed tokens per row: two full rows, not three
-    assert batch_bound([67] * 2, 1, column) + capacity_bound(60, 0) * column <= cap  # and a prefill beside them
+    column = sum(full_column_bytes(model))
+    cap = rows_bound(model, 3, 67) - column  # 60 + 7 fed tokens per row: two full rows, not three
+    assert rows_bound(model, 2, 67) + capacity_bound(60, 0) * column <= cap  # and a prefill beside them
     jobs = [Underestimated(model, prompt(60, seed=s), Setting("full"), 8, Learned()) for s in range(4)]
     served = Server(model, cap).serve(jobs, estimate_column_bytes(model))
     assert served.max_batch == 2 and served.peak_bytes <= cap

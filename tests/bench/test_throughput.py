@@ -38,18 +38,24 @@ def alone(model, ids: torch.Tensor, setting: Setting, chunk: int | None) -> list
     return tokens
 
 
-def full_column_bytes(model) -> int:
+def full_column_bytes(model) -> list[int]:
+    """Per layer, the resident bytes of an entry column of a full-cache row."""
     cache = kvevict.EvictionCache(model, "full")
     prefill(model, prompt(8), cache)
     return cache.column_bytes()
 
 
+def rows_bound(model, rows: int, entries: int) -> int:
+    """Resident bytes of ``rows`` full-cache rows of ``entries`` entries per head in every layer."""
+    column = full_column_bytes(model)
+    return batch_bound([[entries] * len(column)] * rows, 1, column)
+
+
 def two_full_sequences(model, length: int, new: int) -> float:
     """A cap (MiB) that holds two full-cache rows of ``length + new`` entries and the prefill
     of a third prompt beside them, but not three rows."""
-    column = full_column_bytes(model)
-    cap = batch_bound([length + new] * 2, 1, column) + capacity_bound(length, 0) * column
-    assert cap < batch_bound([length + new] * 3, 1, column)
+    cap = rows_bound(model, 2, length + new) + capacity_bound(length, 0) * sum(full_column_bytes(model))
+    assert cap < rows_bound(model, 3, length + new)
     return cap / MIB
 
 
