@@ -164,8 +164,13 @@ def _layer_mask(base: str, mask: torch.Tensor | None, query: torch.Tensor, layer
     valid = layer.valid
     check_flash(base, valid is not None)
     if not layer.compacted and (
-        mask is not None and mask.shape[-1] == n or mask is None and valid is None and q in (1, n)
-    ):
+        mask is not None
+        and mask.shape[-1] == n
+        and (valid is None or q == 1)
+        or mask is None
+        and valid is None
+        and q in (1, n)
+    ):  # (a pass of several queries over a row's left padding: the model's mask may not know it)
         return mask
     if base.startswith("flash"):  # uniform rows: new entries at the end, causal bottom-right
         if layer.window is not None and q > 1:

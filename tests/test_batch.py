@@ -248,3 +248,30 @@ def test_deferred_prefill_evicts_each_row_as_alone(arch: str, policy: str) -> No
         expected, expected_logits = greedy(model, alone, kvevict.EvictionCache(model, small(policy), budget=20), 5)
         assert torch.equal(tokens[row], expected[0, alone.shape[1] :])
         torch.testing.assert_close(logits[row], expected_logits[0], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["full", "snapkv", "h2o"])
+def test_a_pass_of_several_tokens_by_positions_alone_gives_each_row_what_it_gets_alone(policy: str) -> None:
+    """After a left-padded prompt, a pass of several tokens per row given only their positions
+    (no attention mask: continuous batching's way) does not let a row see its left padding."""
+    model = tiny_model()
+    prompts = [prompt(n, seed=seed) for seed, n in enumerate((70, 58))]
+    ids, mask = left_padded(prompts)
+    tokens = torch.randint(5, 90, (2, 6), generator=torch.Generator().manual_seed(0))
+    budget = None if policy == "full" else 48
+
+    def cache() -> kvevict.EvictionCache:
+        return kvevict.EvictionCache(model, build_policy(policy), budget=budget)
+
+    with torch.no_grad():
+        batch = cache()
+        model(input_ids=ids, attention_mask=mask, position_ids=padded_positions(mask), past_key_values=batch)
+        batch.end_prompt()
+        positions = batch.next_positions() + torch.arange(6)
+        logits = model(input_ids=tokens, position_ids=positions, past_key_values=batch).logits
+        for row, alone_ids in enumerate(prompts):
+            alone = cache()
+            model(input_ids=alone_ids, past_key_values=alone)
+            alone.end_prompt()
+            expected = model(input_ids=tokens[row : row + 1], past_key_values=alone).logits
+            torch.testing.assert_close(logits[row], expected[0], rtol=0, atol=1e-5)

@@ -62,3 +62,26 @@ def test_long_decode_time_generation_loses_fidelity_under_a_tight_budget() -> No
     loose = replay(model, kvevict.EvictionCache(model, "streamingllm", budget=400), ids, answer, step_by_step=True)
     assert fidelity_metrics(expected, tight, answer).kl > fidelity_metrics(expected, loose, answer).kl
     assert fidelity_metrics(expected, loose, answer).top1 == 1.0
+
+
+def test_teacher_forcing_the_full_cache_against_itself_is_exact_and_blocks_change_nothing() -> None:
+    """Fidelity 1 / KL 0 for the full cache against itself, in a left-padded batch; and a policy's
+    figures equal a token-by-token replay of each row alone (the full cache fed in blocks gives
+    what one token per pass gives)."""
+    import kvevict
+    from kvevict.bench.fidelity import FULL_BLOCK, fidelity_metrics, replay, teacher_forced
+    from tests.conftest import prompt, tiny_model
+
+    model = tiny_model()
+    prompts = [prompt(n, seed=seed) for seed, n in enumerate((30, 24))]
+    length = FULL_BLOCK + 9  # across a block boundary
+    sequences = [torch.randint(5, 90, (length,), generator=torch.Generator().manual_seed(s)).tolist() for s in (0, 1)]
+    full = teacher_forced(model, prompts, sequences, lambda: kvevict.EvictionCache(model, "full"))
+    assert [top1 for top1, _ in full] == [1.0, 1.0] and all(kl < 1e-6 for _, kl in full)
+    rows = teacher_forced(model, prompts, sequences, lambda: kvevict.EvictionCache(model, "tova", budget=20))
+    for ids, tokens, (top1, kl) in zip(prompts, sequences, rows):
+        answer = torch.tensor(tokens)
+        policy = replay(model, kvevict.EvictionCache(model, "tova", budget=20), ids, answer, step_by_step=True)
+        reference = replay(model, kvevict.EvictionCache(model, "full"), ids, answer, step_by_step=True)
+        alone = fidelity_metrics(reference, policy, answer)
+        assert top1 == pytest.approx(alone.top1) and kl == pytest.approx(alone.kl, rel=1e-4, abs=1e-6)
