@@ -156,6 +156,7 @@ def save_file(cache: Any, path: str | Path, model: PreTrainedModel) -> Path:
                 "keep": cache.budget.keep,
                 "interval": cache.interval,
                 "prompt_length": cache.prompt_length,
+                "quant": {} if cache.quant is None else cache.quant.options(),
             }
         ),
         "cache": json.dumps(

@@ -20,6 +20,8 @@ from typing import Protocol
 
 import torch
 
+from kvevict.quant import QuantConfig, QuantizedEntries, compress
+
 SLACK = 16
 """Columns a storage may hold beyond its entries and its room to grow before it gives them back."""
 
@@ -92,6 +94,8 @@ class LayerStorage:
         self.capacity = 0
         self.packed: PackedEntries | None = None
         """Between passes, the real entries of a ragged layer, and nothing else (:meth:`pack`)."""
+        self.quantized: QuantizedEntries | None = None
+        """Between passes, the keys and values of a quantized layer (:meth:`quantize`)."""
         self.replaced()
 
     def replaced(self) -> None:
@@ -113,6 +117,8 @@ class LayerStorage:
             held.append(self.valid)
         if self.packed is not None:
             held += [self.packed.held, *self.packed.entries.values()]
+        if self.quantized is not None:
+            held += self.quantized.tensors()
         return held
 
     def columns(self, n: int) -> Columns:
@@ -131,7 +137,7 @@ class LayerStorage:
         self.keys = keys.new_zeros(b, h, 0, keys.shape[-1])
         self.values = values.new_zeros(b, h, 0, values.shape[-1])
         self.positions = torch.zeros(b, h, 0, dtype=torch.long, device=keys.device)
-        self.valid, self.state, self.capacity, self.packed = None, {}, 0, None
+        self.valid, self.state, self.capacity, self.packed, self.quantized = None, {}, 0, None, None
         self.replaced()
 
     def _map(self, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -203,11 +209,35 @@ class LayerStorage:
         self.replaced()
         return n
 
+    def quantize(self, n: int, spans: Sequence[tuple[int, int]], config: QuantConfig) -> None:
+        """Between passes, hold the first ``n`` columns' keys and values quantized
+        (:func:`kvevict.quant.compress`; row ``b`` holds columns ``spans[b] = (start, width)``);
+        positions, validity and state stay as they are."""
+        assert self.quantized is None and self.packed is None
+        valid = None if self.valid is None else self.valid.narrow(2, 0, n)
+        self.quantized = compress(self.keys.narrow(2, 0, n), self.values.narrow(2, 0, n), valid, spans, config)
+        self.keys, self.values = (x.new_empty(*x.shape[:2], 0, *x.shape[3:]) for x in (self.keys, self.values))
+        self.replaced()
+
+    def dequantize(self) -> None:
+        """The quantized keys and values back in padded storage (dequantized) before a pass."""
+        quantized = self.quantized
+        assert quantized is not None
+        self.quantized = None
+        self.keys, self.values = quantized.restore(self.capacity)
+        self.replaced()
+
     def dense(self, name: str, free: torch.Tensor) -> torch.Tensor | None:
         """Entry ``name`` (``keys``, ``values``, ``positions``, ``valid``, a state entry) of the
-        packed entries, padded as a pass would see it (free slots of row ``b`` at position
-        ``free[b]``): a new tensor, not kept (reading a packed layer between passes does not
-        inflate it)."""
+        packed or quantized entries, padded as a pass would see it (free slots of row ``b`` at
+        position ``free[b]``; keys and values dequantized): a new tensor, not kept (reading a
+        packed or quantized layer between passes does not inflate it)."""
+        quantized = self.quantized
+        if quantized is not None:
+            if name in ("keys", "values"):
+                return quantized.restore(quantized.n)[name == "values"]
+            value = self.valid if name == "valid" else self.entries()[name]
+            return None if value is None else value.narrow(2, 0, quantized.n)
         packed = self.packed
         assert packed is not None
         return packed.held if name == "valid" else packed.spread(name, packed.held.shape[-1], free)
@@ -216,7 +246,7 @@ class LayerStorage:
         """Storage is written in place, which torch forbids on tensors made under ``inference_mode``
         once that mode is left (e.g. ``kvevict.answer`` filled the cache and the caller goes on
         under ``no_grad``): copy it once into ordinary tensors."""
-        if not torch.is_inference_mode_enabled() and self.keys.is_inference():
+        if not torch.is_inference_mode_enabled() and any(x.is_inference() for x in self.kv_positions()):
             self._map(torch.clone)
 
     def ensure_valid(self, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
