@@ -46,7 +46,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvevict.bench.memory import MIB
-from kvevict.bench.options import comma_separated
+from kvevict.bench.options import comma_separated, quant_list
 from kvevict.bench.report import text_table
 from kvevict.cache import EvictionCache
 from kvevict.compat import with_cache
@@ -64,11 +64,12 @@ class Setting:
     policy: str
     budget: int | None = None
     keep: float | None = None
+    quant: str | None = None
 
     @property
     def label(self) -> str:
         size = f"budget {self.budget}" if self.budget is not None else f"keep {self.keep}" if self.keep else ""
-        return f"{self.policy} {size}".strip()
+        return f"{self.policy}{'' if self.quant is None else '+' + self.quant} {size}".strip()
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,9 @@ class ThroughputConfig:
         return int(self.memory_cap_mib * MIB)
 
 
-def settings(policies: Sequence[str], budgets: Sequence[int] = (), keeps: Sequence[float] = ()) -> list[Setting]:
+def settings(
+    policies: Sequence[str], budgets: Sequence[int] = (), keeps: Sequence[float] = (), quants: Sequence[str | None] = ()
+) -> list[Setting]:
     """The full cache (the reference, always first), then every evicting policy at every size."""
     evicting = [name for name in policies if name != "full"]
     if evicting and not budgets and not keeps:
@@ -109,7 +112,8 @@ def settings(policies: Sequence[str], budgets: Sequence[int] = (), keeps: Sequen
     for name in evicting:
         make_policy(name)  # an unknown or refused spelling fails before anything runs
     sizes = [{"budget": b} for b in budgets] + [{"keep": k} for k in keeps]
-    return [Setting("full"), *(Setting(name, **size) for name in evicting for size in sizes)]
+    runs = [Setting("full"), *(Setting(name, **size) for name in evicting for size in sizes)]
+    return [Setting(s.policy, s.budget, s.keep, quant) for quant in quants or (None,) for s in runs]
 
 
 def token_bytes(model: PreTrainedModel) -> int:
@@ -197,7 +201,7 @@ def serve(
         retire()
         while pending:  # admit while the cap holds the running batch, the prefill transient and the newcomer's growth
             ids = prompts[pending[0]]
-            cache = EvictionCache(model, setting.policy, prompt_length=ids.shape[-1], **budget)
+            cache = EvictionCache(model, setting.policy, prompt_length=ids.shape[-1], quant=setting.quant, **budget)
             chunk_used, transient = None, ids.shape[-1]  # one pass (fastest) while the whole prompt fits
             chunkable = _chunk_for(setting, chunk, cache, ids.shape[-1])
             if reserved() + (transient + new_tokens) * per_token > cap_bytes and chunkable is not None:
@@ -317,13 +321,13 @@ def run_throughput(
     if len(prompts) != config.prompts:
         raise ValueError(f"{len(prompts)} prompts given, the configuration says {config.prompts}")
     store = ThroughputStore(out)
-    runs = [Setting("full"), *(s for s in runs if s.policy != "full")]
+    runs = [Setting("full"), *(s for s in runs if s != Setting("full"))]
     records = []
     for setting in tqdm(runs, desc="bench throughput", unit="setting", disable=not progress):
         record = store.get(identity(config, setting))
         if record is None:
             outputs, figures = serve(model, prompts, setting, config.new_tokens, config.cap_bytes, config.prefill_chunk)
-            reference = outputs if setting.policy == "full" else records[0]["outputs"]
+            reference = outputs if setting == Setting("full") else records[0]["outputs"]
             record = {**identity(config, setting), **figures, "quality": agreement(outputs, reference)}
             record["outputs"] = outputs
             store.add(record)
@@ -338,7 +342,7 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
         size = "-" if r["policy"] == "full" else str(r["budget"] if r["budget"] is not None else f"keep {r['keep']}")
         rows.append(
             [
-                r["policy"],
+                r["policy"] + (f"+{r['quant']}" if r.get("quant") else ""),
                 size,
                 str(r["prefill_chunk"] or "-"),
                 str(r["max_batch"]),
@@ -419,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts (default 0)")
     parser.add_argument("--out", type=Path, required=True, help="results directory (created; resumed if it exists)")
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
+    parser.add_argument("--quant", type=quant_list, default=(), help="also run every setting quantized: none,int4,...")
     return parser
 
 
@@ -427,7 +432,7 @@ def main(argv: Sequence[str]) -> int:
     from kvevict.policies import split_names
 
     args = build_parser().parse_args(argv)
-    runs = settings(split_names(args.policies), args.budgets, args.keep)
+    runs = settings(split_names(args.policies), args.budgets, args.keep, args.quant)
     config = ThroughputConfig(
         model=args.model,
         task=args.task,

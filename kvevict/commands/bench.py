@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvevict.bench.options import comma_separated
+from kvevict.bench.options import comma_separated, quant_list
 from kvevict.commands.common import BENCH, Subcommands, guarded, model_args, names
 
 SUBCOMMANDS = {"memory": "memory", "throughput": "throughput", "decode-speed": "speed"}
@@ -69,6 +69,13 @@ def add_parser(commands: Subcommands) -> None:
         "--fidelity", action="store_true", help="also replay the full cache's answer: top-1, KL, perplexity"
     )
     bench.add_argument("--max-new-tokens", type=int, default=None, help="override every task's generation length")
+    bench.add_argument(
+        "--quant",
+        type=quant_list,
+        default=(),
+        help="run every setting with each quantized storage, e.g. none,int8,int4,int2 (none: full precision; "
+        "full also runs quantized when listed; the full-precision full cache stays the reference)",
+    )
     bench.add_argument(
         "--prefill-chunk",
         type=int,
@@ -132,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         prefill_chunk=args.prefill_chunk,
         batch_size=args.batch_size,
+        quants=args.quant,
         dtype=args.dtype,
         device=args.device,
         attn=args.attn,
