@@ -147,7 +147,7 @@ def dequantize_keys(quantized: QuantizedTensor, bits: int, group: int, dtype: to
     b, h, q, d = codes.shape
     grouped = codes.view(b, h, q // group, group, d).float()
     scale, zero = quantized.scale.float()[:, :, :, None], quantized.zero.float()[:, :, :, None]
-    return (grouped * scale + zero).view(b, h, q, d).to(dtype)
+    return torch.addcmul(zero, grouped, scale).view(b, h, q, d).to(dtype)
 
 
 def quantize_values(values: torch.Tensor, bits: int, group: int) -> QuantizedTensor:
@@ -162,7 +162,11 @@ def dequantize_values(quantized: QuantizedTensor, bits: int, group: int, dtype: 
     codes = unpack(quantized.codes, bits)
     b, h, q, d = codes.shape
     grouped = codes.view(b, h, q, d // group, group).float()
-    return (grouped * quantized.scale.float()[..., None] + quantized.zero.float()[..., None]).view(b, h, q, d).to(dtype)
+    return (
+        torch.addcmul(quantized.zero.float()[..., None], grouped, quantized.scale.float()[..., None])
+        .view(b, h, q, d)
+        .to(dtype)
+    )
 
 
 def quantized_columns(width: int, config: QuantConfig) -> int:
@@ -175,7 +179,9 @@ def quantized_columns(width: int, config: QuantConfig) -> int:
 class QuantizedEntries:
     """A layer's keys and values between passes: row ``b``'s storage columns ``starts[b] ..
     starts[b] + counts[b]`` as codes (row-relative columns ``0 .. counts[b]`` of ``keys`` and
-    ``values``), and storage columns ``residual_from .. n`` of every row at full precision."""
+    ``values``), and storage columns ``residual_from .. n`` of every row at full precision.
+    ``positions`` (int32) and ``held`` (None: all) say which entry each code is, so that the
+    next pass's end requantizes only what changed (:func:`compress`)."""
 
     config: QuantConfig
     keys: QuantizedTensor
@@ -186,25 +192,35 @@ class QuantizedEntries:
     residual_keys: torch.Tensor
     residual_values: torch.Tensor
     n: int
+    positions: torch.Tensor
+    held: torch.Tensor | None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.keys.tensors(), *self.values.tensors(), self.residual_keys, self.residual_values]
+        held = [] if self.held is None else [self.held]
+        return [
+            *self.keys.tensors(),
+            *self.values.tensors(),
+            self.residual_keys,
+            self.residual_values,
+            self.positions,
+        ] + held
 
     def restore(self, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, H, columns, d]`` (``columns`` ≥ :attr:`n`; zeros past it): the
         quantized entries dequantized, the residual as held."""
         bits, group, dtype = self.config.bits, self.config.group, self.residual_keys.dtype
-        keys, values = self.residual_keys, self.residual_values
         dense = []
         for residual, part in (
-            (keys, dequantize_keys(self.keys, bits, group, dtype)),
-            (values, dequantize_values(self.values, bits, group, dtype)),
+            (self.residual_keys, dequantize_keys(self.keys, bits, group, dtype)),
+            (self.residual_values, dequantize_values(self.values, bits, group, dtype)),
         ):
-            out = residual.new_zeros(*residual.shape[:2], columns, residual.shape[-1])
+            out = residual.new_empty(*residual.shape[:2], columns, residual.shape[-1])
+            out[:, :, self.n :].zero_()
             out[:, :, self.residual_from : self.n] = residual
             if _aligned(self.starts, self.counts):
                 out[:, :, : self.counts[0]] = part
             else:
+                out[:, :, : self.residual_from].zero_()  # (a left-padded row's padding)
                 for row, (start, count) in enumerate(zip(self.starts, self.counts)):
                     out[row, :, start : start + count] = part[row, :, :count]
             dense.append(out)
@@ -215,40 +231,140 @@ def _aligned(starts: Sequence[int], counts: Sequence[int]) -> bool:
     return all(start == 0 for start in starts) and len(set(counts)) == 1
 
 
+def _row_relative(x: torch.Tensor, starts: Sequence[int], counts: Sequence[int], fill: float = 0) -> torch.Tensor:
+    """Row ``b``'s columns ``starts[b] .. starts[b] + counts[b]`` of ``x`` ``[B, H, n, ...]`` from
+    column 0, ``[B, H, max(counts), ...]`` (``fill`` past a row's count): a view when aligned."""
+    longest = max(counts)
+    if _aligned(starts, counts):
+        return x.narrow(2, 0, longest)
+    out = x.new_full((*x.shape[:2], longest, *x.shape[3:]), fill)
+    for row, (start, count) in enumerate(zip(starts, counts)):
+        out[row, :, :count] = x[row, :, start : start + count]
+    return out
+
+
+def _reusable(previous: QuantizedEntries | None, positions: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """``[B, H, q]`` (row-relative columns): whether ``previous``'s code of that column is still
+    the entry held there (same position, same validity; a row that moved to column 0 keeps its
+    row-relative columns)."""
+    reuse = torch.zeros(held.shape, dtype=torch.bool, device=held.device)
+    if previous is None or previous.positions.shape[:2] != positions.shape[:2]:
+        return reuse
+    common = min(previous.positions.shape[2], positions.shape[2])
+    same = previous.positions[:, :, :common] == positions[:, :, :common]
+    if previous.held is not None:
+        same &= previous.held[:, :, :common] == held[:, :, :common]
+    elif not bool(held[:, :, :common].all()):
+        same &= held[:, :, :common]
+    for row, count in enumerate(previous.counts):
+        same[row, :, count:] = False
+    reuse[:, :, :common] = same
+    return reuse
+
+
 def compress(
     keys: torch.Tensor,
     values: torch.Tensor,
     valid: torch.Tensor | None,
+    positions: torch.Tensor,
     spans: Sequence[tuple[int, int]],
     config: QuantConfig,
+    previous: QuantizedEntries | None = None,
 ) -> QuantizedEntries:
-    """Quantize a layer's ``keys``/``values`` ``[B, H, n, d]`` whose row ``b`` holds columns
-    ``spans[b] = (start, width)`` (``valid`` ``[B, H, n]``: which are real; None: all),
-    leaving each row's last :func:`quantized_columns`-complement at full precision."""
+    """Quantize a layer's ``keys``/``values`` ``[B, H, n, d]`` at ``positions`` whose row ``b``
+    holds columns ``spans[b] = (start, width)`` (``valid`` ``[B, H, n]``: which are real; None:
+    all), leaving each row's last entries past :func:`quantized_columns` at full precision.
+
+    Codes of ``previous`` (this layer's last quantization) whose entry is still in place are
+    kept as they are; only key groups with a new or moved entry, and new or moved values, are
+    quantized (from the pass's dequantized or new entries). What a row gets depends on that
+    row alone, so a row of a batch is quantized exactly as alone."""
     n = keys.shape[2]
     starts = [start for start, _ in spans]
     counts = [quantized_columns(width, config) for _, width in spans]
-    longest = max(counts)
-    if _aligned(starts, counts):
-        rel_keys, rel_values = keys[:, :, :longest], values[:, :, :longest]
-        held = None if valid is None else valid[:, :, :longest]
-    else:  # each row from its own first column (left padding): grouped as the row alone
-        rel_keys = keys.new_zeros(*keys.shape[:2], longest, keys.shape[-1])
-        rel_values = values.new_zeros(*values.shape[:2], longest, values.shape[-1])
-        held = torch.zeros(rel_keys.shape[:3], dtype=torch.bool, device=keys.device)
-        for row, (start, count) in enumerate(zip(starts, counts)):
-            rel_keys[row, :, :count] = keys[row, :, start : start + count]
-            rel_values[row, :, :count] = values[row, :, start : start + count]
-            held[row, :, :count] = True if valid is None else valid[row, :, start : start + count]
+    rel_keys, rel_values = _row_relative(keys, starts, counts), _row_relative(values, starts, counts)
+    rel_positions = _row_relative(positions, starts, counts, -1).to(torch.int32)
+    if valid is None and _aligned(starts, counts):
+        held = torch.ones(rel_positions.shape, dtype=torch.bool, device=keys.device)
+        stored_held = None
+    else:
+        held = _row_relative(
+            torch.ones(positions.shape, dtype=torch.bool, device=keys.device) if valid is None else valid,
+            starts,
+            counts,
+            False,
+        )
+        stored_held = held.clone()
+    reuse = _reusable(previous, rel_positions, held)
+    if previous is not None and previous.counts == counts and bool(reuse.all()):  # every code in place
+        quantized_keys, quantized_values = previous.keys, previous.values
+    else:
+        mask = None if stored_held is None else held
+        quantized_keys = _changed_keys(rel_keys, mask, reuse, None if previous is None else previous.keys, config)
+        quantized_values = _changed_values(rel_values, reuse, None if previous is None else previous.values, config)
     residual_from = min(start + count for start, count in zip(starts, counts))
     return QuantizedEntries(
         config=config,
-        keys=quantize_keys(rel_keys, config.bits, config.group, held),
-        values=quantize_values(rel_values, config.bits, config.group),
+        keys=quantized_keys,
+        values=quantized_values,
         starts=starts,
         counts=counts,
         residual_from=residual_from,
         residual_keys=keys[:, :, residual_from:n].clone(),
         residual_values=values[:, :, residual_from:n].clone(),
         n=n,
+        positions=rel_positions,
+        held=stored_held,
     )
+
+
+def _changed_keys(
+    keys: torch.Tensor,
+    held: torch.Tensor | None,
+    reuse: torch.Tensor,
+    previous: QuantizedTensor | None,
+    config: QuantConfig,
+) -> QuantizedTensor:
+    """:func:`quantize_keys` of ``keys`` ``[B, H, q, d]``, but groups whose every entry ``reuse``
+    keep ``previous``'s codes: only the others are quantized."""
+    b, h, q, d = keys.shape
+    bits, group = config.bits, config.group
+    kept = reuse.view(b, h, q // group, group).all(dim=-1)
+    if previous is None or not bool(kept.any()):
+        return quantize_keys(keys, bits, group, held)
+    out = _grown(previous, q, group)
+    index = (~kept).nonzero(as_tuple=True)
+    if index[0].numel():
+        mask = None if held is None else held.view(b, h, q // group, group)[index][..., None]
+        codes, scale, zero = quantize_groups(keys.reshape(b, h, q // group, group, d)[index], 1, bits, mask)
+        out.codes.view(b, h, q // group, group, -1)[index] = pack(codes, bits)
+        out.scale[index], out.zero[index] = scale, zero
+    return out
+
+
+def _changed_values(
+    values: torch.Tensor, reuse: torch.Tensor, previous: QuantizedTensor | None, config: QuantConfig
+) -> QuantizedTensor:
+    """:func:`quantize_values` of ``values`` ``[B, H, q, d]``, but entries ``reuse`` keep ``previous``'s codes."""
+    bits, group, d = config.bits, config.group, values.shape[-1]
+    if previous is None or not bool(reuse.any()):
+        return quantize_values(values, bits, group)
+    out = _grown(previous, values.shape[2], 1)
+    index = (~reuse).nonzero(as_tuple=True)
+    if index[0].numel():
+        codes, scale, zero = quantize_groups(values[index].view(-1, d // group, group), 2, bits)
+        out.codes[index] = pack(codes.view(-1, d), bits)
+        out.scale[index], out.zero[index] = scale, zero
+    return out
+
+
+def _grown(previous: QuantizedTensor, columns: int, per: int) -> QuantizedTensor:
+    """New tensors for ``columns`` entries (scales and zero points: one per ``per`` entries along
+    dim 2) holding ``previous``'s as far as they go, zeros past them."""
+    out = []
+    for x, width in ((previous.codes, columns), (previous.scale, columns // per), (previous.zero, columns // per)):
+        fresh = x.new_zeros(*x.shape[:2], width, *x.shape[3:])
+        keep = min(width, x.shape[2])
+        fresh[:, :, :keep] = x[:, :, :keep]
+        out.append(fresh)
+    return QuantizedTensor(*out)

@@ -96,6 +96,8 @@ class LayerStorage:
         """Between passes, the real entries of a ragged layer, and nothing else (:meth:`pack`)."""
         self.quantized: QuantizedEntries | None = None
         """Between passes, the keys and values of a quantized layer (:meth:`quantize`)."""
+        self.previous: QuantizedEntries | None = None
+        """During a pass, what :attr:`quantized` was: its codes still in place are kept at the pass's end."""
         self.replaced()
 
     def replaced(self) -> None:
@@ -117,8 +119,8 @@ class LayerStorage:
             held.append(self.valid)
         if self.packed is not None:
             held += [self.packed.held, *self.packed.entries.values()]
-        if self.quantized is not None:
-            held += self.quantized.tensors()
+        for quantized in (self.quantized, self.previous):
+            held += [] if quantized is None else quantized.tensors()
         return held
 
     def columns(self, n: int) -> Columns:
@@ -137,7 +139,8 @@ class LayerStorage:
         self.keys = keys.new_zeros(b, h, 0, keys.shape[-1])
         self.values = values.new_zeros(b, h, 0, values.shape[-1])
         self.positions = torch.zeros(b, h, 0, dtype=torch.long, device=keys.device)
-        self.valid, self.state, self.capacity, self.packed, self.quantized = None, {}, 0, None, None
+        self.valid, self.state, self.capacity = None, {}, 0
+        self.packed = self.quantized = self.previous = None
         self.replaced()
 
     def _map(self, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -215,7 +218,9 @@ class LayerStorage:
         positions, validity and state stay as they are."""
         assert self.quantized is None and self.packed is None
         valid = None if self.valid is None else self.valid.narrow(2, 0, n)
-        self.quantized = compress(self.keys.narrow(2, 0, n), self.values.narrow(2, 0, n), valid, spans, config)
+        keys, values, positions = (x.narrow(2, 0, n) for x in self.kv_positions())
+        self.quantized = compress(keys, values, valid, positions, spans, config, self.previous)
+        self.previous = None
         self.keys, self.values = (x.new_empty(*x.shape[:2], 0, *x.shape[3:]) for x in (self.keys, self.values))
         self.replaced()
 
@@ -223,7 +228,7 @@ class LayerStorage:
         """The quantized keys and values back in padded storage (dequantized) before a pass."""
         quantized = self.quantized
         assert quantized is not None
-        self.quantized = None
+        self.quantized, self.previous = None, quantized
         self.keys, self.values = quantized.restore(self.capacity)
         self.replaced()
 
@@ -294,15 +299,18 @@ class LayerStorage:
     def add_row(self) -> None:
         """One more batch row, holding nothing (:attr:`valid` must exist: the row is not real)."""
         self._map(lambda x: torch.cat([x, x.new_zeros(1, *x.shape[1:])]))
+        self.previous = None  # the rows changed: quantized anew
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` only, in that order."""
         self._map(lambda x: x[index])
+        self.previous = None
 
     def copy_row(self, row: int, source: LayerStorage, columns: slice) -> int:
         """Batch row ``row`` holds ``source``'s row 0 at ``columns``, from column 0 (room must
         exist; new state entries are made). Columns past them are invalid, at position -1."""
         width = columns.stop - columns.start
+        self.previous = None  # another sequence's entries: quantized anew
         for name, value in source.state.items():
             if name not in self.state:
                 self.add_state(name, value)

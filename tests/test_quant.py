@@ -133,7 +133,9 @@ def test_a_quantized_left_padded_batch_gives_each_row_what_it_gets_alone(policy:
         alone = kvevict.EvictionCache(model, build_policy(policy), budget=budget, **QUANT)
         tokens, logits = greedy(model, ids_alone, alone, new_tokens=7)
         assert torch.equal(batch_tokens[row], tokens[0, ids_alone.shape[1] :])
-        torch.testing.assert_close(batch_logits[row], logits[0], rtol=0, atol=1e-4)
+        # a row is grouped and quantized exactly as alone; the model's own batch-vs-alone rounding
+        # (~1e-7 in a key) may still tip one code over a rounding boundary: one step of that code
+        torch.testing.assert_close(batch_logits[row], logits[0], rtol=0, atol=1e-3)
 
 
 @pytest.mark.parametrize("policy", ["full", "snapkv", "h2o", "streamingllm", "tova"])
@@ -177,7 +179,8 @@ def test_without_quant_nothing_is_quantized() -> None:
 @pytest.mark.parametrize("quant,bits", [("int8", 8), ("int4", 4), ("int2", 2)])
 def test_kv_bytes_are_the_codes_scales_residual_and_positions(quant: str, bits: int) -> None:
     """The tiny llama: 2 layers, 2 KV heads of 16 dims, fp32. ``full`` over 75 tokens, groups of 8,
-    residual 8: 64 entries quantized (8 key groups), 11 at full precision."""
+    residual 8: 64 entries quantized (8 key groups), 11 at full precision; every entry's int64
+    position over the storage's capacity, and each code's int32 position."""
     model = tiny_model()
     cache = kvevict.EvictionCache(model, "full", quant=quant, quant_group=8, residual=8)
     with torch.no_grad():
@@ -187,10 +190,11 @@ def test_kv_bytes_are_the_codes_scales_residual_and_positions(quant: str, bits: 
     key_scales = 2 * heads * (q // 8) * d * 4  # scale and zero point per channel per group of 8 tokens
     value_scales = 2 * heads * q * (d // 8) * 4  # scale and zero point per token per group of 8 channels
     residual = 2 * heads * (n - q) * d * 4
+    identity = heads * q * 4  # int32 position of each code's entry (what the next pass's end may keep)
     for layer in cache.eviction_layers:
         assert layer.storage.state == {} and layer.storage.valid is None
         positions = heads * layer.storage.capacity * 8  # int64, over the storage's capacity
-        assert layer.kv_bytes() == codes + key_scales + value_scales + residual + positions
+        assert layer.kv_bytes() == codes + key_scales + value_scales + residual + identity + positions
     assert cache.kv_bytes() == sum(resident_storages(cache).values())  # and that is what a walk finds
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from kvevict.bench.options import comma_separated, quant_list
 from kvevict.commands.common import BENCH, Subcommands, guarded, model_args, names
 
-SUBCOMMANDS = {"memory": "memory", "throughput": "throughput", "decode-speed": "speed"}
+SUBCOMMANDS = {"memory": "memory", "throughput": "throughput", "decode-speed": "speed", "quant": "quantized"}
 """``kvevict bench NAME ...``: subcommands with parsers of their own, by the module of
 :mod:`kvevict.bench` that runs them (its ``main(argv)``)."""
 
@@ -41,7 +41,8 @@ def add_parser(commands: Subcommands) -> None:
         "Resumable: finished samples are skipped when the same command runs again. "
         "`kvevict bench memory --help`: the prefill peak-memory microbenchmark; "
         "`kvevict bench decode-speed --help`: the cost of a decode step under eviction; "
-        "`kvevict bench throughput --help`: sequences served per second under a KV memory cap.",
+        "`kvevict bench throughput --help`: sequences served per second under a KV memory cap; "
+        "`kvevict bench quant --help`: quantized storage against transformers' QuantizedCache.",
     )
     bench.add_argument("tasks", type=names, help="comma-separated task names (see `kvevict tasks`)")
     bench.add_argument(
