@@ -78,7 +78,8 @@ class EvictionCache(PassEnds, Cache):
         quant: ``"int8"``, ``"int4"`` or ``"int2"``: hold the retained keys and values quantized
             between passes (KIVI, :mod:`kvevict.quant`): keys per channel in groups of
             ``quant_group`` tokens, values per token in groups of ``quant_group`` channels, the
-            most recent ``residual`` entries of each row at full precision until a group fills.
+            most recent ``residual`` entries of each row at full precision until a group fills
+            (``quant_group`` None: 32, or the head dimension where smaller).
             Each pass attends (and its policy reads) the entries as dequantized, one layer at a
             time. None (default): every entry at the model's dtype, as without the option.
 
@@ -104,7 +105,7 @@ class EvictionCache(PassEnds, Cache):
         interval: int | None = None,
         prompt_length: int | None = None,
         quant: str | None = None,
-        quant_group: int = 32,
+        quant_group: int | None = None,
         residual: int = 32,
     ):
         check_supported(model)

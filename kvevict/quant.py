@@ -35,6 +35,8 @@ import torch
 
 BITS = {"int8": 8, "int4": 4, "int2": 2}
 """The ``quant=`` options and their bits per code."""
+DEFAULT_GROUP = 32
+"""KIVI's group size (tokens per key group, channels per value group)."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class QuantConfig:
     group (per token); ``residual``: most recent entries of each row kept at full precision."""
 
     bits: int
-    group: int = 32
+    group: int = DEFAULT_GROUP
     residual: int = 32
 
     def options(self) -> dict[str, object]:
@@ -51,11 +53,13 @@ class QuantConfig:
         return {"quant": f"int{self.bits}", "quant_group": self.group, "residual": self.residual}
 
     @classmethod
-    def make(cls, quant: str | None, group: int, residual: int, head_dim: int) -> QuantConfig | None:
+    def make(cls, quant: str | None, group: int | None, residual: int, head_dim: int) -> QuantConfig | None:
         """The options of ``EvictionCache(quant=..., quant_group=..., residual=...)`` checked
-        against the model's head dimension (None: no quantization)."""
+        against the model's head dimension (None: no quantization; ``group`` None: 32, or the
+        head dimension where smaller)."""
         if quant is None:
             return None
+        group = min(DEFAULT_GROUP, head_dim) if group is None else group
         if quant not in BITS:
             raise ValueError(f"quant must be one of {', '.join(map(repr, BITS))} or None, got {quant!r}")
         if isinstance(group, bool) or not isinstance(group, int) or group < 1 or head_dim % group:
@@ -81,7 +85,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if per == 1:
         return codes
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return (codes.view(*codes.shape[:-1], -1, per) << shifts).sum(dim=-1, dtype=torch.uint8)
+    return (codes.view(*codes.shape[:-1], codes.shape[-1] // per, per) << shifts).sum(dim=-1, dtype=torch.uint8)
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:

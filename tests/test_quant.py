@@ -168,6 +168,18 @@ def test_a_quantized_cache_filled_in_one_grad_mode_goes_on_in_the_other(policy: 
     torch.testing.assert_close(results[1], results[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("policy", ["full", "tova", "kvzip"])
+def test_entries_within_the_residual_stay_exact(policy: str) -> None:
+    """Rows of fewer than ``residual`` entries quantize nothing: the same logits as unquantized."""
+    model = tiny_model()
+    ids = prompt(24)
+    _, expected = greedy(model, ids, kvevict.EvictionCache(model, build_policy(policy), keep=0.5), new_tokens=4)
+    cache = kvevict.EvictionCache(model, build_policy(policy), keep=0.5, quant="int2", residual=32)
+    _, logits = greedy(model, ids, cache, new_tokens=4)
+    assert torch.equal(logits, expected)
+    assert all(layer.storage.quantized.counts == [0] for layer in cache.eviction_layers)
+
+
 def test_without_quant_nothing_is_quantized() -> None:
     model = tiny_model()
     cache = kvevict.EvictionCache(model, "snapkv", budget=BUDGET)

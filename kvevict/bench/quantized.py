@@ -4,7 +4,8 @@
 For each prompt of the offline tasks, the full cache's greedy answer is replayed teacher-forced
 (:mod:`kvevict.bench.fidelity`) under every run, one token per pass as generation feeds it:
 
-- the unquantized ``DynamicCache`` (the reference: its logits, and its decode step's time);
+- the unquantized ``DynamicCache`` (the reference: its logits; its decode steps, each taken in
+  turn with the run's, give the run's decode-step ratio);
 - kvevict's ``full`` policy with ``quant=int8|int4|int2`` (KIVI: keys per channel, values per
   token, ``--group`` and ``--residual``);
 - transformers' ``QuantizedCache`` with the quanto backend at the same bits (int4, int2: quanto
@@ -14,8 +15,8 @@ For each prompt of the offline tasks, the full cache's greedy answer is replayed
 
 Each row: top-1 agreement and mean KL(reference ‖ run) over the answer positions, the KV bytes
 held after the replay (kvevict: ``kv_bytes()``; a transformers cache: every tensor its layers
-hold, quanto's packed codes, scales and shifts included), and the median decode step as a ratio
-to the reference's, in the same process. A benchmark, never a test: timings depend on the machine.
+hold, quanto's packed codes, scales and shifts included), and the median over decode steps of a
+step's time over the paired ``DynamicCache`` step's. A benchmark, never a test: timings depend on the machine.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel, QuantizedCache
 
-from kvevict.bench.fidelity import fidelity_metrics
+from kvevict.bench.fidelity import fidelity_metrics, reference_logits
 from kvevict.bench.memory import MIB
 from kvevict.bench.options import quant_list
 from kvevict.bench.report import text_table
@@ -102,20 +103,25 @@ def cache_bytes(cache: Cache) -> int:
 
 
 @torch.inference_mode()
-def replay_timed(
+def replay_paired(
     model: PreTrainedModel, cache: Cache, ids: torch.Tensor, answer: torch.Tensor
 ) -> tuple[torch.Tensor, list[float]]:
-    """``answer`` ``[T]`` teacher-forced after ``ids`` one token per pass: the ``[T, V]`` logits
-    predicting each answer token, and the seconds of each decode pass."""
+    """``answer`` ``[T]`` teacher-forced after ``ids`` one token per pass, through ``cache`` and,
+    step by step in turn, an unquantized ``DynamicCache``: the ``[T, V]`` logits of ``cache``
+    predicting each answer token, and each decode pass's seconds over the paired DynamicCache pass's."""
+    reference = DynamicCache()
+    model(input_ids=ids, **with_cache(reference))
     logits = [model(input_ids=ids, **with_cache(cache)).logits[0, -1:]]
     if isinstance(cache, EvictionCache):
         cache.end_prompt()
-    seconds = []
+    ratios = []
     for token in answer[:-1]:
         start = time.perf_counter()
+        model(input_ids=token.view(1, 1), **with_cache(reference))
+        middle = time.perf_counter()
         logits.append(model(input_ids=token.view(1, 1), **with_cache(cache)).logits[0, -1:])
-        seconds.append(time.perf_counter() - start)
-    return torch.cat(logits), seconds
+        ratios.append((time.perf_counter() - middle) / (middle - start))
+    return torch.cat(logits), ratios
 
 
 @torch.inference_mode()
@@ -139,26 +145,22 @@ def measure(
     residual: int = 32,
 ) -> list[dict[str, object]]:
     """One row per run (prompts pooled): ``top1``, ``kl``, ``kv_mib`` (mean over prompts),
-    ``step_ratio`` (median decode step over the reference's), and the reference's own row first."""
+    ``step_ratio`` (median over the decode steps of each step's time over the paired
+    ``DynamicCache`` step's, :func:`replay_paired`)."""
     totals: dict[str, dict[str, list[float]]] = {}
     for ids in prompts:
         ids = ids.to(model.device)
         answer = greedy_answer(model, ids, new_tokens)
-        reference = DynamicCache()
-        expected, reference_seconds = replay_timed(model, reference, ids, answer)
-        rows = [(QuantRun(), reference, expected, reference_seconds)]
+        expected = reference_logits(model, ids, answer)
         for run in runs:
             cache = make_cache(model, run, group, residual)
-            logits, seconds = replay_timed(model, cache, ids, answer)
-            rows.append((run, cache, logits, seconds))
-        for run, cache, logits, seconds in rows:
-            label = "DynamicCache (reference)" if cache is reference else run.label
+            logits, ratios = replay_paired(model, cache, ids, answer)
             fidelity = fidelity_metrics(expected, logits, answer)
-            total = totals.setdefault(label, {"top1": [], "kl": [], "kv": [], "ratio": []})
+            total = totals.setdefault(run.label, {"top1": [], "kl": [], "kv": [], "ratio": []})
             total["top1"].append(fidelity.top1)
             total["kl"].append(fidelity.kl)
             total["kv"].append(cache_bytes(cache))
-            total["ratio"].append(statistics.median(seconds) / statistics.median(reference_seconds))
+            total["ratio"] += ratios
             if isinstance(cache, EvictionCache):
                 cache.close()
     return [

@@ -94,3 +94,14 @@ def test_command_line_refuses_bad_input(capsys, tmp_path) -> None:
     assert "need --budgets" in capsys.readouterr().err
     assert main(["bench", "throughput", "--keep", "0.2", "--memory-cap", "-1", "--out", str(tmp_path)]) == 2
     assert "memory cap must be a positive number" in capsys.readouterr().err
+
+
+def test_each_quant_option_runs_every_setting() -> None:
+    runs = settings(["full", "snapkv"], keeps=(0.25,), quants=(None, "int4"))
+    assert [(s.policy, s.keep, s.quant) for s in runs] == [
+        ("full", None, None),
+        ("snapkv", 0.25, None),
+        ("full", None, "int4"),
+        ("snapkv", 0.25, "int4"),
+    ]
+    assert runs[3].label == "snapkv+int4 keep 0.25"
