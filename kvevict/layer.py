@@ -183,8 +183,9 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
 
     def end_pass(self) -> None:
         """At the end of a pass: the pass's views go (they may be of tensors an eviction
-        replaced), and a layer whose rows or heads hold different numbers of entries keeps only
-        its real entries until the next pass (its storage bytes follow them)."""
+        replaced); a quantized cache's layer goes back to codes (:meth:`quantize`), and otherwise
+        a layer whose rows or heads hold different numbers of entries keeps only its real
+        entries until the next pass (its storage bytes follow them)."""
         self._pass_views = None
         if self.owner.quant is not None:
             self.quantize()

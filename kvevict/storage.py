@@ -7,6 +7,10 @@ Owns: a layer's keys, values, positions, validity mask and per-token policy stat
 bumps its :attr:`~LayerStorage.version`: cached views, the steady decode path and arenas
 compare that number rather than trusting each writer to clear what it made stale.
 
+Between passes a ragged layer keeps only its real entries (:class:`PackedEntries`) and a
+quantized cache's layer holds its keys and values as codes (:mod:`kvevict.quant`,
+:meth:`LayerStorage.quantize`); the next pass gets the padded, dequantized layout back.
+
 Must not touch: rows, passes or policies. Which columns a row occupies, and what a pass
 appends where, is decided by :mod:`kvevict.layer`; this module only moves entries it is
 told to move (gather, refill from the last column, grow, add or drop batch rows).
