@@ -49,6 +49,7 @@ class AttendedLayer(Protocol):
     def after_attention(
         self, query: torch.Tensor, scaling: LogitSpec, module: torch.nn.Module, row: torch.Tensor | None
     ) -> None: ...
+    def attended(self) -> None: ...
 
 
 PREFIX = "kvevict_"
@@ -134,6 +135,7 @@ def _make_attention(base: str) -> Callable:
         if layer.policy.corrects_output:
             output = layer.correct_output(query, output, spec.scaling)  # before this pass evicts
         layer.after_attention(query, spec, module, row)
+        layer.attended()  # a quantized layer back to codes (kvevict.quant): one layer dequantized at a time
         return output, weights
 
     kvevict_attention.__name__ = f"{PREFIX}{base}"

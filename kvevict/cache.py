@@ -44,6 +44,7 @@ from kvevict.models import RotaryTable, check_policy_fits, check_supported, sour
 from kvevict.passes import PassEnds, PassHook, SidePassObserver
 from kvevict.persist import check_model, policy_of, read_file, restore, save_file
 from kvevict.policies import Method, Policy, make_policy
+from kvevict.quant import QuantConfig
 from kvevict.rows import RowView, SequenceState
 from kvevict.signals import Signals
 from kvevict.storage import LayerArena
@@ -74,6 +75,13 @@ class EvictionCache(PassEnds, Cache):
             prompt prefilled in chunks (``generate(..., prefill_chunk_size=C)``): ``keep=`` then
             refers to it, and exactly the passes up to it are prompt chunks. Without it, every
             pass of more than one token until the first single-token one is a prompt chunk.
+        quant: ``"int8"``, ``"int4"`` or ``"int2"``: hold the retained keys and values quantized
+            between passes (KIVI, :mod:`kvevict.quant`): keys per channel in groups of
+            ``quant_group`` tokens, values per token in groups of ``quant_group`` channels, the
+            most recent ``residual`` entries of each row at full precision until a group fills
+            (``quant_group`` None: 32, or the head dimension where smaller).
+            Each pass attends (and its policy reads) the entries as dequantized, one layer at a
+            time. None (default): every entry at the model's dtype, as without the option.
 
     Chunked prefill: each chunk attends to the retained entries plus itself, then the cache
     evicts back to the budget (prefill-time policies score each chunk as they score a whole
@@ -96,6 +104,9 @@ class EvictionCache(PassEnds, Cache):
         keep: float | None = None,
         interval: int | None = None,
         prompt_length: int | None = None,
+        quant: str | None = None,
+        quant_group: int | None = None,
+        residual: int = 32,
     ):
         check_supported(model)
         policy = make_policy(policy) if isinstance(policy, str) else policy
@@ -118,8 +129,11 @@ class EvictionCache(PassEnds, Cache):
             raise ValueError(f"prompt_length must be a positive number of tokens, got {prompt_length!r}")
         self.prompt_length = prompt_length
         """Tokens of the whole prompt when it is prefilled in chunks (None: unknown)."""
-        install_attention(model)
         config = model.config.get_text_config(decoder=True)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.quant = QuantConfig.make(quant, quant_group, residual, head_dim)
+        """How the retained keys and values are quantized between passes (None: they are not)."""
+        install_attention(model)
         self.policy = policy.bound(config)
         """This cache's copy of the policy, bound to the model (the object passed is left as it is)."""
         self._clear_sequences()
@@ -142,9 +156,10 @@ class EvictionCache(PassEnds, Cache):
         self.side_pass: SidePassObserver | None = None
         """Set while a policy runs a scoring pass of its own through this cache (KVzip)."""
         self._pass_hook = PassHook(model.get_decoder(), self)
-        self.ends_passes = True
+        self.ends_passes = self.quant is None
         """Whether :class:`PassHook` ends the passes (until :meth:`close`; then each layer evicts
-        inside its attention again)."""
+        inside its attention again). Not for a quantized cache: each layer evicts inside its
+        attention and goes back to codes at once (:meth:`EvictionLayer.attended`)."""
         self.stacks_pending = True
         """Whether the end of a pass scores the layers' pending evictions as one batch where
         the policy allows it (:meth:`evict_pending`); the same entries are kept either way."""
@@ -156,7 +171,8 @@ class EvictionCache(PassEnds, Cache):
         super().__init__(layers=layers)
 
     def __repr__(self) -> str:
-        return f"EvictionCache(policy={self.policy!r}, {self.budget}, interval={self.interval})"
+        quant = "" if self.quant is None else f", quant={self.quant}"
+        return f"EvictionCache(policy={self.policy!r}, {self.budget}, interval={self.interval}{quant})"
 
     def _clear_sequences(self) -> None:
         """The cache-wide data of the sequences held (besides each layer's own)."""
@@ -222,6 +238,7 @@ class EvictionCache(PassEnds, Cache):
             keep=budget["keep"],
             interval=budget["interval"],
             prompt_length=budget["prompt_length"],
+            **budget.get("quant", {}),
         )
         restore(cache, metadata, tensors, path, model.device)
         return cache
@@ -327,10 +344,10 @@ class EvictionCache(PassEnds, Cache):
         (``position_ids=cache.next_positions()``): its rows have seen different numbers of tokens."""
         if not isinstance(source, EvictionCache) or source is self:
             raise ValueError("splice takes another EvictionCache holding the one sequence to put into this batch")
-        if repr(source.policy) != repr(self.policy) or source.budget != self.budget:
+        if repr(source.policy) != repr(self.policy) or source.budget != self.budget or source.quant != self.quant:
             raise ValueError(
                 f"cannot splice a cache of {source.policy.name!r} ({source.budget}) into one of "
-                f"{self.policy.name!r} ({self.budget}): rows of a batch share the policy and the budget"
+                f"{self.policy.name!r} ({self.budget}): rows of a batch share the policy and the budget (and quant=)"
             )
         if self.deferred or source.deferred:
             raise ValueError(

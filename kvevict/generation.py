@@ -211,6 +211,7 @@ def answer(
     max_new_tokens: int = 64,
     cache: EvictionCache | None = None,
     prefill_chunk: int | None = None,
+    quant: str | None = None,
 ) -> str | list[str]:
     """Answer ``question`` about ``context`` with a KV cache compressed by ``policy``.
 
@@ -224,6 +225,8 @@ def answer(
     with, for each, what it gets alone.
     ``prefill_chunk``: compress the prompts ``prefill_chunk`` tokens at a time (bounded memory:
     at most ``budget + prefill_chunk`` entries per KV head, :meth:`EvictionCache.peak_entries`).
+    ``quant``: hold the retained entries quantized (``"int8"``, ``"int4"``, ``"int2"``; KIVI,
+    :mod:`kvevict.quant`; give ``cache=EvictionCache(..., quant_group=, residual=)`` for other groups).
     """
     batched = not isinstance(context, str) or not isinstance(question, str)
     contexts = [context] if isinstance(context, str) else list(context)
@@ -237,9 +240,11 @@ def answer(
             f"give as many contexts as questions (or one of either), got {len(contexts)} and {len(questions)}"
         )
     if cache is None:
-        cache = EvictionCache(model, policy, budget=budget, keep=keep)
-    elif policy != "full" or budget is not None or keep is not None:
-        raise ValueError("give either cache= or policy=/budget=/keep= (the cache already has its policy and budget)")
+        cache = EvictionCache(model, policy, budget=budget, keep=keep, quant=quant)
+    elif policy != "full" or budget is not None or keep is not None or quant is not None:
+        raise ValueError(
+            "give either cache= or policy=/budget=/keep=/quant= (the cache already has its policy and budget)"
+        )
     heads, tails = [], []
     for text, ask in zip(contexts, questions):
         head, tail = split_prompt(tokenizer, text, ask, answer_prefix)

@@ -138,29 +138,27 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         self._state_views = dict(columns.state)
 
     # What the layer holds, as ``[B, Hkv, n, ...]`` views of its storage during a pass. Between
-    # passes a ragged layer's storage is packed (:meth:`end_pass`): reading these then
-    # gives new padded tensors, and leaves the storage packed.
+    # passes a ragged layer's storage is packed and a quantized layer's keys and values are
+    # codes (:meth:`end_pass`): reading these then gives new padded (dequantized) tensors,
+    # and leaves the storage as it is.
+    def _between_passes(self) -> bool:
+        return self.storage.packed is not None or self.storage.quantized is not None
+
     @property
     def keys(self) -> torch.Tensor:
-        return self._exposed.keys if self.storage.packed is None else self.storage.dense("keys", self._free_positions())
+        return self.storage.dense("keys", self._free_positions()) if self._between_passes() else self._exposed.keys
 
     @property
     def values(self) -> torch.Tensor:
-        return (
-            self._exposed.values
-            if self.storage.packed is None
-            else self.storage.dense("values", self._free_positions())
-        )
+        return self.storage.dense("values", self._free_positions()) if self._between_passes() else self._exposed.values
 
     @property
     def positions(self) -> torch.Tensor:
         """Absolute position of each entry in its own sequence ``[B, Hkv, n]`` (the model's RoPE
         position; negative for left padding and free slots, which are never valid)."""
-        return (
-            self._exposed.positions
-            if self.storage.packed is None
-            else self.storage.dense("positions", self._free_positions())
-        )
+        if self._between_passes():
+            return self.storage.dense("positions", self._free_positions())
+        return self._exposed.positions
 
     @property
     def valid(self) -> torch.Tensor | None:
@@ -168,19 +166,15 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         padding, head-wise budgets, ``keep=`` with prompts of different lengths): each is
         padded to the longest and its padding is masked out of attention and selection.
         ``None`` while every entry is real."""
-        return (
-            self._exposed.valid if self.storage.packed is None else self.storage.dense("valid", self._free_positions())
-        )
+        return self.storage.dense("valid", self._free_positions()) if self._between_passes() else self._exposed.valid
 
     @property
     def state(self) -> dict[str, torch.Tensor]:
         """The policy's per-token state by name, ``[B, Hkv, n, ...]``."""
-        if self.storage.packed is None:
+        if not self._between_passes():
             return self._state_views
         free = self._free_positions()
-        return {
-            name: self.storage.dense(name, free) for name in self.storage.packed.entries if name in self.storage.state
-        }
+        return {name: self.storage.dense(name, free) for name in self.storage.state}
 
     def _free_positions(self, before_pass: bool = False) -> torch.Tensor:
         """``[B]``: where free slots of unpacked storage sit, a past position of their row that
@@ -190,20 +184,50 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
 
     def end_pass(self) -> None:
         """At the end of a pass: the pass's views go (they may be of tensors an eviction
-        replaced), and a layer whose rows or heads hold different numbers of entries keeps only
-        its real entries until the next pass (its storage bytes follow them)."""
+        replaced); a quantized cache's layer goes back to codes (:meth:`quantize`), and otherwise
+        a layer whose rows or heads hold different numbers of entries keeps only its real
+        entries until the next pass (its storage bytes follow them)."""
         self._pass_views = None
-        if self.is_initialized and self.storage.valid is not None and self.storage.packed is None:
+        if self.owner.quant is not None:
+            self.quantize()
+        elif self.is_initialized and self.storage.valid is not None and self.storage.packed is None:
             self.storage.pack(self.n)
             self._steady = self._pass_views = None
             self._exposed, self._state_views = self.storage.columns(0), {}  # no view of the old tensors
 
+    def quantize(self) -> None:
+        """A quantized cache's layer holds its keys and values as codes until its next pass
+        (:mod:`kvevict.quant`; ragged layers keep their padding, in codes, rather than pack).
+        A no-op without quantization."""
+        if self.owner.quant is not None and self.is_initialized and self.n and self.storage.quantized is None:
+            spans = [(row.start, row.width) for row in self.rows]
+            self.storage.quantize(self.n, spans, self.owner.quant)
+            self._steady = self._pass_views = None
+            self._exposed, self._state_views = self.storage.columns(0), {}  # no view of the old tensors
+
+    def attended(self) -> None:
+        """Called by the attention path once this layer's pass attended and its policy ran: a
+        quantized layer whose pass left nothing for later (no eviction waiting for the end of
+        the prefill, no scoring pass of the policy's own) goes back to codes at once, so a
+        pass holds one layer dequantized at a time."""
+        owner = self.owner
+        if (
+            owner.side_pass is None
+            and self.pending_pass is None
+            and self.pending_eviction is None
+            and not any(view.layer is self for view, _ in owner.deferred)
+        ):
+            self.quantize()
+
     def unpack(self, before_pass: bool = False) -> None:
         """Before a pass (``before_pass``: its tokens are already counted) or a change of the
-        rows: a packed layer back in padded storage."""
+        rows: a packed layer back in padded storage, a quantized one dequantized."""
         if self.storage.packed is not None:
             room = max(row.interval for row in self.rows)
             self.refresh(self.storage.unpack(room, self._free_positions(before_pass)))
+        elif self.storage.quantized is not None:
+            self.storage.dequantize()
+            self.refresh()
 
     @property
     def policy(self) -> Any:
@@ -215,7 +239,7 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
 
     @property
     def num_kv_heads(self) -> int:
-        return self.keys.shape[1]
+        return self.storage.positions.shape[1]
 
     @property
     def length(self) -> int:
@@ -264,7 +288,7 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         """Real (unpadded) entries of each KV head, ``[B, Hkv]`` int64."""
         if self.valid is not None:
             return self.valid.sum(dim=-1)
-        return torch.full(self.keys.shape[:2], self.length, dtype=torch.long, device=self.device)
+        return torch.full(self.storage.positions.shape[:2], self.length, dtype=torch.long, device=self.device)
 
     def row_view(self, row: int) -> RowView:
         """Row ``row`` as a batch-1 layer holding that sequence alone (what policies see)."""
@@ -419,6 +443,8 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         self.tokens = max(self.tokens, source.tokens)
         self.compacted = True  # rows no longer share the model's own column layout
         self.refresh(max(r.start + r.width for r in self.rows))
+        self.quantize()
+        source.quantize()
 
     def remove_rows(self, rows: list[int]) -> None:
         """Drop batch rows ``rows`` (finished sequences); the others keep what they hold."""
@@ -427,6 +453,7 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         self.storage.select_rows(torch.tensor(kept, dtype=torch.long, device=self.device))
         self.rows = [self.rows[i] for i in kept]
         self.refresh(max(row.start + row.width for row in self.rows))
+        self.quantize()
 
     def row_bytes(self) -> list[tuple[int, int]]:
         """Per row: (resident bytes, bytes of its real entries' keys and values). Resident is

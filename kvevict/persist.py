@@ -130,6 +130,8 @@ def save_file(cache: Any, path: str | Path, model: PreTrainedModel) -> Path:
         else:
             entries = {"keys": layer.keys, "values": layer.values, "positions": layer.positions}
             entries.update({f"state.{name}": value for name, value in layer.state.items()})
+            if layer.valid is not None:  # (a quantized layer keeps ragged heads padded, in codes)
+                entries["valid"] = layer.valid
             entries = {name: x.narrow(2, 0, n) for name, x in entries.items()}
         for name, x in entries.items():
             tensors[f"layer.{i}.{name}"] = x.detach().cpu().contiguous().clone()
@@ -160,6 +162,7 @@ def save_file(cache: Any, path: str | Path, model: PreTrainedModel) -> Path:
                 "keep": cache.budget.keep,
                 "interval": cache.interval,
                 "prompt_length": cache.prompt_length,
+                "quant": {} if cache.quant is None else cache.quant.options(),
             }
         ),
         "cache": json.dumps(

@@ -7,6 +7,10 @@ Owns: a layer's keys, values, positions, validity mask and per-token policy stat
 bumps its :attr:`~LayerStorage.version`: cached views, the steady decode path and arenas
 compare that number rather than trusting each writer to clear what it made stale.
 
+Between passes a ragged layer keeps only its real entries (:class:`PackedEntries`) and a
+quantized cache's layer holds its keys and values as codes (:mod:`kvevict.quant`,
+:meth:`LayerStorage.quantize`); the next pass gets the padded, dequantized layout back.
+
 Must not touch: rows, passes or policies. Which columns a row occupies, and what a pass
 appends where, is decided by :mod:`kvevict.layer`; this module only moves entries it is
 told to move (gather, refill from the last column, grow, add or drop batch rows).
@@ -19,6 +23,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from kvevict.quant import QuantConfig, QuantizedEntries, compress
 
 SLACK = 16
 """Columns a storage may hold beyond its entries and its room to grow before it gives them back."""
@@ -100,6 +106,10 @@ class LayerStorage:
         self.capacity = 0
         self.packed: PackedEntries | None = None
         """Between passes, the real entries of a ragged layer, and nothing else (:meth:`pack`)."""
+        self.quantized: QuantizedEntries | None = None
+        """Between passes, the keys and values of a quantized layer (:meth:`quantize`)."""
+        self.previous: QuantizedEntries | None = None
+        """During a pass, what :attr:`quantized` was: its codes still in place are kept at the pass's end."""
         self.replaced()
 
     def replaced(self) -> None:
@@ -121,6 +131,8 @@ class LayerStorage:
             held.append(self.valid)
         if self.packed is not None:
             held += [self.packed.held, *self.packed.entries.values()]
+        for quantized in (self.quantized, self.previous):
+            held += [] if quantized is None else quantized.tensors()
         return held
 
     def columns(self, n: int) -> Columns:
@@ -139,7 +151,8 @@ class LayerStorage:
         self.keys = keys.new_zeros(b, h, 0, keys.shape[-1])
         self.values = values.new_zeros(b, h, 0, values.shape[-1])
         self.positions = torch.zeros(b, h, 0, dtype=torch.long, device=keys.device)
-        self.valid, self.state, self.capacity, self.packed = None, {}, 0, None
+        self.valid, self.state, self.capacity = None, {}, 0
+        self.packed = self.quantized = self.previous = None
         self.replaced()
 
     def _map(self, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -211,11 +224,37 @@ class LayerStorage:
         self.replaced()
         return n
 
+    def quantize(self, n: int, spans: Sequence[tuple[int, int]], config: QuantConfig) -> None:
+        """Between passes, hold the first ``n`` columns' keys and values quantized
+        (:func:`kvevict.quant.compress`; row ``b`` holds columns ``spans[b] = (start, width)``);
+        positions, validity and state stay as they are."""
+        assert self.quantized is None and self.packed is None
+        valid = None if self.valid is None else self.valid.narrow(2, 0, n)
+        keys, values, positions = (x.narrow(2, 0, n) for x in self.kv_positions())
+        self.quantized = compress(keys, values, valid, positions, spans, config, self.previous)
+        self.previous = None
+        self.keys, self.values = (x.new_empty(*x.shape[:2], 0, *x.shape[3:]) for x in (self.keys, self.values))
+        self.replaced()
+
+    def dequantize(self) -> None:
+        """The quantized keys and values back in padded storage (dequantized) before a pass."""
+        quantized = self.quantized
+        assert quantized is not None
+        self.quantized, self.previous = None, quantized
+        self.keys, self.values = quantized.restore(self.capacity)
+        self.replaced()
+
     def dense(self, name: str, free: torch.Tensor) -> torch.Tensor | None:
         """Entry ``name`` (``keys``, ``values``, ``positions``, ``valid``, a state entry) of the
-        packed entries, padded as a pass would see it (free slots of row ``b`` at position
-        ``free[b]``): a new tensor, not kept (reading a packed layer between passes does not
-        inflate it)."""
+        packed or quantized entries, padded as a pass would see it (free slots of row ``b`` at
+        position ``free[b]``; keys and values dequantized): a new tensor, not kept (reading a
+        packed or quantized layer between passes does not inflate it)."""
+        quantized = self.quantized
+        if quantized is not None:
+            if name in ("keys", "values"):
+                return quantized.restore(quantized.n)[name == "values"]
+            value = self.valid if name == "valid" else self.entries()[name]
+            return None if value is None else value.narrow(2, 0, quantized.n)
         packed = self.packed
         assert packed is not None
         return packed.held if name == "valid" else packed.spread(name, packed.held.shape[-1], free)
@@ -224,7 +263,7 @@ class LayerStorage:
         """Storage is written in place, which torch forbids on tensors made under ``inference_mode``
         once that mode is left (e.g. ``kvevict.answer`` filled the cache and the caller goes on
         under ``no_grad``): copy it once into ordinary tensors."""
-        if not torch.is_inference_mode_enabled() and self.keys.is_inference():
+        if not torch.is_inference_mode_enabled() and any(x.is_inference() for x in self.kv_positions()):
             self._map(torch.clone)
 
     def ensure_valid(self, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
@@ -272,15 +311,18 @@ class LayerStorage:
     def add_row(self) -> None:
         """One more batch row, holding nothing (:attr:`valid` must exist: the row is not real)."""
         self._map(lambda x: torch.cat([x, x.new_zeros(1, *x.shape[1:])]))
+        self.previous = None  # the rows changed: quantized anew
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` only, in that order."""
         self._map(lambda x: x[index])
+        self.previous = None
 
     def copy_row(self, row: int, source: LayerStorage, columns: slice) -> int:
         """Batch row ``row`` holds ``source``'s row 0 at ``columns``, from column 0 (room must
         exist; new state entries are made). Columns past them are invalid, at position -1."""
         width = columns.stop - columns.start
+        self.previous = None  # another sequence's entries: quantized anew
         for name, value in source.state.items():
             if name not in self.state:
                 self.add_state(name, value)

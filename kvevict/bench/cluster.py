@@ -234,7 +234,7 @@ class _Driver:
 
     def _schedule(self, units: list[Unit]) -> None:
         """Queue the units; those replaying a ``full`` unit of this sweep wait for it."""
-        references = {unit.group for unit in units if unit.setting.policy == "full"}
+        references = {unit.group for unit in units if unit.setting.reference}
         for unit in units:
             if unit.group in references and replays_reference(self.config, get_task(unit.task), unit.setting):
                 self.waiting.setdefault(unit.group, []).append(unit)
@@ -279,7 +279,7 @@ class _Driver:
         self.idle.append(actor)
 
     def _finished(self, unit: Unit) -> None:
-        if unit.setting.policy == "full":
+        if unit.setting.reference:
             self.queue.extend(self.waiting.pop(unit.group, []))
 
     def _lost(self, unit: Unit, err: Exception) -> None:
@@ -301,6 +301,6 @@ class _Driver:
         failure = UnitFailure(unit, error)
         self.result.failed.append(failure)
         tqdm.write(f"failed: {failure.describe()}")
-        if unit.setting.policy == "full":
+        if unit.setting.reference:
             for waiting in self.waiting.pop(unit.group, []):
                 self._fail(waiting, "its full reference failed")

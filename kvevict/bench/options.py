@@ -23,3 +23,14 @@ def comma_separated(kind: type[int | float], low: float | None = None) -> Callab
         return values
 
     return parse
+
+
+def quant_list(text: str) -> tuple[str | None, ...]:
+    """An argparse ``type``: comma-separated ``quant=`` options of ``kvevict.quant.BITS``, ``none``
+    for full precision (``"none,int4"`` → ``(None, "int4")``)."""
+    from kvevict.quant import BITS
+
+    values = tuple(None if value.strip() == "none" else value.strip() for value in text.split(",") if value.strip())
+    if not values or any(value is not None and value not in BITS for value in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated {', '.join(BITS)} or none, got {text!r}")
+    return values

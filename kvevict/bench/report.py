@@ -50,7 +50,9 @@ def _label(record: dict[str, Any], shown: set[str]) -> str:
     """The policy as the report shows it: its spec, plus the ``shown`` run settings where the
     record has them (not for ``full``: the reference, whatever the run's settings)."""
     label = record["policy"]
-    if label != "full":
+    if record.get("quant"):  # quantized storage, the full cache's too (only the unquantized one is the reference)
+        label += f" ({record['quant']})"
+    if record["policy"] != "full":
         if "interval" in shown and record.get("interval"):
             label += f" (interval {record['interval']})"
         if "query_aware" in shown and record.get("query_aware"):

@@ -42,11 +42,19 @@ class Setting:
     policy: str
     budget: int | None = None
     keep: float | None = None
+    quant: str | None = None
+    """Quantized storage (``EvictionCache(quant=...)``); None: full precision."""
+
+    @property
+    def reference(self) -> bool:
+        """Whether this is the full cache at full precision: the reference of the others."""
+        return self.policy == "full" and self.quant is None
 
     def describe(self) -> str:
+        name = self.policy if self.quant is None else f"{self.policy} ({self.quant})"
         if self.budget is not None:
-            return f"{self.policy} at budget {self.budget}"
-        return self.policy if self.keep is None else f"{self.policy} keeping {self.keep:g}"
+            return f"{name} at budget {self.budget}"
+        return name if self.keep is None else f"{name} keeping {self.keep:g}"
 
 
 @dataclass
@@ -76,6 +84,8 @@ class BenchConfig:
     """Samples run as one left-padded batch (each row evicted on its own: the same results as one
     by one). A batch takes samples of one task and setting across contexts; each row prefills its
     own context. Settings that replay the full cache's answer (fidelity) run one sample at a time."""
+    quants: tuple[str | None, ...] = ()
+    """Run every setting with each of these ``quant=`` options (None: full precision); empty: full precision only."""
     settings: list[Setting] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -109,7 +119,13 @@ class BenchConfig:
         # full first: it is the reference for "% of full" and for fidelity
         needs_reference = self.fidelity or any(get_task(name).scored_by_fidelity for name in self.tasks)
         reference = [Setting("full")] if "full" in self.policies or needs_reference else []
-        self.settings = reference + budgets + keeps
+        evicting_settings = budgets + keeps
+        if self.quants:  # each setting with each option; the reference stays at full precision
+            full = [
+                Setting("full", quant=quant) for quant in self.quants if quant is not None and "full" in self.policies
+            ]
+            evicting_settings = full + [replace(s, quant=quant) for quant in self.quants for s in evicting_settings]
+        self.settings = reference + evicting_settings
 
 
 def _groups(samples: Sequence[Sample]) -> list[list[Sample]]:
@@ -155,6 +171,7 @@ def identity(config: BenchConfig, sample: Sample, setting: Setting) -> dict[str,
         "budget": setting.budget,
         "keep": setting.keep,
         "interval": None if setting.policy == "full" else config.interval,  # the reference never evicts
+        "quant": setting.quant,
         "query_aware": config.query_aware,
         "max_new_tokens": config.max_new_tokens or sample.max_new_tokens,
         "prefill_chunk": config.prefill_chunk,
@@ -163,7 +180,7 @@ def identity(config: BenchConfig, sample: Sample, setting: Setting) -> dict[str,
 
 def replays_reference(config: BenchConfig, task: Task, setting: Setting) -> bool:
     """Whether ``setting`` replays the full cache's answer, so its unit runs after the group's ``full``."""
-    return (config.fidelity or task.scored_by_fidelity) and setting.policy != "full"
+    return (config.fidelity or task.scored_by_fidelity) and not setting.reference
 
 
 def pending(config: BenchConfig, unit: Unit, store: ResultStore) -> Unit | None:
@@ -297,7 +314,7 @@ class UnitRunner:
                 fidelity = self._fidelity(unit, sample, prompt, replayed)
                 decode_seconds = time.perf_counter() - start
             new_ids = None
-            if not (task.scored_by_fidelity and setting.policy != "full"):
+            if not (task.scored_by_fidelity and not setting.reference):
                 max_new_tokens, constraints = self._generation(sample)
                 start = time.perf_counter()
                 new_ids = continue_greedy(self.model, self.tokenizer, prompt.ids, cache, max_new_tokens, **constraints)
@@ -383,7 +400,7 @@ class UnitRunner:
         if new_ids is not None:
             prediction = self.tokenizer.decode(new_ids, skip_special_tokens=True)  # raw: metrics clean it
             score = 1.0 if task.scored_by_fidelity else task.score(prediction, sample)
-            if setting.policy == "full" and (self.config.fidelity or task.scored_by_fidelity):
+            if setting.reference and (self.config.fidelity or task.scored_by_fidelity):
                 logits = reference_logits(self.model, prompt.ids, new_ids)
                 self._references[(sample.task, sample.index)] = (new_ids, logits)
         return {
@@ -414,7 +431,12 @@ class UnitRunner:
 
     def _cache(self, setting: Setting) -> EvictionCache:
         return EvictionCache(
-            self.model, setting.policy, budget=setting.budget, keep=setting.keep, interval=self.config.interval
+            self.model,
+            setting.policy,
+            budget=setting.budget,
+            keep=setting.keep,
+            interval=self.config.interval,
+            quant=setting.quant,
         )
 
     def _fidelity(self, unit: Unit, sample: Sample, prompt: PromptIds, cache: EvictionCache) -> dict[str, float]:

@@ -54,6 +54,7 @@ def measure(
     steps: int = 8,
     repeats: int = 5,
     seed: int = 0,
+    quant: str | None = None,
 ) -> list[dict[str, object]]:
     """Rows ``{batch, policy, ms, full_ms, ratio}``: median step time under each policy, of the
     full-cache steps paired with its steps, and the median ratio of a pair (:func:`paired_ratio`)."""
@@ -66,7 +67,7 @@ def measure(
         caches: dict[str, EvictionCache] = {}
         with torch.inference_mode():
             for name in policies:
-                caches[name] = EvictionCache(model, name, budget=entries, interval=1)
+                caches[name] = EvictionCache(model, name, budget=entries, interval=1, quant=quant)
                 model(input_ids=ids, **with_cache(caches[name]), use_cache=True)
             full = DynamicCache()
             model(input_ids=ids[:, :entries], **with_cache(full), use_cache=True)
@@ -81,7 +82,8 @@ def measure(
         for name in policies:
             ms, full_ms = (1e3 * statistics.median(values[name]) for values in (times, full_times))
             ratio = paired_ratio(times[name], full_times[name])
-            rows.append({"batch": batch, "policy": name, "ms": ms, "full_ms": full_ms, "ratio": ratio})
+            label = name if quant is None else f"{name} ({quant})"
+            rows.append({"batch": batch, "policy": label, "ms": ms, "full_ms": full_ms, "ratio": ratio})
         for cache in caches.values():
             cache.close()
     return rows
@@ -112,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--steps", type=int, default=8, help="paired decode steps per policy and round (default 8)")
     parser.add_argument("--repeats", type=int, default=5, help="rounds of paired steps over the policies (default 5)")
+    parser.add_argument(
+        "--quant", choices=("int8", "int4", "int2"), default=None, help="quantized storage (kvevict.quant)"
+    )
     return parser
 
 
@@ -129,6 +134,7 @@ def main(argv: Sequence[str]) -> int:
         batch_sizes=args.batch_sizes,
         steps=args.steps,
         repeats=args.repeats,
+        quant=args.quant,
     )
     print(format_table(rows))
     return 0

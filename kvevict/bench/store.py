@@ -28,6 +28,7 @@ KEY_FIELDS = (
     "query_aware",
     "max_new_tokens",
     "prefill_chunk",  # absent from records written before it: None, one pass
+    "quant",  # likewise: None, full precision
 )
 
 

@@ -42,7 +42,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvevict.bench.memory import MIB
-from kvevict.bench.options import comma_separated
+from kvevict.bench.options import comma_separated, quant_list
 from kvevict.bench.report import text_table
 from kvevict.bench.serving import Served, Server
 from kvevict.bench.workloads import Document, Learned, Library, PromptJob, QuestionJob, Setting
@@ -90,8 +90,11 @@ class ThroughputConfig:
         return int(self.memory_cap_mib * MIB)
 
 
-def settings(policies: Sequence[str], budgets: Sequence[int] = (), keeps: Sequence[float] = ()) -> list[Setting]:
-    """The full cache (the reference, always first), then every evicting policy at every size."""
+def settings(
+    policies: Sequence[str], budgets: Sequence[int] = (), keeps: Sequence[float] = (), quants: Sequence[str | None] = ()
+) -> list[Setting]:
+    """The full cache (the reference, always first), then every evicting policy at every size;
+    each of them again per quantization in ``quants`` (None: unquantized)."""
     evicting = [name for name in policies if name != "full"]
     if evicting and not budgets and not keeps:
         raise ValueError("evicting policies need --budgets (tokens per KV head) or --keep (fractions of the prompt)")
@@ -100,7 +103,8 @@ def settings(policies: Sequence[str], budgets: Sequence[int] = (), keeps: Sequen
     for name in evicting:
         make_policy(name)  # an unknown or refused spelling fails before anything runs
     sizes = [{"budget": b} for b in budgets] + [{"keep": k} for k in keeps]
-    return [Setting("full"), *(Setting(name, **size) for name in evicting for size in sizes)]
+    runs = [Setting("full"), *(Setting(name, **size) for name in evicting for size in sizes)]
+    return [Setting(s.policy, s.budget, s.keep, quant) for quant in quants or (None,) for s in runs]
 
 
 def token_bytes(model: PreTrainedModel) -> int:
@@ -294,13 +298,13 @@ def run_throughput(
     if len(inputs) != config.prompts:
         raise ValueError(f"{len(inputs)} prompts given, the configuration says {config.prompts}")
     store = ThroughputStore(out)
-    runs = [Setting("full"), *(s for s in runs if s.policy != "full")]
+    runs = [Setting("full"), *(s for s in runs if s != Setting("full"))]
     records: list[dict[str, Any]] = []
     for setting in tqdm(runs, desc=f"bench throughput ({config.workload})", unit="setting", disable=not progress):
         record = store.get(identity(config, setting))
         if record is None:
             outputs, figures = serve_setting(model, inputs, config, setting, tokenizer)
-            reference = outputs if setting.policy == "full" else records[0]["outputs"]
+            reference = outputs if setting == Setting("full") else records[0]["outputs"]
             record = {**identity(config, setting), **figures, "quality": agreement(outputs, reference)}
             if config.workload == "longgen" and config.fidelity:
                 record |= _teacher_forced(model, inputs, setting, outputs, reference)
@@ -308,6 +312,11 @@ def run_throughput(
             store.add(record)
         records.append(record)
     return records
+
+
+def _name(record: dict[str, Any]) -> str:
+    """The policy, and its quantization if any."""
+    return record["policy"] + (f"+{record['quant']}" if record.get("quant") else "")
 
 
 def _size(record: dict[str, Any]) -> str:
@@ -337,7 +346,7 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
         full = next(r for r in group if r["policy"] == "full")
         rows = []
         for r in group:
-            cells = [r["policy"], _size(r), str(r["max_batch"]), f"{r.get('mean_batch', 0):.1f}"]
+            cells = [_name(r), _size(r), str(r["max_batch"]), f"{r.get('mean_batch', 0):.1f}"]
             cells.append(f"{r['peak_kv_bytes'] / MIB:.1f}")
             if workload == "ask":
                 cells += [f"{r['kv_bytes_per_document'] / MIB:.2f}", f"{r['answers_per_s']:.2f}"]
@@ -385,8 +394,8 @@ def plot(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
     figure, axes = plt.subplots(1, panels, figsize=(5 * panels, 4.2))
     last = [r for r in records if r["new_tokens"] == lengths[-1]]
     full = next(r for r in last if r["policy"] == "full")
-    labels = [f"{r['policy']}\n{_size(r)}" if r["policy"] != "full" else "full" for r in last]
-    colors = ["grey" if r["policy"] == "full" else "tab:green" for r in last]
+    labels = [f"{_name(r)}\n{_size(r)}" if r["policy"] != "full" else _name(r) for r in last]
+    colors = ["grey" if r is full else "tab:green" for r in last]
     unit = "answers" if records[0].get("workload") == "ask" else "tokens"
     for axis, values, ylabel in (
         (axes[0], [_rate(r) / _rate(full) for r in last], f"{unit}/s vs the full cache"),
@@ -400,12 +409,12 @@ def plot(records: Sequence[dict[str, Any]], path: str | Path) -> Path:
     axes[0].axhline(1.0, color="black", linestyle="--", linewidth=1)
     axes[0].set_title(f"{lengths[-1]} new tokens, cap {full['memory_cap_mib']:g} MiB")
     if len(lengths) > 1:
-        for setting in dict.fromkeys((r["policy"], _size(r)) for r in records if r["policy"] != "full"):
+        for setting in dict.fromkeys((_name(r), _size(r)) for r in records if _name(r) != "full"):
             points = []
             for length in lengths:
                 group = [r for r in records if r["new_tokens"] == length]
                 base = next(r for r in group if r["policy"] == "full")
-                match = [r for r in group if (r["policy"], _size(r)) == setting]
+                match = [r for r in group if (_name(r), _size(r)) == setting]
                 points += [(length, _rate(match[0]) / _rate(base))] if match else []
             axes[2].plot(*zip(*points), marker="o", label=" ".join(setting))
         axes[2].axhline(1.0, color="black", linestyle="--", linewidth=1, label="full")
@@ -451,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--prefill-chunk", type=int, default=256, help="chunked prefill where it admits more (0: never; default 256)"
     )
+    parser.add_argument("--quant", type=quant_list, default=(), help="also run every setting quantized: none,int4,...")
     parser.add_argument(
         "--no-fidelity", action="store_true", help="longgen: skip teacher-forced fidelity (two untimed replays)"
     )
@@ -465,7 +475,7 @@ def main(argv: Sequence[str]) -> int:
     from kvevict.policies import split_names
 
     args = build_parser().parse_args(argv)
-    runs = settings(split_names(args.policies), args.budgets, args.keep)
+    runs = settings(split_names(args.policies), args.budgets, args.keep, args.quant)
     configs = [
         ThroughputConfig(
             model=args.model,

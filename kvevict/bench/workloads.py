@@ -37,15 +37,17 @@ class Setting:
     policy: str
     budget: int | None = None
     keep: float | None = None
+    quant: str | None = None
+    """Quantized storage (``int8``, ``int4``, ``int2``; None: the model's dtype)."""
 
     @property
     def label(self) -> str:
         size = f"budget {self.budget}" if self.budget is not None else f"keep {self.keep}" if self.keep else ""
-        return f"{self.policy} {size}".strip()
+        return f"{self.policy}{'' if self.quant is None else '+' + self.quant} {size}".strip()
 
     def cache(self, model: PreTrainedModel, prompt_length: int) -> EvictionCache:
         budget = {} if self.policy == "full" else {"budget": self.budget, "keep": self.keep}
-        return EvictionCache(model, self.policy, prompt_length=prompt_length, **budget)
+        return EvictionCache(model, self.policy, prompt_length=prompt_length, quant=self.quant, **budget)
 
 
 @dataclass

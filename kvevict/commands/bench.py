@@ -9,10 +9,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvevict.bench.options import comma_separated
+from kvevict.bench.options import comma_separated, quant_list
 from kvevict.commands.common import BENCH, Subcommands, guarded, model_args, names
 
-SUBCOMMANDS = {"memory": "memory", "throughput": "throughput", "decode-speed": "speed"}
+SUBCOMMANDS = {"memory": "memory", "throughput": "throughput", "decode-speed": "speed", "quant": "quantized"}
 """``kvevict bench NAME ...``: subcommands with parsers of their own, by the module of
 :mod:`kvevict.bench` that runs them (its ``main(argv)``)."""
 
@@ -41,7 +41,8 @@ def add_parser(commands: Subcommands) -> None:
         "Resumable: finished samples are skipped when the same command runs again. "
         "`kvevict bench memory --help`: the prefill peak-memory microbenchmark; "
         "`kvevict bench decode-speed --help`: the cost of a decode step under eviction; "
-        "`kvevict bench throughput --help`: sequences served per second under a KV memory cap.",
+        "`kvevict bench throughput --help`: sequences served per second under a KV memory cap; "
+        "`kvevict bench quant --help`: quantized storage against transformers' QuantizedCache.",
     )
     bench.add_argument("tasks", type=names, help="comma-separated task names (see `kvevict tasks`)")
     bench.add_argument(
@@ -69,6 +70,13 @@ def add_parser(commands: Subcommands) -> None:
         "--fidelity", action="store_true", help="also replay the full cache's answer: top-1, KL, perplexity"
     )
     bench.add_argument("--max-new-tokens", type=int, default=None, help="override every task's generation length")
+    bench.add_argument(
+        "--quant",
+        type=quant_list,
+        default=(),
+        help="run every setting with each quantized storage, e.g. none,int8,int4,int2 (none: full precision; "
+        "full also runs quantized when listed; the full-precision full cache stays the reference)",
+    )
     bench.add_argument(
         "--prefill-chunk",
         type=int,
@@ -132,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         prefill_chunk=args.prefill_chunk,
         batch_size=args.batch_size,
+        quants=args.quant,
         dtype=args.dtype,
         device=args.device,
         attn=args.attn,

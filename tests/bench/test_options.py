@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from kvevict.bench.options import comma_separated
+from kvevict.bench.options import comma_separated, quant_list
 from kvevict.cli import main
 
 
@@ -34,3 +34,13 @@ def test_the_cli_exits_2_with_the_reason(argv: list[str], capsys) -> None:
         main(argv)
     assert exit_.value.code == 2
     assert "expected comma-separated" in capsys.readouterr().err
+
+
+def test_parses_quant_options_with_none_for_full_precision() -> None:
+    assert quant_list("none,int8, int4,int2") == (None, "int8", "int4", "int2")
+
+
+@pytest.mark.parametrize("text", ["int3", "", "int4,fp8"])
+def test_refuses_a_bad_quant_list_naming_what_is_allowed(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="expected comma-separated int8, int4, int2 or none"):
+        quant_list(text)

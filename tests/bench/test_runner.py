@@ -6,7 +6,7 @@ import pytest
 
 from kvevict.bench import runner as runner_module
 from kvevict.bench import tasks as tasks_module
-from kvevict.bench.runner import BenchConfig, BenchRunner
+from kvevict.bench.runner import BenchConfig, BenchRunner, Setting
 from kvevict.bench.store import ResultStore
 from kvevict.bench.task import Sample, Task
 from tests.conftest import tiny_model
@@ -271,3 +271,17 @@ def test_a_batched_run_resumes_without_redoing_a_finished_sample(tmp_path, model
 def test_batch_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="batch size must be an integer >= 1, got 0"):
         config(batch_size=0)
+
+
+def test_each_quant_option_runs_every_setting_and_the_full_precision_full_cache_stays_the_reference() -> None:
+    settings = config(policies=("full", "snapkv"), budgets=(40,), quants=(None, "int4")).settings
+    assert settings == [
+        Setting("full"),
+        Setting("full", quant="int4"),
+        Setting("snapkv", budget=40),
+        Setting("snapkv", budget=40, quant="int4"),
+    ]
+    assert [setting.reference for setting in settings] == [True, False, False, False]
+    assert config(policies=("snapkv",), budgets=(40,), quants=("int2",)).settings == [
+        Setting("snapkv", budget=40, quant="int2")
+    ]

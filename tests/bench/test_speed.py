@@ -22,6 +22,11 @@ def test_measure_reports_each_policy_and_batch_against_the_full_cache() -> None:
     assert table.count("\n") == 5 and "| h2o | 2 |" in table
 
 
+def test_measure_runs_quantized_caches() -> None:
+    rows = speed.measure(tiny_model(), ["h2o"], entries=16, batch_sizes=(1,), steps=1, repeats=1, quant="int4")
+    assert [row["policy"] for row in rows] == ["h2o (int4)"] and rows[0]["ratio"] > 0
+
+
 def test_the_ratio_is_the_median_of_each_pairs_ratio() -> None:
     # pairs 2/1, 3/2, 10/4: ratios 2, 1.5, 2.5 (the ratio of the medians would be 3/2)
     assert speed.paired_ratio([2.0, 3.0, 10.0], [1.0, 2.0, 4.0]) == 2.0

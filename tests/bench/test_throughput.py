@@ -169,3 +169,14 @@ def test_compress_once_ask_many_answers_every_question_from_a_copy_of_its_docume
         assert record["outputs"] == expected
     assert snapkv["kv_bytes_per_document"] < 0.5 * full["kv_bytes_per_document"]
     assert "answers/s" in throughput.format_table([full, snapkv])
+
+
+def test_each_quant_option_runs_every_setting() -> None:
+    runs = settings(["full", "snapkv"], keeps=(0.25,), quants=(None, "int4"))
+    assert [(s.policy, s.keep, s.quant) for s in runs] == [
+        ("full", None, None),
+        ("snapkv", 0.25, None),
+        ("full", None, "int4"),
+        ("snapkv", 0.25, "int4"),
+    ]
+    assert runs[3].label == "snapkv+int4 keep 0.25"

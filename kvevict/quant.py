@@ -1,0 +1,374 @@
+"""Quantized KV storage between passes (KIVI: Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric
+2bit Quantization for KV Cache").
+
+KIVI's recipe, per KV head: **keys** are quantized *per channel*, in groups of ``group``
+tokens (each channel of a group of tokens shares a scale and a zero point: key outliers sit in
+fixed channels); **values** are quantized *per token*, in groups of ``group`` channels; the
+most recent ``residual`` tokens stay at full precision until a whole group of older tokens is
+ready to be quantized. Each group is quantized asymmetrically to ``b`` bits (KIVI §3, eq. 1)::
+
+    z = min X,   s = (max X − min X) / (2^b − 1),   Q(X) = round((X − z) / s),   X̂ = Q(X)·s + z
+
+so every dequantized element is within ``s / 2`` of the original (:func:`quantize_groups`).
+Codes are packed ``8 / b`` to a byte along the channels (:func:`pack`).
+
+Owns: the options (:class:`QuantConfig`), the pure quantize/dequantize/pack functions, and a
+layer's quantized entries between passes (:class:`QuantizedEntries`: codes, scales and zero
+points of the older entries, the full-precision residual). Must not touch: which entries a
+layer holds (:mod:`kvevict.layer`, :mod:`kvevict.driver`) or its other tensors
+(:mod:`kvevict.storage` calls :func:`compress` and :meth:`QuantizedEntries.restore`).
+
+Layout (docs/quant.md): the groups follow each row's storage columns from the row's first
+column (row-relative, so a row of a batch is grouped exactly as alone); a row of ``w`` entries
+quantizes its first ``q = group · ⌊max(0, w − residual) / group⌋`` columns and keeps the rest
+at full precision. Eviction works on the dequantized entries during a pass (a dropped entry's
+slot refilled from the last column, a spliced row, ...); the pass's end quantizes the layer
+anew from what it then holds, so codes and scales always describe exactly the entries held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+BITS = {"int8": 8, "int4": 4, "int2": 2}
+"""The ``quant=`` options and their bits per code."""
+DEFAULT_GROUP = 32
+"""KIVI's group size (tokens per key group, channels per value group)."""
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """``bits`` per code; ``group``: tokens per key group (per channel) and channels per value
+    group (per token); ``residual``: most recent entries of each row kept at full precision."""
+
+    bits: int
+    group: int = DEFAULT_GROUP
+    residual: int = 32
+
+    def options(self) -> dict[str, object]:
+        """The ``EvictionCache`` arguments that make this configuration."""
+        return {"quant": f"int{self.bits}", "quant_group": self.group, "residual": self.residual}
+
+    @classmethod
+    def make(cls, quant: str | None, group: int | None, residual: int, head_dim: int) -> QuantConfig | None:
+        """The options of ``EvictionCache(quant=..., quant_group=..., residual=...)`` checked
+        against the model's head dimension (None: no quantization; ``group`` None: 32, or the
+        head dimension where smaller)."""
+        if quant is None:
+            return None
+        group = min(DEFAULT_GROUP, head_dim) if group is None else group
+        if quant not in BITS:
+            raise ValueError(f"quant must be one of {', '.join(map(repr, BITS))} or None, got {quant!r}")
+        if isinstance(group, bool) or not isinstance(group, int) or group < 1 or head_dim % group:
+            raise ValueError(
+                f"quant_group must be a positive integer dividing the head dimension {head_dim} "
+                f"(values are quantized in groups of that many channels), got {group!r}"
+            )
+        if head_dim % (8 // BITS[quant]):
+            raise ValueError(
+                f"{quant} packs {8 // BITS[quant]} codes a byte: head dimension {head_dim} does not divide"
+            )
+        if isinstance(residual, bool) or not isinstance(residual, int) or residual < 0:
+            raise ValueError(
+                f"residual must be an integer >= 0 (recent tokens kept at full precision), got {residual!r}"
+            )
+        return cls(BITS[quant], group, residual)
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``codes`` ``[..., d]`` (uint8, each < 2^bits) packed ``8 / bits`` to a byte: ``[..., d·bits/8]``
+    (code ``i`` of a byte in bits ``i·bits .. (i+1)·bits``)."""
+    per = 8 // bits
+    if per == 1:
+        return codes
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    return (codes.view(*codes.shape[:-1], codes.shape[-1] // per, per) << shifts).sum(dim=-1, dtype=torch.uint8)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The codes :func:`pack` packed, ``[..., d]`` uint8."""
+    per = 8 // bits
+    if per == 1:
+        return packed
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    return ((packed[..., None] >> shifts) & (2**bits - 1)).flatten(-2)
+
+
+def quantize_groups(
+    x: torch.Tensor, dim: int, bits: int, held: torch.Tensor | None = None, dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric ``bits``-bit quantization of ``x`` in groups along ``dim`` (each slice along
+    ``dim`` is one group): ``(codes, scale, zero)``, the codes uint8 shaped as ``x``, ``scale``
+    and ``zero`` with ``dim`` reduced, in ``dtype`` (default ``x``'s). Elements where ``held``
+    (broadcastable to ``x``) is false take no part in their group's range (their codes are
+    clamped); a group holding none gets scale 0 and zero point 0. Each held element
+    dequantizes to within ``scale / 2`` of itself (KIVI eq. 1; the scale and zero point as
+    stored, so rounding them to ``dtype`` is accounted for)."""
+    levels = 2**bits - 1
+    x32 = x.float()
+    low, high = x32, x32
+    if held is not None:
+        low, high = x32.masked_fill(~held, torch.inf), x32.masked_fill(~held, -torch.inf)
+    zero, top = low.amin(dim, keepdim=True), high.amax(dim, keepdim=True)
+    empty = zero > top
+    zero, top = zero.masked_fill(empty, 0), top.masked_fill(empty, 0)
+    dtype = x.dtype if dtype is None else dtype
+    zero = zero.to(dtype)
+    scale = ((top - zero.float()) / levels).to(dtype)
+    safe = torch.where(scale > 0, scale.float(), 1.0)
+    codes = ((x32 - zero.float()) / safe).round_().clamp_(0, levels).to(torch.uint8)
+    return codes, scale.squeeze(dim), zero.squeeze(dim)
+
+
+@dataclass
+class QuantizedTensor:
+    """Packed codes and their groups' scales and zero points."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.codes, self.scale, self.zero]
+
+
+def quantize_keys(keys: torch.Tensor, bits: int, group: int, held: torch.Tensor | None) -> QuantizedTensor:
+    """Keys ``[B, H, q, d]`` (``q`` a multiple of ``group``) per channel, in groups of ``group``
+    tokens: scale and zero ``[B, H, q / group, d]``; ``held`` ``[B, H, q]`` the real entries."""
+    b, h, q, d = keys.shape
+    grouped = keys.view(b, h, q // group, group, d)
+    mask = None if held is None else held.view(b, h, q // group, group, 1)
+    codes, scale, zero = quantize_groups(grouped, 3, bits, mask)
+    return QuantizedTensor(pack(codes.view(b, h, q, d), bits), scale, zero)
+
+
+def dequantize_keys(quantized: QuantizedTensor, bits: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The keys :func:`quantize_keys` quantized, ``[B, H, q, d]`` in ``dtype``."""
+    codes = unpack(quantized.codes, bits)
+    b, h, q, d = codes.shape
+    grouped = codes.view(b, h, q // group, group, d).float()
+    scale, zero = quantized.scale.float()[:, :, :, None], quantized.zero.float()[:, :, :, None]
+    return torch.addcmul(zero, grouped, scale).view(b, h, q, d).to(dtype)
+
+
+def quantize_values(values: torch.Tensor, bits: int, group: int) -> QuantizedTensor:
+    """Values ``[B, H, q, d]`` per token, in groups of ``group`` channels: scale and zero ``[B, H, q, d / group]``."""
+    b, h, q, d = values.shape
+    codes, scale, zero = quantize_groups(values.view(b, h, q, d // group, group), 4, bits)
+    return QuantizedTensor(pack(codes.view(b, h, q, d), bits), scale, zero)
+
+
+def dequantize_values(quantized: QuantizedTensor, bits: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The values :func:`quantize_values` quantized, ``[B, H, q, d]`` in ``dtype``."""
+    codes = unpack(quantized.codes, bits)
+    b, h, q, d = codes.shape
+    grouped = codes.view(b, h, q, d // group, group).float()
+    return (
+        torch.addcmul(quantized.zero.float()[..., None], grouped, quantized.scale.float()[..., None])
+        .view(b, h, q, d)
+        .to(dtype)
+    )
+
+
+def quantized_columns(width: int, config: QuantConfig) -> int:
+    """Leading entries of a row of ``width`` entries that are quantized: whole groups, leaving
+    at least ``residual`` (and fewer than ``residual + group``) at full precision."""
+    return config.group * (max(0, width - config.residual) // config.group)
+
+
+@dataclass
+class QuantizedEntries:
+    """A layer's keys and values between passes: row ``b``'s storage columns ``starts[b] ..
+    starts[b] + counts[b]`` as codes (row-relative columns ``0 .. counts[b]`` of ``keys`` and
+    ``values``), and storage columns ``residual_from .. n`` of every row at full precision.
+    ``positions`` (int32) and ``held`` (None: all) say which entry each code is, so that the
+    next pass's end requantizes only what changed (:func:`compress`)."""
+
+    config: QuantConfig
+    keys: QuantizedTensor
+    values: QuantizedTensor
+    starts: list[int]
+    counts: list[int]
+    residual_from: int
+    residual_keys: torch.Tensor
+    residual_values: torch.Tensor
+    n: int
+    positions: torch.Tensor
+    held: torch.Tensor | None
+
+    def tensors(self) -> list[torch.Tensor]:
+        held = [] if self.held is None else [self.held]
+        return [
+            *self.keys.tensors(),
+            *self.values.tensors(),
+            self.residual_keys,
+            self.residual_values,
+            self.positions,
+        ] + held
+
+    def restore(self, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[B, H, columns, d]`` (``columns`` ≥ :attr:`n`; zeros past it): the
+        quantized entries dequantized, the residual as held."""
+        bits, group, dtype = self.config.bits, self.config.group, self.residual_keys.dtype
+        dense = []
+        for residual, part in (
+            (self.residual_keys, dequantize_keys(self.keys, bits, group, dtype)),
+            (self.residual_values, dequantize_values(self.values, bits, group, dtype)),
+        ):
+            out = residual.new_empty(*residual.shape[:2], columns, residual.shape[-1])
+            out[:, :, self.n :].zero_()
+            out[:, :, self.residual_from : self.n] = residual
+            if _aligned(self.starts, self.counts):
+                out[:, :, : self.counts[0]] = part
+            else:
+                out[:, :, : self.residual_from].zero_()  # (a left-padded row's padding)
+                for row, (start, count) in enumerate(zip(self.starts, self.counts)):
+                    out[row, :, start : start + count] = part[row, :, :count]
+            dense.append(out)
+        return dense[0], dense[1]
+
+
+def _aligned(starts: Sequence[int], counts: Sequence[int]) -> bool:
+    return all(start == 0 for start in starts) and len(set(counts)) == 1
+
+
+def _row_relative(x: torch.Tensor, starts: Sequence[int], counts: Sequence[int], fill: float = 0) -> torch.Tensor:
+    """Row ``b``'s columns ``starts[b] .. starts[b] + counts[b]`` of ``x`` ``[B, H, n, ...]`` from
+    column 0, ``[B, H, max(counts), ...]`` (``fill`` past a row's count): a view when aligned."""
+    longest = max(counts)
+    if _aligned(starts, counts):
+        return x.narrow(2, 0, longest)
+    out = x.new_full((*x.shape[:2], longest, *x.shape[3:]), fill)
+    for row, (start, count) in enumerate(zip(starts, counts)):
+        out[row, :, :count] = x[row, :, start : start + count]
+    return out
+
+
+def _reusable(previous: QuantizedEntries | None, positions: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """``[B, H, q]`` (row-relative columns): whether ``previous``'s code of that column is still
+    the entry held there (same position, same validity; a row that moved to column 0 keeps its
+    row-relative columns)."""
+    reuse = torch.zeros(held.shape, dtype=torch.bool, device=held.device)
+    if previous is None or previous.positions.shape[:2] != positions.shape[:2]:
+        return reuse
+    common = min(previous.positions.shape[2], positions.shape[2])
+    same = previous.positions[:, :, :common] == positions[:, :, :common]
+    if previous.held is not None:
+        same &= previous.held[:, :, :common] == held[:, :, :common]
+    elif not bool(held[:, :, :common].all()):
+        same &= held[:, :, :common]
+    for row, count in enumerate(previous.counts):
+        same[row, :, count:] = False
+    reuse[:, :, :common] = same
+    return reuse
+
+
+def compress(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid: torch.Tensor | None,
+    positions: torch.Tensor,
+    spans: Sequence[tuple[int, int]],
+    config: QuantConfig,
+    previous: QuantizedEntries | None = None,
+) -> QuantizedEntries:
+    """Quantize a layer's ``keys``/``values`` ``[B, H, n, d]`` at ``positions`` whose row ``b``
+    holds columns ``spans[b] = (start, width)`` (``valid`` ``[B, H, n]``: which are real; None:
+    all), leaving each row's last entries past :func:`quantized_columns` at full precision.
+
+    Codes of ``previous`` (this layer's last quantization) whose entry is still in place are
+    kept as they are; only key groups with a new or moved entry, and new or moved values, are
+    quantized (from the pass's dequantized or new entries). What a row gets depends on that
+    row alone, so a row of a batch is quantized exactly as alone."""
+    n = keys.shape[2]
+    starts = [start for start, _ in spans]
+    counts = [quantized_columns(width, config) for _, width in spans]
+    rel_keys, rel_values = _row_relative(keys, starts, counts), _row_relative(values, starts, counts)
+    rel_positions = _row_relative(positions, starts, counts, -1).to(torch.int32)
+    if valid is None and _aligned(starts, counts):
+        held = torch.ones(rel_positions.shape, dtype=torch.bool, device=keys.device)
+        stored_held = None
+    else:
+        held = _row_relative(
+            torch.ones(positions.shape, dtype=torch.bool, device=keys.device) if valid is None else valid,
+            starts,
+            counts,
+            False,
+        )
+        stored_held = held.clone()
+    reuse = _reusable(previous, rel_positions, held)
+    if previous is not None and previous.counts == counts and bool(reuse.all()):  # every code in place
+        quantized_keys, quantized_values = previous.keys, previous.values
+    else:
+        mask = None if stored_held is None else held
+        quantized_keys = _changed_keys(rel_keys, mask, reuse, None if previous is None else previous.keys, config)
+        quantized_values = _changed_values(rel_values, reuse, None if previous is None else previous.values, config)
+    residual_from = min(start + count for start, count in zip(starts, counts))
+    return QuantizedEntries(
+        config=config,
+        keys=quantized_keys,
+        values=quantized_values,
+        starts=starts,
+        counts=counts,
+        residual_from=residual_from,
+        residual_keys=keys[:, :, residual_from:n].clone(),
+        residual_values=values[:, :, residual_from:n].clone(),
+        n=n,
+        positions=rel_positions,
+        held=stored_held,
+    )
+
+
+def _changed_keys(
+    keys: torch.Tensor,
+    held: torch.Tensor | None,
+    reuse: torch.Tensor,
+    previous: QuantizedTensor | None,
+    config: QuantConfig,
+) -> QuantizedTensor:
+    """:func:`quantize_keys` of ``keys`` ``[B, H, q, d]``, but groups whose every entry ``reuse``
+    keep ``previous``'s codes: only the others are quantized."""
+    b, h, q, d = keys.shape
+    bits, group = config.bits, config.group
+    kept = reuse.view(b, h, q // group, group).all(dim=-1)
+    if previous is None or not bool(kept.any()):
+        return quantize_keys(keys, bits, group, held)
+    out = _grown(previous, q, group)
+    index = (~kept).nonzero(as_tuple=True)
+    if index[0].numel():
+        mask = None if held is None else held.view(b, h, q // group, group)[index][..., None]
+        codes, scale, zero = quantize_groups(keys.reshape(b, h, q // group, group, d)[index], 1, bits, mask)
+        out.codes.view(b, h, q // group, group, -1)[index] = pack(codes, bits)
+        out.scale[index], out.zero[index] = scale, zero
+    return out
+
+
+def _changed_values(
+    values: torch.Tensor, reuse: torch.Tensor, previous: QuantizedTensor | None, config: QuantConfig
+) -> QuantizedTensor:
+    """:func:`quantize_values` of ``values`` ``[B, H, q, d]``, but entries ``reuse`` keep ``previous``'s codes."""
+    bits, group, d = config.bits, config.group, values.shape[-1]
+    if previous is None or not bool(reuse.any()):
+        return quantize_values(values, bits, group)
+    out = _grown(previous, values.shape[2], 1)
+    index = (~reuse).nonzero(as_tuple=True)
+    if index[0].numel():
+        codes, scale, zero = quantize_groups(values[index].view(-1, d // group, group), 2, bits)
+        out.codes[index] = pack(codes.view(-1, d), bits)
+        out.scale[index], out.zero[index] = scale, zero
+    return out
+
+
+def _grown(previous: QuantizedTensor, columns: int, per: int) -> QuantizedTensor:
+    """New tensors for ``columns`` entries (scales and zero points: one per ``per`` entries along
+    dim 2) holding ``previous``'s as far as they go, zeros past them."""
+    out = []
+    for x, width in ((previous.codes, columns), (previous.scale, columns // per), (previous.zero, columns // per)):
+        fresh = x.new_zeros(*x.shape[:2], width, *x.shape[3:])
+        keep = min(width, x.shape[2])
+        fresh[:, :, :keep] = x[:, :, :keep]
+        out.append(fresh)
+    return QuantizedTensor(*out)
