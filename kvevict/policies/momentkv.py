@@ -151,8 +151,7 @@ class MomentKV(Method):
 
     - **MI** (``mi=True``, Eq. 10): residual ``r_j = v_j − v̄ − S̃ k_j/(n_e √d)``, score
       ``α_j·‖r_j‖``; evict the argmin, update the statistics, repeat (``evict_chunk=1``, the
-      exact loop, run speculatively: several verified evictions per update, see
-      :func:`~kvevict.moments.mi_evict`; ``evict_chunk=c`` evicts ``c`` per update — on SmolLM2 at budget 128 of a
+      exact loop; ``evict_chunk=c`` evicts ``c`` per update — on SmolLM2 at budget 128 of a
       2k-token prompt, ``c=4`` keeps a different entry for 0.16 % of the kept entries and
       ``c=16`` for 0.36 %, see docs/policies.md). ``mi=False``: keep the top ``α``.
     - **NC** (``nc=True``, Eqs. 9, 11, 12): ``f_R, log Z_R`` over the retained keys,
