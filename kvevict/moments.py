@@ -31,8 +31,6 @@ import torch
 
 from kvevict.signals import attention_logits, query_chunks
 
-SPECULATION = (8, 256)
-"""Smallest and largest guess of :func:`mi_evict`'s speculative exact loop (evictions per check)."""
 LOG_PARTITION_CHUNK = 256
 """Queries per chunk of :func:`nc_log_partition`: memory is ``chunk × n`` per head."""
 
@@ -131,7 +129,6 @@ def mi_evict(
     protected: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
     chunk: int = 1,
-    speculate: bool = True,
 ) -> torch.Tensor:
     """Moment-informed eviction (Algorithm 1, lines 6-18): the entries to evict, ``[B, Hkv, n]`` bool.
 
@@ -147,14 +144,6 @@ def mi_evict(
     (``P_j = S k_j`` gains ``σ_je v_e`` with ``σ_je = k_j·k_e`` when ``e`` is evicted), so a
     step costs a few ``n × d`` matrix-vector products and ``O(n)`` scalar work, never
     ``O(n·d²)``; the scalars are float64 (cancellation in the expansion).
-
-    ``speculate`` (``chunk=1`` only) makes the exact loop take many steps per update: it
-    guesses the next ``w`` evictions as the ``w`` lowest current scores, computes every
-    entry's score after each prefix of that guess at once (:func:`_verified_prefix`: the
-    scalars gain prefix sums over the guess, ``n × w`` work), and evicts the longest prefix
-    whose every entry is the argmin the loop would pick next. The same selection as the loop
-    one step at a time (``speculate=False``, the reference), up to float64 rounding in
-    near-exact ties; ``w`` doubles while whole guesses hold and shrinks when they break.
     """
     if chunk < 1:
         raise ValueError(f"MI eviction chunk must be >= 1 (1 = the exact loop), got {chunk}")
@@ -174,34 +163,22 @@ def mi_evict(
     sv_dot_v = (v @ value_sum[..., None]).squeeze(-1)  # s_v·v_j
     sv_dot_p = (projected @ value_sum[..., None]).squeeze(-1)  # s_v·P_j
     sk_dot_k = (k @ key_sum[..., None]).squeeze(-1)  # s_k·k_j
-    beta_scale = scaling if first_order else 0.0
     evicted = torch.zeros_like(valid)
-    guess = SPECULATION[0]
     while bool((remaining > 0).any()):
         # ‖r_j‖² = ‖v_j − βP_j‖² − 2λ_j m·(v_j − βP_j) + λ_j² ‖m‖²,  m = s_v/n_e, β = c/n_e, λ_j = 1 − β s_k·k_j
         n_e = count.clamp(min=1)[..., None]
+        beta = scaling / n_e if first_order else torch.zeros_like(n_e)
+        lam = 1 - beta * sk_dot_k
+        m_dot = (sv_dot_v - beta * sv_dot_p) / n_e
         m_norm2 = (value_sum * value_sum).sum(-1, keepdim=True) / n_e**2
-        scalars = (v_norm2, v_dot_p, p_norm2, sv_dot_v, sv_dot_p, sk_dot_k)
-        r_norm2 = _residual_norm2(scalars, n_e, m_norm2, beta_scale)
+        r_norm2 = v_norm2 - 2 * beta * v_dot_p + beta**2 * p_norm2 - 2 * lam * m_dot + lam**2 * m_norm2
         score = (a * r_norm2.clamp(min=0).sqrt()).masked_fill(~candidate, float("inf"))
-        speculating = speculate and chunk == 1
-        step = min(guess if speculating else chunk, int(remaining.max()))
+        step = min(chunk, int(remaining.max()))
         picked = score.topk(step, dim=-1, largest=False).indices  # [B, Hkv, step]
-        limit = remaining
-        k_e = k.gather(2, picked[..., None].expand(-1, -1, -1, k.shape[-1]))
-        v_e = v.gather(2, picked[..., None].expand(-1, -1, -1, v.shape[-1]))
-        if speculating and step > 1:
-            picked, exact = _verified_prefix(
-                k, v, a, k_e, v_e, picked, candidate, scalars, count, value_sum, outer, beta_scale
-            )
-            k_e = k.gather(2, picked[..., None].expand(-1, -1, -1, k.shape[-1]))
-            v_e = v.gather(2, picked[..., None].expand(-1, -1, -1, v.shape[-1]))
-            limit = torch.minimum(remaining, exact)
-            longest = int(exact.masked_fill(remaining <= 0, step).min())
-            guess = min(SPECULATION[1], 2 * guess) if longest == step else max(SPECULATION[0], 2 * longest)
-        take = torch.arange(step, device=keys.device) < limit[..., None]  # heads that are done take nothing
+        take = torch.arange(step, device=keys.device) < remaining[..., None]  # heads that are done take nothing
         weight = take.to(k.dtype)[..., None]
-        k_e, v_e = k_e * weight, v_e * weight
+        k_e = k.gather(2, picked[..., None].expand(-1, -1, -1, k.shape[-1])) * weight
+        v_e = v.gather(2, picked[..., None].expand(-1, -1, -1, v.shape[-1])) * weight
         sigma = k @ k_e.transpose(-1, -2)  # k_j·k_e, [B, Hkv, n, step]
         v_dot_ve = v @ v_e.transpose(-1, -2)  # v_j·v_e
         p_dot_ve = k @ (v_e @ outer).transpose(-1, -2)  # P_j·v_e = k_j·(Sᵀ v_e)
@@ -218,89 +195,11 @@ def mi_evict(
         count = count + take.sum(-1)
         key_sum = key_sum + k_e.sum(2)
         value_sum = value_sum + v_e.sum(2)
-        flags = (
-            torch.zeros(evicted.shape, dtype=torch.long, device=keys.device).scatter_add_(2, picked, take.long()) > 0
-        )
+        flags = torch.zeros_like(evicted).scatter_(2, picked, take)
         evicted |= flags
         candidate &= ~flags
         remaining = remaining - take.sum(-1)
     return evicted
-
-
-def _residual_norm2(scalars: tuple[torch.Tensor, ...], n_e: torch.Tensor, m_norm2: torch.Tensor, beta_scale: float):
-    """``‖r_j‖²`` from the per-entry scalars of :func:`mi_evict` (broadcast over any trailing axes):
-    ``‖v_j − βP_j‖² − 2λ_j m·(v_j − βP_j) + λ_j² ‖m‖²``, ``m = s_v/n_e``, ``β = c/n_e``, ``λ_j = 1 − β s_k·k_j``."""
-    v_norm2, v_dot_p, p_norm2, sv_dot_v, sv_dot_p, sk_dot_k = scalars
-    beta = beta_scale / n_e
-    lam = 1 - beta * sk_dot_k
-    m_dot = (sv_dot_v - beta * sv_dot_p) / n_e
-    return v_norm2 - 2 * beta * v_dot_p + beta**2 * p_norm2 - 2 * lam * m_dot + lam**2 * m_norm2
-
-
-def _verified_prefix(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    alpha: torch.Tensor,
-    k_e: torch.Tensor,
-    v_e: torch.Tensor,
-    picked: torch.Tensor,
-    candidate: torch.Tensor,
-    scalars: tuple[torch.Tensor, ...],
-    count: torch.Tensor,
-    value_sum: torch.Tensor,
-    outer: torch.Tensor,
-    beta_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(picks, taken)``: how many of the guessed evictions ``picked`` ``[B, Hkv, w]`` the exact
-    loop makes in that order, ``taken`` ``[B, Hkv]`` (at least 1: the first is the current
-    argmin), and the guess with its first wrong entry replaced by the loop's pick there (the
-    argmin after the verified prefix, counted in ``taken``).
-
-    After evicting the guess's first ``t + 1`` entries, each per-entry scalar of
-    :func:`mi_evict` is its current value plus a prefix sum over the guess (``σ_ji = k_j·k_ei``,
-    ``G = V_e V_eᵀ``; ``P_j`` gains ``Σ_i σ_ji v_ei``, so ``‖P_j‖²`` and ``s_v·P_j`` gain
-    quadratic terms, summed through the lower triangle of ``G``): every entry's score after
-    every prefix, ``[B, Hkv, n, w]``, in a few batched products. Entry ``t + 1`` of the guess
-    is verified when no remaining candidate scores lower after prefix ``t``.
-    """
-    v_norm2, v_dot_p, p_norm2, sv_dot_v, sv_dot_p, sk_dot_k = (x[..., None] for x in scalars)
-    step = picked.shape[-1]
-    sigma = k @ k_e.transpose(-1, -2)  # k_j·k_ei, [B, Hkv, n, w]
-    v_dot_ve = v @ v_e.transpose(-1, -2)  # v_j·v_ei
-    p_dot_ve = k @ (v_e @ outer).transpose(-1, -2)  # P_j·v_ei with the current S
-    gram = v_e @ v_e.transpose(-1, -2)  # G_ii'
-    lower = sigma @ gram.tril().transpose(-1, -2)  # Σ_{i' ≤ t} G_ti' σ_ji'
-    above = gram.triu(1).sum(-2)[..., None, :]  # Σ_{i < t} G_it
-    diagonal = gram.diagonal(dim1=-2, dim2=-1)[..., None, :]
-    sv_dot_ve = (v_e @ value_sum[..., None]).transpose(-1, -2)  # s_v·v_ei, [B, Hkv, 1, w]
-    prefix = (
-        v_norm2,
-        v_dot_p + (sigma * v_dot_ve).cumsum(-1),
-        p_norm2 + (2 * sigma * p_dot_ve + sigma * (2 * lower - diagonal * sigma)).cumsum(-1),
-        sv_dot_v + v_dot_ve.cumsum(-1),
-        sv_dot_p + (sigma * sv_dot_ve + p_dot_ve + lower + sigma * above).cumsum(-1),
-        sk_dot_k + sigma.cumsum(-1),
-    )
-    ranks = torch.arange(1, step + 1, device=k.device, dtype=k.dtype)
-    n_e = (count[..., None] + ranks)[..., None, :]  # [B, Hkv, 1, w]
-    sums = value_sum[..., None, :] + v_e.cumsum(-2)  # s_v after each prefix, [B, Hkv, w, d_v]
-    m_norm2 = ((sums * sums).sum(-1) / n_e.squeeze(-2) ** 2)[..., None, :]
-    score = alpha[..., None] * _residual_norm2(prefix, n_e, m_norm2, beta_scale).clamp(min=0).sqrt()
-    order = torch.full_like(candidate, step, dtype=torch.long).scatter_(
-        2, picked, torch.arange(step, device=k.device).expand_as(picked)
-    )
-    gone = order[..., None] <= torch.arange(step, device=k.device)  # evicted by prefix t, [B, Hkv, n, w]
-    score = score.masked_fill(gone | ~candidate[..., None], float("inf"))
-    best = score.amin(dim=2)[..., :-1]  # the lowest score after prefixes 1 .. w − 1
-    guessed = score[..., :-1].gather(2, picked[..., None, 1:]).squeeze(2)  # the guess's next entry's score
-    holds = (guessed <= best) & torch.isfinite(guessed)
-    verified = 1 + holds.long().cumprod(-1).sum(-1)  # [B, Hkv]
-    # the loop's pick after the verified prefix is the argmin there: it replaces the broken guess
-    at = verified.clamp(max=step - 1)[..., None]
-    after = score.gather(3, (at - 1)[..., None, :].expand(-1, -1, score.shape[2], -1)).squeeze(-1)
-    corrected = picked.scatter(2, at, after.argmin(-1, keepdim=True))
-    fixed = (verified < step) & torch.isfinite(after.amin(-1))
-    return torch.where(fixed[..., None], corrected, picked), verified + fixed.long()
 
 
 # -- normalization-corrected inference ---------------------------------------------------

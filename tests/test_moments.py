@@ -233,24 +233,3 @@ def test_mi_chunked_variant_and_validity_mask() -> None:
         mi_evict(keys, values, alpha, stats, counts, SCALING, chunk=0)
     with pytest.raises(ValueError, match="smaller than its protected entries"):
         mi_evict(keys, values, alpha, stats, torch.full((B, HKV), 2), SCALING, protected=torch.rand(B, HKV, 20) < 2)
-
-
-@pytest.mark.parametrize("order", [0, 1])
-@pytest.mark.parametrize("seed", range(6))
-def test_speculative_mi_makes_the_reference_loops_selection(order: int, seed: int) -> None:
-    """The speculative exact loop (several verified evictions per update) evicts what the
-    one-at-a-time loop evicts: prior statistics, protected entries, padding and per-head budgets."""
-    generator = torch.Generator().manual_seed(100 + seed)
-    n = 40 + 37 * seed
-    keys = torch.randn(2, HKV, n, D, generator=generator)
-    values = torch.randn(2, HKV, n, D, generator=generator)
-    alpha = torch.rand(2, HKV, n, generator=generator)
-    prior = torch.rand(2, HKV, n, generator=generator) < 0.1
-    stats = accumulate(MomentStats.zeros(2, HKV, D, D, order=order), keys, values, prior)
-    valid = torch.ones(2, HKV, n, dtype=torch.bool)
-    valid[1, :, : seed + 3] = False  # a left-padded row
-    protected = torch.rand(2, HKV, n, generator=generator) < 0.05
-    counts = torch.randint(n // 5 + 4, n // 2, (2, HKV), generator=generator)
-    options = {"protected": protected, "valid": valid}
-    reference = mi_evict(keys, values, alpha, stats, counts, SCALING, speculate=False, **options)
-    assert torch.equal(mi_evict(keys, values, alpha, stats, counts, SCALING, **options), reference)
