@@ -3,7 +3,8 @@
 A decode step under an eviction policy is timed against a step of a full transformers
 ``DynamicCache`` holding the same number of entries (``entries`` per KV head): the eviction
 cache is prefilled with a longer prompt and evicts to ``entries``, then every step appends
-one entry and (interval 1) evicts one; the full cache is prefilled with ``entries`` tokens
+one entry and evicts at the policy's own default interval (R-KV: its buffer; most policies:
+every step), or every ``interval`` steps when given; the full cache is prefilled with ``entries`` tokens
 and cropped back after every step. Steps are measured in pairs, a full-cache step right
 before each policy step, ``steps`` pairs per policy in turns (round robin, ``repeats``
 times): on a shared machine the load of other processes drifts over seconds, so each
@@ -55,9 +56,11 @@ def measure(
     repeats: int = 5,
     seed: int = 0,
     quant: str | None = None,
+    interval: int | None = None,
 ) -> list[dict[str, object]]:
     """Rows ``{batch, policy, ms, full_ms, ratio}``: median step time under each policy, of the
-    full-cache steps paired with its steps, and the median ratio of a pair (:func:`paired_ratio`)."""
+    full-cache steps paired with its steps, and the median ratio of a pair (:func:`paired_ratio`).
+    ``interval``: every policy evicts every ``interval`` steps; None, at its own default."""
     vocab = model.config.get_text_config(decoder=True).vocab_size
     generator = torch.Generator().manual_seed(seed)
     rows = []
@@ -67,7 +70,7 @@ def measure(
         caches: dict[str, EvictionCache] = {}
         with torch.inference_mode():
             for name in policies:
-                caches[name] = EvictionCache(model, name, budget=entries, interval=1, quant=quant)
+                caches[name] = EvictionCache(model, name, budget=entries, interval=interval, quant=quant)
                 model(input_ids=ids, **with_cache(caches[name]), use_cache=True)
             full = DynamicCache()
             model(input_ids=ids[:, :entries], **with_cache(full), use_cache=True)
@@ -113,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated batch sizes (default 1,8)",
     )
     parser.add_argument("--steps", type=int, default=8, help="paired decode steps per policy and round (default 8)")
+    parser.add_argument(
+        "--interval",
+        type=int,
+        default=None,
+        help="evict every INTERVAL steps (default: each policy's own default interval)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="rounds of paired steps over the policies (default 5)")
     parser.add_argument(
         "--quant", choices=("int8", "int4", "int2"), default=None, help="quantized storage (kvevict.quant)"
@@ -124,8 +133,8 @@ def main(argv: Sequence[str]) -> int:
     from kvevict.models import load_model
 
     args = build_parser().parse_args(argv)
-    if args.entries < 1 or args.steps < 1 or args.repeats < 1:
-        raise ValueError("--entries, --steps and --repeats must be >= 1")
+    if args.entries < 1 or args.steps < 1 or args.repeats < 1 or (args.interval is not None and args.interval < 1):
+        raise ValueError("--entries, --steps, --repeats and --interval must be >= 1")
     model, _ = load_model(args.model)
     rows = measure(
         model,
@@ -135,6 +144,7 @@ def main(argv: Sequence[str]) -> int:
         steps=args.steps,
         repeats=args.repeats,
         quant=args.quant,
+        interval=args.interval,
     )
     print(format_table(rows))
     return 0

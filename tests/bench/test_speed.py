@@ -39,7 +39,7 @@ def test_unpaired_steps_are_refused(times: list[float], full: list[float]) -> No
         speed.paired_ratio(times, full)
 
 
-@pytest.mark.parametrize("flag", ["--batch-sizes=1,x", "--entries=0"])
+@pytest.mark.parametrize("flag", ["--batch-sizes=1,x", "--entries=0", "--interval=0"])
 def test_bad_options_exit_with_usage_error(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:  # argparse's own exit, or main's return value
         raise SystemExit(main(["bench", "decode-speed", flag]))
