@@ -146,17 +146,21 @@ def measure(
 ) -> list[dict[str, object]]:
     """One row per run (prompts pooled): ``top1``, ``kl``, ``kv_mib`` (mean over prompts),
     ``step_ratio`` (median over the decode steps of each step's time over the paired
-    ``DynamicCache`` step's, :func:`replay_paired`)."""
+    ``DynamicCache`` step's, :func:`replay_paired`), over the prompts the run's policy accepts
+    (``prompts``: a ``keep=`` budget below a policy's windows is refused on a short prompt)."""
     totals: dict[str, dict[str, list[float]]] = {}
     for ids in prompts:
         ids = ids.to(model.device)
         answer = greedy_answer(model, ids, new_tokens)
         expected = reference_logits(model, ids, answer)
         for run in runs:
-            cache = make_cache(model, run, group, residual)
-            logits, ratios = replay_paired(model, cache, ids, answer)
-            fidelity = fidelity_metrics(expected, logits, answer)
             total = totals.setdefault(run.label, {"top1": [], "kl": [], "kv": [], "ratio": []})
+            cache = make_cache(model, run, group, residual)
+            try:
+                logits, ratios = replay_paired(model, cache, ids, answer)
+            except ValueError:  # a policy refusing this prompt (a keep= budget below its windows): left out
+                continue
+            fidelity = fidelity_metrics(expected, logits, answer)
             total["top1"].append(fidelity.top1)
             total["kl"].append(fidelity.kl)
             total["kv"].append(cache_bytes(cache))
@@ -166,19 +170,28 @@ def measure(
     return [
         {
             "run": label,
+            "prompts": len(total["top1"]),
             "top1": statistics.fmean(total["top1"]),
             "kl": statistics.fmean(total["kl"]),
             "kv_mib": statistics.fmean(total["kv"]) / MIB,
             "step_ratio": statistics.median(total["ratio"]),
         }
         for label, total in totals.items()
+        if total["top1"]
     ]
 
 
 def format_table(rows: Sequence[dict[str, object]]) -> str:
-    header = ["run", "top-1 vs unquantized", "KL (nats)", "KV MiB", "decode step / DynamicCache"]
+    header = ["run", "prompts", "top-1 vs unquantized", "KL (nats)", "KV MiB", "decode step / DynamicCache"]
     body = [
-        [str(r["run"]), f"{r['top1']:.3f}", f"{r['kl']:.4f}", f"{r['kv_mib']:.2f}", f"{r['step_ratio']:.2f}x"]
+        [
+            str(r["run"]),
+            str(r["prompts"]),
+            f"{r['top1']:.3f}",
+            f"{r['kl']:.4f}",
+            f"{r['kv_mib']:.2f}",
+            f"{r['step_ratio']:.2f}x",
+        ]
         for r in rows
     ]
     return "\n".join(text_table(header, body))

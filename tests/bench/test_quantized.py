@@ -51,3 +51,11 @@ def test_the_peer_is_transformers_quantized_cache() -> None:
     model = tiny_model()
     rows = measure(model, [prompt(80)], [QuantRun(quant="int4", peer=True)], new_tokens=3, group=8, residual=8)
     assert rows[0]["run"] == "QuantizedCache quanto int4" and rows[0]["kv_mib"] > 0
+
+
+def test_a_run_whose_policy_refuses_a_prompt_is_left_out_of_that_prompt() -> None:
+    """keep 0.25 of a 40-token prompt is a budget of 10, below snapkv's window of 32."""
+    model = tiny_model()
+    runs = [QuantRun(quant="int4"), QuantRun("snapkv", 0.25, "int4")]
+    rows = measure(model, [prompt(40)], runs, new_tokens=3, group=8, residual=8)
+    assert [(row["run"], row["prompts"]) for row in rows] == [("kvevict full int4", 1)]
