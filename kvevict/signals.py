@@ -232,8 +232,8 @@ def attention_logits(
         logits = torch.tanh(logits / spec.softcap) * spec.softcap
     if visible is not None:
         logits = logits.masked_fill(~visible.repeat_interleave(hq // hkv, dim=1), float("-inf"))
-    if causal and r > 1:
-        logits = logits.masked_fill(~causal_mask(r, n, query.device), float("-inf"))
+    if causal and r > 1:  # only the pass's own keys can lie ahead of a query: mask those columns, in place
+        logits[..., n - r :].masked_fill_(~causal_mask(r, r, query.device), float("-inf"))
     if valid is not None:
         logits = logits.masked_fill(~heads_mask(valid, hq)[:, :, None, :], float("-inf"))
     return logits
