@@ -44,8 +44,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from kvevict.bench.memory import MIB
 from kvevict.bench.options import comma_separated, quant_list
 from kvevict.bench.report import text_table
+from kvevict.bench.runner import Setting
 from kvevict.bench.serving import Served, Server
-from kvevict.bench.workloads import Document, Learned, Library, PromptJob, QuestionJob, Setting
+from kvevict.bench.workloads import Document, Learned, Library, PromptJob, QuestionJob, setting_cache
 from kvevict.figures import pyplot, save_figure
 from kvevict.generation import stop_tokens_of
 from kvevict.policies import make_policy
@@ -270,7 +271,9 @@ def _teacher_forced(
         directions = {"full_through_policy": (1.0, 0.0), "policy_through_full": (1.0, 0.0)}
     else:
         length = max(ids.shape[-1] for ids in prompts)
-        rows = teacher_forced(model, [*prompts, *prompts], [*reference, *outputs], lambda: setting.cache(model, length))
+        rows = teacher_forced(
+            model, [*prompts, *prompts], [*reference, *outputs], lambda: setting_cache(setting, model, length)
+        )
         n = len(prompts)
         directions = {
             name: (sum(a for a, _ in part) / n, sum(k for _, k in part) / n)
@@ -298,13 +301,13 @@ def run_throughput(
     if len(inputs) != config.prompts:
         raise ValueError(f"{len(inputs)} prompts given, the configuration says {config.prompts}")
     store = ThroughputStore(out)
-    runs = [Setting("full"), *(s for s in runs if s != Setting("full"))]
+    runs = [Setting("full"), *(s for s in runs if not s.reference)]
     records: list[dict[str, Any]] = []
     for setting in tqdm(runs, desc=f"bench throughput ({config.workload})", unit="setting", disable=not progress):
         record = store.get(identity(config, setting))
         if record is None:
             outputs, figures = serve_setting(model, inputs, config, setting, tokenizer)
-            reference = outputs if setting == Setting("full") else records[0]["outputs"]
+            reference = outputs if setting.reference else records[0]["outputs"]
             record = {**identity(config, setting), **figures, "quality": agreement(outputs, reference)}
             if config.workload == "longgen" and config.fidelity:
                 record |= _teacher_forced(model, inputs, setting, outputs, reference)

@@ -24,30 +24,17 @@ import torch
 from transformers import PreTrainedModel
 
 from kvevict.bench.longgen import GENERATION
+from kvevict.bench.runner import Setting
 from kvevict.bench.serving import padded_bytes
 from kvevict.cache import EvictionCache
 from kvevict.compat import with_cache
 from kvevict.generation import prefill
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One policy at one budget (tokens per KV head) or keep (fraction of the prompt)."""
-
-    policy: str
-    budget: int | None = None
-    keep: float | None = None
-    quant: str | None = None
-    """Quantized storage (``int8``, ``int4``, ``int2``; None: the model's dtype)."""
-
-    @property
-    def label(self) -> str:
-        size = f"budget {self.budget}" if self.budget is not None else f"keep {self.keep}" if self.keep else ""
-        return f"{self.policy}{'' if self.quant is None else '+' + self.quant} {size}".strip()
-
-    def cache(self, model: PreTrainedModel, prompt_length: int) -> EvictionCache:
-        budget = {} if self.policy == "full" else {"budget": self.budget, "keep": self.keep}
-        return EvictionCache(model, self.policy, prompt_length=prompt_length, quant=self.quant, **budget)
+def setting_cache(setting: Setting, model: PreTrainedModel, prompt_length: int) -> EvictionCache:
+    """A batch-1 cache of ``setting`` for a prompt of ``prompt_length`` tokens."""
+    budget = {} if setting.policy == "full" else {"budget": setting.budget, "keep": setting.keep}
+    return EvictionCache(model, setting.policy, prompt_length=prompt_length, quant=setting.quant, **budget)
 
 
 @dataclass
@@ -108,7 +95,7 @@ class PromptJob:
 
     def cache(self) -> EvictionCache:
         if self._cache is None:
-            self._cache = self.setting.cache(self.model, self.length)
+            self._cache = setting_cache(self.setting, self.model, self.length)
         return self._cache
 
     def _chunkable(self) -> int | None:
@@ -189,7 +176,7 @@ class Library:
         """The document's compressed cache (built the first time: a one-pass context-only prefill)."""
         if document not in self.caches:
             ids = self.documents[document].context
-            cache = self.setting.cache(self.model, ids.shape[-1])
+            cache = setting_cache(self.setting, self.model, ids.shape[-1])
             prefill(self.model, ids, cache)
             self.learned.prefill_factor = max(self.learned.prefill_factor, cache.peak_entries() / ids.shape[-1])
             self.caches[document] = cache
@@ -230,7 +217,7 @@ class QuestionJob:
         cache = library.caches.get(self.document)
         if cache is not None:  # each layer's longest head in the compressed document
             return [layer.rows[0].width + grows for layer in cache.eviction_layers]
-        probe = library.setting.cache(library.model, self._context_length())
+        probe = setting_cache(library.setting, library.model, self._context_length())
         try:
             held = _prompt_entries(probe, self._context_length(), library.learned)
             return [held + grows] * len(probe.eviction_layers)

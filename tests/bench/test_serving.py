@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from kvevict.bench.runner import Setting
 from kvevict.bench.serving import Server, batch_bound
 from kvevict.bench.throughput import estimate_column_bytes
-from kvevict.bench.workloads import Learned, PromptJob, Setting
+from kvevict.bench.workloads import Learned, PromptJob
 from kvevict.storage import capacity_bound
 from tests.bench.test_throughput import full_column_bytes, rows_bound
 from tests.conftest import prompt, tiny_model

@@ -11,7 +11,7 @@ import kvevict
 from kvevict.bench import throughput
 from kvevict.bench.serving import batch_bound
 from kvevict.bench.throughput import MIB, Setting, ThroughputConfig, run_throughput, settings
-from kvevict.bench.workloads import Learned, PromptJob
+from kvevict.bench.workloads import Learned, PromptJob, setting_cache
 from kvevict.cli import main
 from kvevict.generation import greedy_after, prefill, stop_tokens_of
 from kvevict.storage import capacity_bound
@@ -163,7 +163,7 @@ def test_compress_once_ask_many_answers_every_question_from_a_copy_of_its_docume
         expected = []
         for doc in documents:
             for tail in doc.questions:
-                cache = setting.cache(model, doc.context.shape[-1])
+                cache = setting_cache(setting, model, doc.context.shape[-1])
                 prefill(model, doc.context, cache)
                 expected.append(greedy_after(model, cache, tail, 5, stop_tokens_of(model)))
         assert record["outputs"] == expected
@@ -179,4 +179,4 @@ def test_each_quant_option_runs_every_setting() -> None:
         ("full", None, "int4"),
         ("snapkv", 0.25, "int4"),
     ]
-    assert runs[3].label == "snapkv+int4 keep 0.25"
+    assert runs[3].describe() == "snapkv (int4) keeping 0.25"

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvevict.bench.workloads import EssayTokens, Learned, PromptJob, Setting
+from kvevict.bench.runner import Setting
+from kvevict.bench.workloads import EssayTokens, Learned, PromptJob
 from tests.conftest import prompt, tiny_model
 
 
