@@ -52,6 +52,17 @@ from kvevict.storage import LayerArena
 __all__ = ["EvictionCache", "EvictionLayer", "RowView"]
 
 
+def decode_ceiling(held: int, new_tokens: int, budget: int | None, interval: int, steps: int = 0) -> int:
+    """The most entries a head holding ``held`` will hold while it decodes ``new_tokens`` more,
+    ``steps`` decode steps after its prompt: under a decode-time ``budget`` (None: no decode-time
+    eviction) at most the budget plus one interval, or, before its first decode-time eviction,
+    what the prompt left plus one interval."""
+    if budget is None:
+        return held + new_tokens
+    before_first_eviction = held - steps if steps < interval else 0
+    return min(held + new_tokens, max(budget, before_first_eviction) + interval)
+
+
 class EvictionCache(PassEnds, Cache):
     """A transformers ``Cache`` that evicts entries under a policy and a budget.
 
@@ -312,10 +323,8 @@ class EvictionCache(PassEnds, Cache):
         ceilings = []
         for layer in self.eviction_layers:
             held = layer.rows[row].width
-            ceiling = held + new_tokens
-            if evicting:
-                before_first_eviction = held - steps if steps < interval else 0
-                ceiling = min(ceiling, max(sequence.budget, before_first_eviction) + interval)
+            budget = sequence.budget if evicting else None
+            ceiling = decode_ceiling(held, new_tokens, budget, interval, steps)
             ceilings.append(ceiling if layer.window is None else min(ceiling, layer.window + 1))
         return ceilings
 

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 from kvevict.bench.longgen import GENERATION
 from kvevict.bench.runner import Setting
 from kvevict.bench.serving import padded_bytes
-from kvevict.cache import EvictionCache
+from kvevict.cache import EvictionCache, decode_ceiling
 from kvevict.compat import with_cache
 from kvevict.generation import prefill
 
@@ -67,9 +67,8 @@ def predict_ceiling(cache: EvictionCache, length: int, new_tokens: int, learned:
     held = _prompt_entries(cache, length, learned)
     budget = cache.budget.resolve(length)
     if budget is None or not cache.policy.evicts_in("decode"):
-        return held + new_tokens
-    interval = cache.interval or cache.policy.default_interval(budget) or 1
-    return min(held + new_tokens, max(budget, held) + interval)
+        return decode_ceiling(held, new_tokens, None, 1)
+    return decode_ceiling(held, new_tokens, budget, cache.interval or cache.policy.default_interval(budget) or 1)
 
 
 class PromptJob:
