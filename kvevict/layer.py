@@ -301,17 +301,21 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         view per row. Lockstep: every row holds the same storage columns, all real (no
         padding, no head-wise ragged rows), under the same budget and interval, on a full
         layer (a sliding window drops per row), has as many real tokens in this pass, passes
-        and tokens after its prompt; prompt lengths may differ."""
+        and tokens after its prompt, and keeps the same policy data (``memo`` and ``shared``
+        keys, read stacked: :class:`~kvevict.rows.StackedRows`); prompt lengths may differ."""
         rows, first = self.rows, self.rows[0]
         if len(rows) > 1 and self.policy.batched and self.window is None and self.valid is None:
             step = first.seen - first.prompt_length
+            shared = [self.owner.row_shared(i).keys() for i in range(len(rows))]
             lockstep = all(
                 row.start == 0
                 and row.width == self.n
                 and (row.budget, row.interval, row.new, row.passes)
                 == (first.budget, first.interval, first.new, first.passes)
                 and row.seen - row.prompt_length == step
-                for row in rows
+                and row.memo.keys() == first.memo.keys()
+                and keys == shared[0]
+                for row, keys in zip(rows, shared, strict=True)
             )
             if lockstep:
                 return [RowView(self, 0, len(rows))]

@@ -14,7 +14,8 @@ the structural :class:`ViewedLayer` and :class:`RowsCache`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -207,12 +208,13 @@ class RowView:
         self.columns = columns
 
     @property
-    def memo(self) -> dict[str, object]:
-        """Per-layer policy data of this row (a view of several rows has none: its policy is
-        :attr:`~kvevict.policies.Policy.batched`, whose stages keep none)."""
-        if self.rows.stop - self.rows.start != 1:
-            raise ValueError("a view of several rows keeps no per-row policy data: only batched policies use it")
-        return self.info.memo
+    def memo(self) -> MutableMapping[str, object]:
+        """Per-layer policy data of this row; of rows in lockstep, every row's data stacked
+        along dim 0 (:class:`StackedRows`: what a :attr:`~kvevict.policies.Policy.batched`
+        policy keeps is rows of tensors)."""
+        if self.rows.stop - self.rows.start == 1:
+            return self.info.memo
+        return StackedRows([row.memo for row in self.layer.rows[self.rows]])
 
     policy = property(lambda self: self.layer.policy)
     num_kv_heads = property(lambda self: self.keys.shape[1])
@@ -415,8 +417,8 @@ class _RowHidden:
 
 
 class SpanOwner:
-    """What a batched policy reads of the cache for every row of the batch in lockstep:
-    hidden scores only (a batched stage keeps no shared data)."""
+    """What a batched policy reads of the cache for every row of the batch in lockstep: the
+    rows' shared data stacked, and the hidden scores."""
 
     def __init__(self, cache: RowsCache, rows: slice):
         self.cache, self.rows = cache, rows
@@ -426,13 +428,76 @@ class SpanOwner:
     rotary = property(lambda self: self.cache.rotary)
 
     @property
-    def shared(self) -> dict[str, object]:
-        raise ValueError("a view of several rows keeps no per-row shared data: only batched policies use it")
+    def shared(self) -> StackedRows:
+        """Every row's shared policy data, stacked along dim 0 (:class:`StackedRows`)."""
+        return StackedRows([self.cache.row_shared(row) for row in range(self.rows.start, self.rows.stop)])
 
     @property
     def hidden(self) -> HiddenStateRecorder | None:
         """The recorder itself: its rows are the view's (a lockstep view holds every row)."""
         return self.cache.hidden
+
+
+class StackedRows(MutableMapping):
+    """The per-row policy data of rows in lockstep (their ``memo`` or ``shared`` dicts) seen as
+    one batch: a tensor is read as the rows' tensors concatenated along dim 0 and written back
+    split along it, one part per row; a dataclass of tensors (e.g. MomentKV's statistics) field
+    by field. So a batched stage keeps exactly what it would keep row by row, and a row later
+    run alone (or spliced elsewhere) finds its own data. Other values must be the same in every
+    row (they are stored as they are)."""
+
+    def __init__(self, rows: list[dict[str, object]]):
+        self.rows = rows
+
+    def __getitem__(self, key: str) -> object:
+        present = [key in row for row in self.rows]
+        if not any(present):
+            raise KeyError(key)
+        if not all(present):
+            raise ValueError(f"policy data {key!r} is kept by some rows of a batch only: they are not in lockstep")
+        return stack_rows([row[key] for row in self.rows], key)
+
+    def __setitem__(self, key: str, value: object) -> None:
+        for row, part in zip(self.rows, split_rows(value, len(self.rows), key), strict=True):
+            row[key] = part
+
+    def __delitem__(self, key: str) -> None:
+        for row in self.rows:
+            del row[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self.rows[0]))
+
+    def __len__(self) -> int:
+        return len(self.rows[0])
+
+
+def stack_rows(values: list[Any], key: str) -> Any:
+    """One row's values (see :class:`StackedRows`) as the batch's."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(values)
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        fields = {f.name: stack_rows([getattr(v, f.name) for v in values], key) for f in dataclasses.fields(first)}
+        return type(first)(**fields)
+    if all(value is first or value == first for value in values[1:]):
+        return first
+    raise ValueError(f"policy data {key!r} differs between rows and is no tensor: it cannot be read as one batch")
+
+
+def split_rows(value: Any, rows: int, key: str) -> list[Any]:
+    """The batch's ``value`` as each of ``rows`` rows' (the inverse of :func:`stack_rows`)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or value.shape[0] != rows:
+            raise ValueError(
+                f"policy data {key!r} of a batch of {rows} rows must hold one row per batch row along dim 0, "
+                f"got shape {tuple(value.shape)}"
+            )
+        return list(value.split(1))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        parts = {f.name: split_rows(getattr(value, f.name), rows, key) for f in dataclasses.fields(value)}
+        return [type(value)(**{name: part[i] for name, part in parts.items()}) for i in range(rows)]
+    return [value] * rows
 
 
 def uniform(values: list[int], device: torch.device) -> int | torch.Tensor:

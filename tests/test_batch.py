@@ -59,7 +59,10 @@ def test_padding_never_survives_the_first_eviction_and_positions_are_each_rows_o
         assert layer.seen.flatten().tolist() == list(LENGTHS)
 
 
-@pytest.mark.parametrize(("policy", "together"), [("h2o", True), ("epikv", True), ("rkv", False)])
+@pytest.mark.parametrize(
+    ("policy", "together"),
+    [("h2o", True), ("epikv", True), ("rkv", True), ("moment-nc+h2o", True), ("raas", True), ("thinkv", False)],
+)
 def test_rows_in_lockstep_run_through_a_batched_policy_at_once(policy: str, together: bool) -> None:
     """Once every row holds the same storage columns under one budget, a batched policy's hooks
     see all rows at once (per-row prompt lengths as [B, 1, 1]); others still see one row at a time."""

@@ -8,9 +8,14 @@ every step), or every ``interval`` steps when given; the full cache is prefilled
 and cropped back after every step. Steps are measured in pairs, a full-cache step right
 before each policy step, ``steps`` pairs per policy in turns (round robin, ``repeats``
 times): on a shared machine the load of other processes drifts over seconds, so each
-policy is compared with full-cache steps taken under the same load. The median step time of
-each is reported, and the ratio is the median of the pairs' ratios (:func:`paired_ratio`):
-unlike the ratio of the two medians, it compares each step only with its own pair.
+policy is compared with full-cache steps taken under the same load.
+
+A policy that evicts every ``W`` steps pays for an eviction once per ``W`` steps, so its
+steps are taken in whole intervals (a turn is at least one interval long, a multiple of it)
+and compared interval by interval: the ratio of an interval's step times to its paired
+full-cache steps, amortized over the interval, eviction included; the median over the
+intervals is reported (:func:`paired_ratio`; for ``W = 1`` the median of the pairs'
+ratios: unlike the ratio of two medians, it compares each step only with its own pair).
 A benchmark, never a test: timings depend on the machine.
 """
 
@@ -39,11 +44,18 @@ def _step_seconds(model: PreTrainedModel, cache: object, token: torch.Tensor) ->
     return time.perf_counter() - start
 
 
-def paired_ratio(times: Sequence[float], full_times: Sequence[float]) -> float:
-    """The median of ``times[i] / full_times[i]`` over the pairs ``i`` (steps taken back to back)."""
-    if len(times) != len(full_times) or not times:
+def blocks(times: Sequence[float], block: int) -> list[float]:
+    """The sums of ``times`` over consecutive blocks of ``block`` steps (whole blocks only)."""
+    return [sum(times[start : start + block]) for start in range(0, len(times) - block + 1, block)]
+
+
+def paired_ratio(times: Sequence[float], full_times: Sequence[float], block: int = 1) -> float:
+    """The median over consecutive blocks of ``block`` pairs (steps taken back to back; a block
+    is one eviction interval) of the block's ``Σ times / Σ full_times``; with ``block=1`` the
+    median of the pairs' ratios."""
+    if len(times) != len(full_times) or len(times) < block:
         raise ValueError(f"paired steps needed: got {len(times)} steps against {len(full_times)} full-cache steps")
-    return statistics.median(step / full for step, full in zip(times, full_times))
+    return statistics.median(step / full for step, full in zip(blocks(times, block), blocks(full_times, block)))
 
 
 def measure(
@@ -58,9 +70,11 @@ def measure(
     quant: str | None = None,
     interval: int | None = None,
 ) -> list[dict[str, object]]:
-    """Rows ``{batch, policy, ms, full_ms, ratio}``: median step time under each policy, of the
-    full-cache steps paired with its steps, and the median ratio of a pair (:func:`paired_ratio`).
-    ``interval``: every policy evicts every ``interval`` steps; None, at its own default."""
+    """Rows ``{batch, policy, interval, ms, full_ms, ratio}``: the median over eviction intervals
+    of the mean step time under each policy, of the full-cache steps paired with its steps, and
+    of the interval's ratio (:func:`paired_ratio`). ``interval``: every policy evicts every
+    ``interval`` steps; None, at its own default. A turn takes ``steps`` pairs, rounded up to
+    whole intervals."""
     vocab = model.config.get_text_config(decoder=True).vocab_size
     generator = torch.Generator().manual_seed(seed)
     rows = []
@@ -74,29 +88,39 @@ def measure(
                 model(input_ids=ids, **with_cache(caches[name]), use_cache=True)
             full = DynamicCache()
             model(input_ids=ids[:, :entries], **with_cache(full), use_cache=True)
+            every = {name: caches[name].sequences[0].interval for name in policies}
             times: dict[str, list[float]] = {name: [] for name in policies}
             full_times: dict[str, list[float]] = {name: [] for name in policies}
             for _ in range(repeats):
                 for name in policies:
-                    for _ in range(steps):
+                    for _ in range(-(-steps // every[name]) * every[name]):
                         full_times[name].append(_step_seconds(model, full, token))
                         full.crop(-1)  # back to `entries`
                         times[name].append(_step_seconds(model, caches[name], token))
         for name in policies:
-            ms, full_ms = (1e3 * statistics.median(values[name]) for values in (times, full_times))
-            ratio = paired_ratio(times[name], full_times[name])
+            block = every[name]
+            ms, full_ms = (
+                1e3 * statistics.median(blocks(values[name], block)) / block for values in (times, full_times)
+            )
+            ratio = paired_ratio(times[name], full_times[name], block)
             label = name if quant is None else f"{name} ({quant})"
-            rows.append({"batch": batch, "policy": label, "ms": ms, "full_ms": full_ms, "ratio": ratio})
+            rows.append(
+                {"batch": batch, "policy": label, "interval": block, "ms": ms, "full_ms": full_ms, "ratio": ratio}
+            )
         for cache in caches.values():
             cache.close()
     return rows
 
 
 def format_table(rows: list[dict[str, object]]) -> str:
-    lines = ["| policy | batch | ms / step | full DynamicCache ms / step | ratio |", "|---|---|---|---|---|"]
+    lines = [
+        "| policy | batch | interval | ms / step | full DynamicCache ms / step | ratio |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in rows:
         lines.append(
-            f"| {row['policy']} | {row['batch']} | {row['ms']:.1f} | {row['full_ms']:.1f} | {row['ratio']:.2f}x |"
+            f"| {row['policy']} | {row['batch']} | {row['interval']} | {row['ms']:.1f} | {row['full_ms']:.1f} "
+            f"| {row['ratio']:.2f}x |"
         )
     return "\n".join(lines)
 

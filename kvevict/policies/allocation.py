@@ -38,6 +38,7 @@ class AdaKV(Allocator):
     compare across heads."""
 
     name = "adakv"
+    batched = True
     summary = "head-adaptive budgets within each layer (AdaKV, safeguard 0.2) over any scorer"
     PARAMS = declare(safeguard=number(0.2, 0, 1))
 
@@ -62,6 +63,7 @@ class PyramidKV(Allocator):
     alone is ``pyramidkv+snapkv``."""
 
     name = "pyramidkv"
+    batched = True
     summary = "per-layer budgets shrinking with depth (PyramidKV, β = 20); alone: over snapkv"
     PARAMS = declare(beta=integer(20, low=1))
 
@@ -76,9 +78,12 @@ class PyramidKV(Allocator):
     def counts(
         self, layer: EntryView, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
     ) -> torch.Tensor:
-        window = int(protected.sum(dim=-1).max())  # entries a head must keep (sinks + recent window)
-        schedule = pyramid_budgets(budget, window, layer.length, self._num_layers, self.beta)
-        return layer.head_lengths().clamp(max=max(schedule[layer.layer_idx], 0))
+        windows = protected.sum(dim=-1).amax(dim=-1).tolist()  # entries a head of each row must keep
+        kept = [
+            max(pyramid_budgets(budget, window, layer.length, self._num_layers, self.beta)[layer.layer_idx], 0)
+            for window in windows
+        ]
+        return layer.head_lengths().clamp(max=torch.tensor(kept, device=protected.device)[:, None])
 
 
 PROFILES = "profiles"
@@ -129,6 +134,7 @@ class HeadKV(Allocator):
     """
 
     name = "headkv"
+    batched = True
     summary = "per-head budgets from an offline retrieval-head profile (HeadKV, β = 1.01); alone: over snapkv"
     PARAMS = declare(profile=PROFILE, beta=number(1.01, 1, open_low=True))
 
@@ -194,6 +200,7 @@ class GlobalBudget(Allocator):
     """
 
     name = "global"
+    batched = True
     summary = "one budget pool over all layers and heads ranked by the scorer (floor 0.2·B per head; prefill)"
     PARAMS = declare(safeguard=number(0.2, 0, 1))
     across_layers = True

@@ -40,6 +40,7 @@ class MomentStatistics(Observer):
     """The moment statistics of the entries each layer evicted (Eq. 25), ``order`` 0 or 1."""
 
     name = "moments"
+    batched = True
     PARAMS = declare(order=ORDER)
 
     def statistics(self, layer: EntryView) -> MomentStats:
@@ -71,6 +72,7 @@ class MomentNC(Corrector):
     """
 
     name = "moment-nc"
+    batched = True
     summary = "MomentKV's normalization-corrected attention over any policy (moment-nc+<policy>)"
     PARAMS = declare(order=ORDER)
 
@@ -97,6 +99,7 @@ class MomentMI(Selector):
     count (``evict_chunk`` entries per update; 1 is the exact loop)."""
 
     name = "momentkv-mi"
+    batched = True
 
     def __init__(self, statistics: MomentStatistics, evict_chunk: int):
         super().__init__()
@@ -178,6 +181,7 @@ class MomentKV(Method):
     """
 
     name = "momentkv"
+    batched = True
     summary = (
         "window attention x moment residual (MI) + normalization-corrected attention (NC); "
         "NC over any policy: moment-nc+<policy>"

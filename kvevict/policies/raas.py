@@ -70,6 +70,7 @@ class RaaS(Method):
     """
 
     name = "raas"
+    batched = True
     summary = "keep the prompt; evict the token attended (>= median) longest ago (RaaS)"
     regimes = ("decode", "both")
 
@@ -121,6 +122,7 @@ class PromptWhileRoom(Protector):
     (default ``min(128, budget // 4)``, at least 1) for decode tokens."""
 
     name = "prompt-while-room"
+    batched = True
 
     def __init__(self, reserve: int | None):
         super().__init__()
@@ -130,11 +132,11 @@ class PromptWhileRoom(Protector):
         """Slots left for decode tokens before the prompt is protected."""
         return max(1, capped_share(budget)) if self.reserve is None else self.reserve
 
-    def keeps_prompt(self, prompt_length: int, budget: int) -> bool:
-        """Whether the prompt is protected whole at this budget."""
+    def keeps_prompt(self, prompt_length: int | torch.Tensor, budget: int) -> bool | torch.Tensor:
+        """Whether the prompt is protected whole at this budget (per row for ``[B, 1, 1]`` lengths)."""
         return prompt_length + self.decode_reserve(budget) <= budget
 
     def protected(self, layer: EntryView, budget: int) -> torch.Tensor:
-        if layer.phase() == "decode" and self.keeps_prompt(layer.prompt_length, budget):
-            return layer.positions < layer.prompt_length
-        return torch.zeros_like(layer.positions, dtype=torch.bool)
+        if layer.phase() != "decode":
+            return torch.zeros_like(layer.positions, dtype=torch.bool)
+        return (layer.positions < layer.prompt_length) & self.keeps_prompt(layer.prompt_length, budget)

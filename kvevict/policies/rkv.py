@@ -80,23 +80,28 @@ def rkv_redundancy(
     near-duplicate is ``j``: the newest member of a group of near-duplicates is not
     penalised by the group, and the older members are. For a pair of near-duplicates
     only, each one is the other's newest near-duplicate, so neither penalises the other.
-    Memory: one ``n × n`` matrix per head at a time (``n`` ≤ budget + interval).
+    Memory: one ``n × n`` matrix per head of every row at once (``n`` ≤ budget + interval),
+    computed once per eviction, every ``interval`` steps.
     """
-    out = keys.new_zeros(keys.shape[:3], dtype=torch.float32)
-    for b in range(keys.shape[0]):
-        for h in range(keys.shape[1]):
-            real = slice(None) if valid is None else valid[b, h]
-            k = keys[b, h][real].float()
-            k = k / (torch.linalg.vector_norm(k, dim=-1, keepdim=True) + 1e-8)
-            sim = k @ k.T
-            sim.fill_diagonal_(0.0)
-            near = sim > threshold
-            age = torch.arange(k.shape[0], device=keys.device) if positions is None else positions[b, h][real]
-            newest = torch.where(near, age, -1).argmax(dim=-1)  # the column of the newest near-duplicate
-            rows = near.any(dim=-1).nonzero().squeeze(-1)
-            sim[rows, newest[rows]] = 0.0
-            out[b, h][real] = sim.mean(dim=0).softmax(dim=-1)
-    return out
+    k = keys.float()
+    k = k / (torch.linalg.vector_norm(k, dim=-1, keepdim=True) + 1e-8)
+    sim = k @ k.transpose(-1, -2)  # [B, H, n, n]: every head at once
+    n = sim.shape[-1]
+    sim.diagonal(dim1=-2, dim2=-1).zero_()
+    near = sim > threshold
+    if valid is not None:  # padding is no row and no column
+        pairs = valid[..., :, None] & valid[..., None, :]
+        sim.masked_fill_(~pairs, 0.0)
+        near &= pairs
+    age = torch.arange(n, device=keys.device).expand(keys.shape[:3]) if positions is None else positions
+    newest = torch.where(near, age[..., None, :], -1).argmax(dim=-1, keepdim=True)  # the newest near-duplicate
+    has = near.any(dim=-1, keepdim=True)
+    sim.scatter_(-1, newest, torch.where(has, 0.0, sim.gather(-1, newest)))  # rows without one: unchanged
+    rows = n if valid is None else valid.sum(dim=-1, keepdim=True).clamp(min=1)
+    means = sim.sum(dim=-2) / rows
+    if valid is None:
+        return means.softmax(dim=-1)
+    return means.masked_fill(~valid, float("-inf")).softmax(dim=-1).nan_to_num(0.0).masked_fill(~valid, 0.0)
 
 
 class RKV(Method):
@@ -126,6 +131,7 @@ class RKV(Method):
     """
 
     name = "rkv"
+    batched = True
     summary = "every W steps keep important, non-redundant tokens (attention - key similarity)"
     regimes = ("decode", "both")
     PARAMS = declare(

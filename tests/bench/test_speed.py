@@ -33,6 +33,16 @@ def test_the_ratio_is_the_median_of_each_pairs_ratio() -> None:
     assert speed.paired_ratio([4.0, 1.0], [2.0, 1.0]) == 1.5
 
 
+def test_an_interval_policy_is_compared_interval_by_interval_eviction_included() -> None:
+    # blocks of 2 pairs: (1 + 5) / (1 + 1) = 3, (2 + 2) / (1 + 1) = 2, (9 + 1) / (2 + 3) = 2 → median 2
+    times, full = [1.0, 5.0, 2.0, 2.0, 9.0, 1.0], [1.0, 1.0, 1.0, 1.0, 2.0, 3.0]
+    assert speed.paired_ratio(times, full, block=2) == 2.0
+    assert speed.blocks([1.0, 2.0, 3.0, 4.0, 5.0], 2) == [3.0, 7.0]  # a partial block is left out
+    # rkv at budget 16 evicts every min(128, 16 // 2) = 8 steps: one step asked, one whole interval taken
+    (row,) = speed.measure(tiny_model(), ["rkv"], entries=16, batch_sizes=(2,), steps=1, repeats=2)
+    assert row["interval"] == 8 and row["ratio"] > 0
+
+
 @pytest.mark.parametrize(("times", "full"), [([], []), ([1.0], [1.0, 2.0])])
 def test_unpaired_steps_are_refused(times: list[float], full: list[float]) -> None:
     with pytest.raises(ValueError, match="paired steps needed"):
