@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kvevict.rows import RowState, RowView
-from kvevict.signals import LogitSpec, Signals, attention_rows, compute_signals
+from kvevict.signals import LogitSpec, Signals, attention_logits, compute_signals, softmax_rows
 from kvevict.storage import LayerStorage
 
 
@@ -33,6 +33,9 @@ class PolicyDriver:
     pending_pass: Any
     pending_eviction: tuple[RowView, Signals] | None
     _pass_views: list[RowView] | None
+    _row_log_partition: torch.Tensor | None = None
+    """``log Z`` ``[B, Hq, 1]`` of the :meth:`decode_row` this pass attended by, for the
+    policy's output correction (MomentKV's NC reads it rather than compute the logits again)."""
     device: torch.device
     owner: Any
     policy: Any
@@ -77,12 +80,19 @@ class PolicyDriver:
     def correct_output(self, query: torch.Tensor, output: torch.Tensor, scaling: float) -> torch.Tensor:
         """The policy's correction of the kernel's output ``[B, q, Hq, d]``, row by row."""
         rows = []
+        log_partition, self._row_log_partition = self._row_log_partition, None
         for view in self._views_of_pass():
             if not view.num_new:
                 rows.append(output[view.rows])
                 continue
             real = slice(query.shape[2] - view.num_new, None)
-            corrected = self.policy.correct_output(view, query[view.rows, :, real], output[view.rows, real], scaling)
+            corrected = self.policy.correct_output(
+                view,
+                query[view.rows, :, real],
+                output[view.rows, real],
+                scaling,
+                None if log_partition is None else log_partition[view.rows],
+            )
             rows.append(torch.cat([output[view.rows, : real.start], corrected], dim=1))
         return torch.cat(rows)
 
@@ -97,6 +107,7 @@ class PolicyDriver:
         fast as the sdpa kernel at batch 1 and faster at batch 8 (paired steps on SmolLM2, see
         the README's decode-step cost). None otherwise."""
         on_cpu = query.is_cpu
+        self._row_log_partition = None
         if query.shape[-2] != 1 or not self.compacted or self.window is not None:
             return None
         if not (on_cpu or self.policy.reads_decode_row):
@@ -112,7 +123,10 @@ class PolicyDriver:
             requirements = self.policy.requirements(phase, view.eviction_due(phase, 1))
             if not (requirements.last_query_attention or requirements.column_sums):
                 return None
-        return attention_rows(query, view.keys, spec, view.valid)
+        logits = attention_logits(query, view.keys, spec, view.valid)
+        if self.policy.corrects_output and spec.softcap is None:  # the logits the correction reads
+            self._row_log_partition = logits.logsumexp(dim=-1)
+        return softmax_rows(logits, spec)
 
     def after_attention(
         self,

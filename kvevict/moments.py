@@ -81,8 +81,15 @@ class MomentStats:
 def accumulate(stats: MomentStats, keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor) -> MomentStats:
     """Statistics after adding the entries flagged in ``evicted`` ``[B, Hkv, n]`` (Eq. 25).
 
-    Purely additive: the evicted entries are never needed again.
+    Purely additive: the evicted entries are never needed again. When each head drops a few
+    of its entries (a decode step drops one), only those are gathered and summed: adding the
+    others' zero weights changes nothing but the cost (``O(n·d²)`` for the outer product).
     """
+    most = int(evicted.sum(dim=-1).max()) if evicted.numel() else 0
+    if 0 < 4 * most <= evicted.shape[-1]:
+        slots = evicted.to(torch.uint8).topk(most, dim=-1).indices  # every evicted entry, then kept ones
+        evicted = evicted.gather(-1, slots)
+        keys, values = (x.gather(2, slots[..., None].expand(-1, -1, -1, x.shape[-1])) for x in (keys, values))
     weight = evicted.float()
     k, v = keys.float(), values.float()
     outer = None

@@ -106,8 +106,10 @@ class Stage:
     PARAMS: ClassVar[Mapping[str, Param]] = {}
     batched: ClassVar[bool] = False
     """The stage's hooks treat the rows of a layer (dim 0) independently, read ``seen`` and
-    ``prompt_length`` as ints or ``[B, 1, 1]`` tensors, and keep no ``memo`` or ``shared``
-    data, so rows in lockstep can run through them at once (:meth:`EntryView.views`).
+    ``prompt_length`` as ints or ``[B, 1, 1]`` tensors, and keep in ``memo`` and ``shared``
+    only tensors (or dataclasses of tensors) with the rows along dim 0, so rows in lockstep
+    can run through them at once (:meth:`EntryView.views`; each row's data is read stacked
+    and written back split, :class:`~kvevict.rows.StackedRows`).
     Only the class's own declaration counts (a subclass re-declares it), see
     :attr:`~kvevict.policies.Policy.batched`."""
     stackable: ClassVar[bool] = False
@@ -315,8 +317,17 @@ class Corrector(Stage):
 
     slot = "corrector"
 
-    def correct(self, layer: EntryView, query: torch.Tensor, output: torch.Tensor, scaling: float) -> torch.Tensor:
-        """The kernel's attention output ``[B, q, Hq, d]``, corrected before the pass evicts."""
+    def correct(
+        self,
+        layer: EntryView,
+        query: torch.Tensor,
+        output: torch.Tensor,
+        scaling: float,
+        log_partition: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The kernel's attention output ``[B, q, Hq, d]``, corrected before the pass evicts;
+        ``log_partition`` ``[B, Hq, q]``: the queries' ``log Z`` over the layer's entries (fp32),
+        when the pass already computed it."""
         raise NotImplementedError
 
 

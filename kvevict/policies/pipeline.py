@@ -308,11 +308,19 @@ class Policy:
             stage.on_evict(layer, evicted)
 
     def correct_output(
-        self, layer: EntryView, query: torch.Tensor, output: torch.Tensor, scaling: float
+        self,
+        layer: EntryView,
+        query: torch.Tensor,
+        output: torch.Tensor,
+        scaling: float,
+        log_partition: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The kernel's attention output ``[B, q, Hq, d]`` of a pass, corrected before the layer
-        evicts (unchanged without a corrector)."""
-        return output if self.corrector is None else self.corrector.correct(layer, query, output, scaling)
+        evicts (unchanged without a corrector); ``log_partition``: the queries' ``log Z`` over
+        the layer's entries where the pass computed it (a decode step attended by its row)."""
+        if self.corrector is None:
+            return output
+        return self.corrector.correct(layer, query, output, scaling, log_partition)
 
     def attach(self, model: torch.nn.Module, cache: CacheSide) -> Attachment | None:
         """The method's hooks on ``model`` for ``cache`` (:meth:`~kvevict.policies.base.Stage.attach`)."""
