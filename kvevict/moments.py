@@ -136,13 +136,17 @@ def mi_evict(
     protected: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
     chunk: int = 1,
+    fraction: float = 0.0,
 ) -> torch.Tensor:
     """Moment-informed eviction (Algorithm 1, lines 6-18): the entries to evict, ``[B, Hkv, n]`` bool.
 
     Each KV head evicts down to ``counts`` retained entries. ``chunk=1`` is the exact loop:
     score ``α_j·‖r_j‖`` with the current statistics, evict the argmin, add it to the
     statistics, repeat. ``chunk=c`` evicts the ``c`` lowest scores before updating (fewer
-    steps, approximate). ``alpha`` ``[B, Hkv, n]`` is fixed during the loop: renormalising a
+    steps, approximate). ``fraction=ρ > 0`` evicts, per head, ``max(chunk, ⌊ρ·n_e⌋)`` before
+    updating (approximate): a chunk moves the statistics of ``n_e`` entries by about ``ρ``
+    of themselves whatever ``n_e`` is, and the loop takes ``O(log n / ρ)`` updates instead of
+    ``n``. ``alpha`` ``[B, Hkv, n]`` is fixed during the loop: renormalising a
     query's softmax over the shrinking retained set scales every ``α_j`` by the same factor,
     which leaves the argmin unchanged. ``protected`` entries are never evicted. ``stats``
     are not modified: the caller adds the returned entries with :func:`accumulate`.
@@ -152,13 +156,63 @@ def mi_evict(
     step costs a few ``n × d`` matrix-vector products and ``O(n)`` scalar work, never
     ``O(n·d²)``; the scalars are float64 (cancellation in the expansion).
     """
-    if chunk < 1:
-        raise ValueError(f"MI eviction chunk must be >= 1 (1 = the exact loop), got {chunk}")
+    if chunk < 1 or not 0 <= fraction < 1:
+        raise ValueError(
+            f"MI eviction needs chunk >= 1 and 0 <= fraction < 1 (1 and 0: the exact loop), got {chunk} and {fraction}"
+        )
     valid = torch.ones(keys.shape[:3], dtype=torch.bool, device=keys.device) if valid is None else valid
     candidate = valid & ~protected if protected is not None else valid.clone()
     remaining = (valid.sum(-1) - counts.to(valid.device)).clamp(min=0)
     if bool((remaining > candidate.sum(-1)).any()):
         raise ValueError("MI eviction: a head's budget is smaller than its protected entries")
+    if chunk == 1 and not fraction:
+        return _exact_loop(keys, values, alpha, stats, scaling, candidate, remaining)
+    return _chunked_loop(keys, values, alpha, stats, scaling, candidate, remaining, chunk, fraction)
+
+
+def _chunked_loop(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    alpha: torch.Tensor,
+    stats: MomentStats,
+    scaling: float,
+    candidate: torch.Tensor,
+    remaining: torch.Tensor,
+    chunk: int,
+    fraction: float,
+) -> torch.Tensor:
+    """:func:`mi_evict` evicting several entries per update: each update scores every entry
+    from the statistics directly (:func:`mi_residual_norms`, fp32: one ``n × d × d`` product
+    per head, no cancelling expansion), evicts each head's lowest ``max(chunk, ⌊ρ·n_e⌋)``
+    candidates and adds them to the statistics."""
+    evicted = torch.zeros_like(candidate)
+    while bool((remaining > 0).any()):
+        norms = mi_residual_norms(keys, values, stats, scaling)
+        score = (alpha.float() * norms).masked_fill(~candidate, float("inf"))
+        steps = remaining.clamp(max=chunk)
+        if fraction:
+            steps = torch.minimum(remaining, (fraction * stats.count).long().clamp(min=chunk))
+        step = int(steps.max())
+        picked = score.topk(step, dim=-1, largest=False).indices  # [B, Hkv, step]
+        take = torch.arange(step, device=keys.device) < steps[..., None]  # heads that are done take nothing
+        flags = torch.zeros_like(evicted).scatter_(2, picked, take)
+        stats = accumulate(stats, keys, values, flags)
+        evicted |= flags
+        candidate &= ~flags
+        remaining = remaining - steps
+    return evicted
+
+
+def _exact_loop(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    alpha: torch.Tensor,
+    stats: MomentStats,
+    scaling: float,
+    candidate: torch.Tensor,
+    remaining: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`mi_evict` one entry per update, with the scalars of its docstring's Cost."""
     k, v, a = keys.double(), values.double(), alpha.double()
     count, key_sum, value_sum = stats.count.double(), stats.key_sum.double(), stats.value_sum.double()
     first_order = stats.outer is not None
@@ -170,7 +224,7 @@ def mi_evict(
     sv_dot_v = (v @ value_sum[..., None]).squeeze(-1)  # s_v·v_j
     sv_dot_p = (projected @ value_sum[..., None]).squeeze(-1)  # s_v·P_j
     sk_dot_k = (k @ key_sum[..., None]).squeeze(-1)  # s_k·k_j
-    evicted = torch.zeros_like(valid)
+    evicted = torch.zeros_like(candidate)
     while bool((remaining > 0).any()):
         # ‖r_j‖² = ‖v_j − βP_j‖² − 2λ_j m·(v_j − βP_j) + λ_j² ‖m‖²,  m = s_v/n_e, β = c/n_e, λ_j = 1 − β s_k·k_j
         n_e = count.clamp(min=1)[..., None]
@@ -180,9 +234,8 @@ def mi_evict(
         m_norm2 = (value_sum * value_sum).sum(-1, keepdim=True) / n_e**2
         r_norm2 = v_norm2 - 2 * beta * v_dot_p + beta**2 * p_norm2 - 2 * lam * m_dot + lam**2 * m_norm2
         score = (a * r_norm2.clamp(min=0).sqrt()).masked_fill(~candidate, float("inf"))
-        step = min(chunk, int(remaining.max()))
-        picked = score.topk(step, dim=-1, largest=False).indices  # [B, Hkv, step]
-        take = torch.arange(step, device=keys.device) < remaining[..., None]  # heads that are done take nothing
+        picked = score.topk(1, dim=-1, largest=False).indices  # [B, Hkv, 1]
+        take = remaining[..., None] > 0  # heads that are done take nothing
         weight = take.to(k.dtype)[..., None]
         k_e = k.gather(2, picked[..., None].expand(-1, -1, -1, k.shape[-1])) * weight
         v_e = v.gather(2, picked[..., None].expand(-1, -1, -1, v.shape[-1])) * weight

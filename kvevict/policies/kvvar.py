@@ -27,7 +27,7 @@ from kvevict.policies.base import Method, Ranking, Selector, SinksAndWindow, Sta
 from kvevict.policies.epikv import EPSILON, ROLLING, rolling_mean
 from kvevict.policies.h2o import RECENT_WINDOW
 from kvevict.policies.params import declare, integer
-from kvevict.policies.selection import PromptKeeping, select_by_tiers, within_group_rank
+from kvevict.policies.selection import PromptKeeping, position_order, select_by_tiers, within_group_rank
 from kvevict.signals import Signals
 
 if TYPE_CHECKING:
@@ -186,7 +186,9 @@ class LagKV(Method):
 
 class ChunkQuotas(Selector):
     """LagKV's selection: sinks, then the unscored tail (most recent first), then the chunks'
-    entries round-robin by their rank inside the chunk (the score breaks ties)."""
+    entries round-robin by their rank inside the chunk (the score breaks ties). Chunks are
+    runs of ``lag`` entries in position order (:func:`position_order`: after an eviction the
+    cache refills slots, so storage order is not position order)."""
 
     name = "lagkv-quotas"
 
@@ -195,19 +197,27 @@ class ChunkQuotas(Selector):
         self.lag, self.sinks = lag, sinks
 
     def keep(self, layer: EntryView, signals: Signals, ranking: Ranking) -> torch.Tensor:
-        n = layer.length
+        order = position_order(layer.positions, layer.valid)
+        keys, values = (x.gather(2, order[..., None].expand_as(x)) for x in (layer.keys, layer.values))
+        valid = None if layer.valid is None else layer.valid.gather(-1, order)
+        kept = self.keep_in_order(keys, values, valid, ranking.counts)
+        return torch.empty_like(kept).scatter_(-1, order, kept)
+
+    def keep_in_order(
+        self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, counts: torch.Tensor
+    ) -> torch.Tensor:
+        """The keep mask of entries stored in position order (``keys``/``values`` ``[B, H, n, d]``)."""
+        n = keys.shape[2]
         chunks = max(0, (n - self.sinks) // self.lag)
         end = self.sinks + max(0, chunks - 1) * self.lag  # scored entries: sinks .. end
-        positions = torch.arange(n, device=layer.keys.device).expand_as(layer.positions)
+        positions = torch.arange(n, device=keys.device).expand(keys.shape[:3])
         tiers = torch.where(positions < self.sinks, 3, 2).expand_as(positions).clone()
-        values = positions.float() / n  # the tail: most recent first
+        ranks = positions.float() / n  # the tail: most recent first
         if chunks >= 2:
             span = slice(self.sinks, self.sinks + chunks * self.lag)
-            score = lagkv_chunk_scores(layer.keys[:, :, span], self.lag) + lagkv_chunk_scores(
-                layer.values[:, :, span], self.lag
-            )
+            score = lagkv_chunk_scores(keys[:, :, span], self.lag) + lagkv_chunk_scores(values[:, :, span], self.lag)
             chunk = (positions[..., self.sinks : end] - self.sinks) // self.lag
             tiers[..., self.sinks : end] = 1
             # round-robin over chunks: rank inside the chunk first, the score breaks ties (< 1)
-            values[..., self.sinks : end] = -within_group_rank(chunk, score).float() + score / 4
-        return select_by_tiers(tiers, values, ranking.counts, layer.valid)
+            ranks[..., self.sinks : end] = -within_group_rank(chunk, score).float() + score / 4
+        return select_by_tiers(tiers, ranks, counts, valid)

@@ -24,6 +24,7 @@ from kvevict.policies.allocation import AdaKV
 from kvevict.policies.base import Corrector, Method, Observer, Ranking, Selector, SinksAndWindow, Stage, Stages, Uniform
 from kvevict.policies.h2o import GROUP
 from kvevict.policies.params import choice, declare, flag, integer, number
+from kvevict.policies.selection import position_order
 from kvevict.policies.snapkv import snapkv_scores
 from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals, group_reduce
 
@@ -104,14 +105,15 @@ class MomentNC(Corrector):
 class MomentMI(Selector):
     """Moment-informed eviction (Eq. 10): residual ``r_j = v_j − v̄ − S̃ k_j/(n_e √d)``, score
     ``α_j·‖r_j‖``; evict the argmin, update the statistics, repeat, until each head holds its
-    count (``evict_chunk`` entries per update; 1 is the exact loop)."""
+    count (``max(evict_chunk, ⌊evict_fraction·n_e⌋)`` entries per update; 1 and 0 are the
+    exact loop, see :func:`~kvevict.moments.mi_evict`)."""
 
     name = "momentkv-mi"
     batched = True
 
-    def __init__(self, statistics: MomentStatistics, evict_chunk: int):
+    def __init__(self, statistics: MomentStatistics, evict_chunk: int, evict_fraction: float):
         super().__init__()
-        self.statistics, self.evict_chunk = statistics, evict_chunk
+        self.statistics, self.evict_chunk, self.evict_fraction = statistics, evict_chunk, evict_fraction
 
     def keep(self, layer: EntryView, signals: Signals, ranking: Ranking) -> torch.Tensor:
         alpha = ranking.scores.masked_fill(~torch.isfinite(ranking.scores), 0.0)  # protected, padding: never candidates
@@ -125,6 +127,7 @@ class MomentMI(Selector):
             protected=ranking.protected,
             valid=layer.valid,
             chunk=self.evict_chunk,
+            fraction=self.evict_fraction,
         )
         return ~evicted if layer.valid is None else layer.valid & ~evicted
 
@@ -205,6 +208,7 @@ class MomentKV(Method):
         kernel=integer(7, low=1, odd=True),
         pool_chunk=integer(4, low=1),
         evict_chunk=integer(1, low=1),
+        evict_fraction=number(0.0, 0, 1, open_high=True),
         group=GROUP,
         allocation=choice(None, "adakv", "uniform", unset="'adakv', unless an allocator is named over momentkv"),
         safeguard=number(None, 0, 1, unset="0.2, AdaKV's"),
@@ -217,7 +221,7 @@ class MomentKV(Method):
             scorer=self,
             protector=SinksAndWindow(self.sinks, self.window),
             allocator=allocator,
-            selector=MomentMI(statistics, self.evict_chunk) if self.mi else None,
+            selector=MomentMI(statistics, self.evict_chunk, self.evict_fraction) if self.mi else None,
             corrector=MomentNC(order=self.order, statistics=statistics) if self.nc else None,
             observers=() if statistics is None else (statistics,),
             replaceable=frozenset(() if self.given("allocation") or self.given("safeguard") else ("allocator",)),
@@ -236,10 +240,14 @@ class MomentKV(Method):
         return Requirements(window=self.window) if phase == "prefill" else Requirements(last_query_attention=True)
 
     def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
-        """``α``: pooled window votes at prefill (window entries +inf), the current query's
-        attention at decode; ``[B, Hkv, n]``."""
+        """``α``: pooled window votes at prefill (window entries +inf; chunks of adjacent
+        *positions*: after an eviction the cache refills slots, so storage order is not position
+        order), the current query's attention at decode; ``[B, Hkv, n]``."""
         if signals.phase == "decode":
             return group_reduce(signals.last_query_attention.float(), layer.num_kv_heads, self.group)
         votes = snapkv_scores(signals.window_attention, layer.num_kv_heads, self.kernel, "max", self.group)
         before = votes.shape[-1] - signals.window_attention.shape[2]
-        return torch.cat([chunk_pool(votes[..., :before], self.pool_chunk), votes[..., before:]], dim=-1)
+        real = None if layer.valid is None else layer.valid[..., :before]
+        order = position_order(layer.positions[..., :before], real)
+        pooled = chunk_pool(votes[..., :before].gather(-1, order), self.pool_chunk)
+        return torch.cat([torch.empty_like(pooled).scatter_(-1, order, pooled), votes[..., before:]], dim=-1)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from kvevict.budgets import capped_share
 from kvevict.policies.base import Method
 from kvevict.policies.params import declare, integer, number
+from kvevict.policies.selection import position_order
 from kvevict.signals import Signals, attention_logits, group_reduce
 
 if TYPE_CHECKING:
@@ -49,14 +50,6 @@ def rkv_importance(
         pooled = F.max_pool1d(ordered, kernel, stride=1, padding=kernel // 2)
         importance = pooled if order is None else torch.empty_like(pooled).scatter_(-1, order, pooled)
     return importance
-
-
-def position_order(positions: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
-    """The storage indices ``[B, H, m]`` of the entries in position order, the entries that are
-    not ``real`` last (padding of head-wise budgets holds stale positions)."""
-    if real is not None:
-        positions = positions.masked_fill(~real, torch.iinfo(positions.dtype).max)
-    return positions.argsort(dim=-1, stable=True)
 
 
 def rkv_redundancy(

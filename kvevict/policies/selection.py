@@ -6,6 +6,8 @@
   the first (kvevict's extension for bounded memory, see :class:`PromptKeeping`).
 * :func:`within_group_rank` and :func:`select_by_tiers`: lexicographic selection (a tier
   first, then a value), used by the per-chunk (LagKV) and per-segment (ThinKV) quotas.
+* :func:`position_order`: the entries in position order (the cache refills evicted slots, so
+  storage order is not position order), for the rules that read neighbours or chunks.
 """
 
 from __future__ import annotations
@@ -141,3 +143,11 @@ def select_by_tiers(
         tiers = tiers.masked_fill(~valid, -1)
     key = tiers.double() * n + value_rank.double()
     return keep_top(key, counts)
+
+
+def position_order(positions: torch.Tensor, real: torch.Tensor | None = None) -> torch.Tensor:
+    """The storage indices ``[B, H, m]`` of the entries in position order, the entries that are
+    not ``real`` last (padding of head-wise budgets holds stale positions)."""
+    if real is not None:
+        positions = positions.masked_fill(~real, torch.iinfo(positions.dtype).max)
+    return positions.argsort(dim=-1, stable=True)

@@ -85,6 +85,33 @@ def test_lagkv_keeps_sinks_tail_and_an_even_share_of_every_chunk() -> None:
     ]  # tail over budget: most recent first
 
 
+def test_lagkv_chunks_follow_positions_not_storage_slots() -> None:
+    """After an eviction the cache refills slots, so storage order is not position order: the
+    entries kept are those kept with the same entries stored in position order."""
+    keys = torch.randn(1, 2, 13, 4, generator=torch.Generator().manual_seed(2))
+    values = torch.randn(1, 2, 13, 4, generator=torch.Generator().manual_seed(3))
+    policy = kvevict.make_policy("lagkv", lag=3, sinks=1)
+
+    def layer(order: torch.Tensor, positions: torch.Tensor | None = None) -> SimpleNamespace:
+        return SimpleNamespace(
+            length=13,
+            seen=13,
+            keys=keys[:, :, order],
+            values=values[:, :, order],
+            positions=(order if positions is None else positions).expand(1, 2, 13),
+            valid=None,
+            head_lengths=lambda: torch.tensor([[13, 13]]),
+        )
+
+    in_order = torch.arange(13)
+    moved = torch.tensor([12, 0, 7, 1, 2, 11, 3, 4, 5, 6, 8, 9, 10])  # later entries refilled earlier slots
+    expected = policy.select(layer(in_order), None, 7)
+    kept = policy.select(layer(moved), None, 7)
+    assert torch.equal(kept, expected[..., moved])
+    slots_as_positions = policy.select(layer(moved, positions=in_order), None, 7)  # what reading slots would keep
+    assert not torch.equal(slots_as_positions, expected[..., moved])
+
+
 def test_bad_parameters_are_refused() -> None:
     with pytest.raises(ValueError, match="lag-kv: parameter 'lag' expects an integer >= 1, got 0"):
         kvevict.make_policy("lag-kv", lag=0)

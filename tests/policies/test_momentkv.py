@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -48,10 +50,24 @@ def test_prefill_alpha_is_window_votes_then_chunk_means_by_hand() -> None:
     )[None]
     # head votes [.2 .2 .1 .1 .1], [.1 .2 .2 .1 .2] → GQA mean [.15 .2 .15 .1 .15] → chunks of 2: [.175 .175 .125 .125 .15]
     policy = MomentKV(kernel=1, pool_chunk=2, window=2)
-    layer = type("Layer", (), {"num_kv_heads": 1})()
+    layer = SimpleNamespace(num_kv_heads=1, positions=torch.arange(7)[None, None], valid=None)
     signals = Signals(phase="prefill", num_new=7, query=None, scaling=1.0, window_attention=window)
     expected = torch.tensor([[[0.175, 0.175, 0.125, 0.125, 0.15, INF, INF]]])
     torch.testing.assert_close(policy.score(layer, signals), expected)  # the method is its own scorer
+
+
+def test_prefill_alpha_pools_chunks_of_adjacent_positions_not_storage_slots() -> None:
+    """After an eviction the cache refills slots (chunked prefill), so storage order is not
+    position order: each entry gets the α it gets with the entries stored in position order."""
+    window = torch.rand(1, 2, 2, 9, generator=torch.Generator().manual_seed(0))  # [B, Hq, w=2, n=9]
+    policy = MomentKV(kernel=1, pool_chunk=3, window=2)
+    ordered = SimpleNamespace(num_kv_heads=1, positions=torch.arange(9)[None, None], valid=None)
+    expected = policy.score(ordered, Signals("prefill", 9, None, 1.0, window_attention=window))
+    moved = torch.tensor([5, 0, 6, 2, 1, 3, 4, 7, 8])  # earlier entries refilled; the window's last
+    stored = SimpleNamespace(num_kv_heads=1, positions=moved[None, None], valid=None)
+    score = policy.score(stored, Signals("prefill", 9, None, 1.0, window_attention=window[..., moved]))
+    torch.testing.assert_close(score, expected[..., moved])
+    assert not torch.allclose(chunk_pool(expected[..., moved][..., :7], 3), expected[..., moved][..., :7])
 
 
 def test_momentkv_prefill_evicts_by_the_exact_mi_loop_and_records_the_evicted_moments() -> None:
