@@ -58,7 +58,7 @@ DEMO = DemoPlan(
             "streamingllm",
             "snapkv",
             "critical+adakv+snapkv",  # CriticalKV (seed 004) over AdaKV
-            "momentkv[mi=false]",  # MomentKV (seed 003) with NC; its MI loop costs ~8x a prefill on this CPU
+            "momentkv",  # MomentKV (seed 003): MI (by a quarter of the evicted set per update) and NC
             "kvzip",  # the best query-agnostic policy (docs/policies.md, "Query-agnostic compression")
         ),
         keeps=(0.25, 0.10),

@@ -14,7 +14,7 @@ from tests.conftest import tiny_model
 def test_the_plan_covers_the_three_acts_the_seeds_and_both_keeps() -> None:
     compress, generate = DEMO.compress, DEMO.generate
     assert not compress.query_aware and compress.keeps == (0.25, 0.10) and compress.length == 2048
-    assert {"critical+adakv+snapkv", "momentkv[mi=false]", "kvzip"} <= set(compress.policies)
+    assert {"critical+adakv+snapkv", "momentkv", "kvzip"} <= set(compress.policies)
     assert generate.tasks == ("longgen",) and generate.budgets == (128,)
     assert {"lazyeviction[alpha=0.002]", "epikv", "rkv", "moment-nc+h2o"} <= set(generate.policies)
     assert DEMO.long.workload == "longgen" and DEMO.ask.workload == "ask" and DEMO.ask.questions == 8

@@ -229,7 +229,29 @@ def test_mi_chunked_variant_and_validity_mask() -> None:
     valid[0, 1, 15:] = False  # head 1 has 15 real entries
     evicted = mi_evict(keys, values, alpha, stats, counts, SCALING, valid=valid, chunk=3)
     assert evicted.sum(-1).tolist() == [[12, 7]] and not (evicted & ~valid).any()
-    with pytest.raises(ValueError, match="chunk must be >= 1"):
-        mi_evict(keys, values, alpha, stats, counts, SCALING, chunk=0)
+    for bad in ({"chunk": 0}, {"fraction": 1.0}, {"fraction": -0.1}):
+        with pytest.raises(ValueError, match="needs chunk >= 1 and 0 <= fraction < 1"):
+            mi_evict(keys, values, alpha, stats, counts, SCALING, **bad)
     with pytest.raises(ValueError, match="smaller than its protected entries"):
         mi_evict(keys, values, alpha, stats, torch.full((B, HKV), 2), SCALING, protected=torch.rand(B, HKV, 20) < 2)
+
+
+def test_mi_by_a_fraction_of_the_evicted_set_is_the_exact_loop_while_the_fraction_is_below_one_entry() -> None:
+    keys, values = _kv(10, n=16)
+    alpha = torch.rand(B, HKV, 16, generator=torch.Generator().manual_seed(11)) + 0.05
+    protected = torch.zeros(B, HKV, 16, dtype=torch.bool)
+    stats = MomentStats.zeros(B, HKV, D, D)
+    # ⌊0.05·n_e⌋ = 0 for the 11 evictions (n_e ≤ 10): one entry per update, as the exact loop
+    evicted = mi_evict(keys, values, alpha, stats, torch.full((B, HKV), 5), SCALING, fraction=0.05)
+    assert torch.equal(evicted, _brute_force_mi(keys, values, alpha, 5, protected))
+
+
+def test_mi_by_a_fraction_of_the_evicted_set_keeps_nearly_what_the_exact_loop_keeps() -> None:
+    generator = torch.Generator().manual_seed(16)
+    keys, values = torch.randn(1, 2, 400, D, generator=generator), torch.randn(1, 2, 400, D, generator=generator)
+    alpha = torch.rand(1, 2, 400, generator=generator) + 0.05
+    stats, counts = MomentStats.zeros(1, 2, D, D), torch.full((1, 2), 100)
+    exact = mi_evict(keys, values, alpha, stats, counts, SCALING)
+    fast = mi_evict(keys, values, alpha, stats, counts, SCALING, fraction=0.125)
+    assert (fast.sum(-1) == 300).all()
+    assert int((fast & ~exact).sum()) <= 4  # of 200 kept entries (the approximation measured in docs/seedspeed.md)

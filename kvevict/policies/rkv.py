@@ -114,7 +114,7 @@ class RKV(Method):
       included, as in R-KV's code; the window's columns are then dropped), the most recent
       near-duplicate (``S > threshold = 0.5``) of each row zeroed, column means, softmax.
       This is an ``n × n`` *key-similarity* matrix over the retained keys only
-      (``n ≤ B + W``), computed one KV head at a time, as R-KV does.
+      (``n ≤ B + W``), computed for every row and head at once, once per eviction.
 
     ``interval`` (``W``) defaults to 128 (the paper's buffer), scaled down for small budgets
     to ``min(128, budget // 2)`` so the cache never more than doubles; the cache's own

@@ -16,6 +16,7 @@ from kvevict.policies.snapkv import snapkv_scores
 from kvevict.signals import Signals, attention_rows
 from tests.conftest import (
     assert_next_logits_match_reference,
+    build_policy,
     capture_passes,
     greedy,
     prompt,
@@ -70,9 +71,10 @@ def test_prefill_alpha_pools_chunks_of_adjacent_positions_not_storage_slots() ->
     assert not torch.allclose(chunk_pool(expected[..., moved][..., :7], 3), expected[..., moved][..., :7])
 
 
-def test_momentkv_prefill_evicts_by_the_exact_mi_loop_and_records_the_evicted_moments() -> None:
+@pytest.mark.parametrize(("spelling", "fraction"), [("momentkv", 0.25), ("momentkv[evict_fraction=0]", 0.0)])
+def test_momentkv_prefill_evicts_by_the_mi_loop_and_records_the_evicted_moments(spelling: str, fraction: float) -> None:
     model = tiny_model()
-    cache = kvevict.EvictionCache(model, "momentkv", budget=BUDGET)
+    cache = kvevict.EvictionCache(model, build_policy(spelling), budget=BUDGET)
     passes = capture_passes(cache.layers[0])
     with torch.no_grad():
         model(input_ids=prompt(PROMPT), past_key_values=cache)
@@ -90,6 +92,7 @@ def test_momentkv_prefill_evicts_by_the_exact_mi_loop_and_records_the_evicted_mo
         counts,
         captured["scaling"],
         protected=protected,
+        fraction=fraction,
     )
     assert layer.head_lengths().tolist() == counts.tolist() and int(counts.sum()) == 2 * BUDGET
     for head in range(2):
