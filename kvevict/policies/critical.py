@@ -56,6 +56,7 @@ class Critical(Selector):
     """
 
     name = "critical"
+    batched = True
     by_top_scores = True  # stage 1 is a top-k by score; a +inf score survives both stages
     summary = "two-stage perturbation-constrained selection (CriticalKV, α = 0.5) over any attention scorer"
     PARAMS = declare(alpha=number(0.5, 0, 1), eps=number(1e-4, 0))

@@ -237,6 +237,7 @@ class AttnXHS(CumulativeAttention, HiddenStatePolicy):
     """
 
     name = "attn-x-hs"
+    batched = True
     summary = "keep prompt + recent; rank by standardised cumulative attention + z_A (hybrid)"
     regimes = ("decode",)
     attention_scores = False  # standardised attention plus a z-score

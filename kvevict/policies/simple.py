@@ -21,6 +21,7 @@ class Full(Method):
     """No eviction: the reference every other policy is compared with."""
 
     name = "full"
+    batched = True  # no hooks: rows in lockstep share one view
     summary = "no eviction (the full cache)"
     evicts = False
 
