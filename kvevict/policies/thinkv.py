@@ -215,19 +215,21 @@ class SegmentQuotas(Selector):
 
     def add_tokens(self, sums: EntropySums, mean: torch.Tensor, seen: int | torch.Tensor, num_new: int) -> None:
         """Add the pass's ``num_new`` tokens, each of entropy ``mean`` ``[B]``, to their
-        segments' sums, one by one in position order."""
+        segments' sums, one by one in position order (never in place: the sums may have been
+        made under ``inference_mode``, and this pass may run outside it)."""
         ends = torch.as_tensor(seen, device=mean.device).reshape(-1).expand(mean.shape[0])
         if num_new == 1:  # a decode step: one token per row, one sum each
             segment = torch.div(ends - 1, self.segment, rounding_mode="floor")
-            sums.tokens.scatter_add_(1, segment[:, None], mean[:, None])
+            sums.tokens = sums.tokens.scatter_add(1, segment[:, None], mean[:, None])
             return
+        tokens = sums.tokens.clone()
         for row, (end, value) in enumerate(zip(ends.tolist(), mean.tolist(), strict=True)):  # a prompt or chunk
-            for start in range(end - num_new, end, self.segment):
-                segment = start // self.segment
-                total = float(sums.tokens[row, segment])
-                for _ in range(start, min(end, (segment + 1) * self.segment)):
+            for segment in range((end - num_new) // self.segment, -(-end // self.segment)):
+                total = float(tokens[row, segment])
+                for _ in range(max(end - num_new, segment * self.segment), min(end, (segment + 1) * self.segment)):
                     total += value
-                sums.tokens[row, segment] = total
+                tokens[row, segment] = total
+        sums.tokens = tokens
 
     def classify(self, shared: MutableMapping, sums: EntropySums, seen: int | torch.Tensor, num_new: int) -> None:
         """Classify the segments the pass completed (every token in every entropy layer):
@@ -235,12 +237,13 @@ class SegmentQuotas(Selector):
         seen = torch.as_tensor(seen).reshape(-1)
         if not bool((seen // self.segment > (seen - num_new) // self.segment).any()):
             return  # usually: no segment completed (one check per pass, in its last entropy layer)
-        quota = shared[QUOTA]
+        quota, means = shared[QUOTA].clone(), sums.means.clone()
         complete = (seen // self.segment).expand(sums.classified.shape[0]).tolist()
         for row, (done, count) in enumerate(zip(complete, sums.classified.tolist(), strict=True)):
             for index in range(count, done):
-                sums.means[row, index] = sums.tokens[row, index] / self.segment
-                quota[row, index] = self.quotas[classify_by_thirds(sums.means[row, : index + 1])[-1]]
+                means[row, index] = sums.tokens[row, index] / self.segment
+                quota[row, index] = self.quotas[classify_by_thirds(means[row, : index + 1])[-1]]
+        sums.means = means
         sums.classified = torch.tensor(complete, device=sums.classified.device).maximum(sums.classified)
         shared[QUOTA] = quota
 
