@@ -61,7 +61,8 @@ def test_padding_never_survives_the_first_eviction_and_positions_are_each_rows_o
 
 @pytest.mark.parametrize(
     ("policy", "together"),
-    [("h2o", True), ("epikv", True), ("rkv", True), ("moment-nc+h2o", True), ("raas", True), ("thinkv", False)],
+    [("h2o", True), ("epikv", True), ("rkv", True), ("moment-nc+h2o", True), ("raas", True), ("thinkv", True)]
+    + [("segment-hs", True), ("attn-x-hs", True), ("expected-attention", False)],
 )
 def test_rows_in_lockstep_run_through_a_batched_policy_at_once(policy: str, together: bool) -> None:
     """Once every row holds the same storage columns under one budget, a batched policy's hooks

@@ -32,6 +32,7 @@ def decode(model, cache: kvevict.EvictionCache, first: torch.Tensor, steps: int)
         ("lazyeviction", 40, 6),  # per-token state, lagged interval
         ("random", 40, 0),  # a random generator in the shared data
         ("kvzip", 40, 0),  # the scoring pass's policy
+        ("thinkv[segment=16]", 24, 9),  # per-row tensors and a dataclass of them in the shared data
     ],
 )
 def test_a_loaded_cache_answers_bit_identically(tmp_path, policy: str, budget: int, decoded: int) -> None:

@@ -21,9 +21,12 @@ Segment-HS ranks entries inside the segments by the EpiKV score instead of atten
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch.nn.functional import pad
 
 from kvevict.policies.base import Ranking, Scorer, Selector, SinksAndWindow, Stage, Stages
 from kvevict.policies.epikv import EpiKV
@@ -43,8 +46,7 @@ CLASSES = ("E", "R", "T")
 """Classes by increasing attention entropy (thirds)."""
 ENTROPY_LAYERS = 4
 ENTROPY = "entropy"
-SEGMENTS = "segments"
-SEGMENT_ENTROPY = "segment_entropy"
+QUOTA = "quota"
 
 
 def attention_entropy(rows: torch.Tensor) -> torch.Tensor:
@@ -57,6 +59,55 @@ def classify_by_thirds(entropies: torch.Tensor) -> list[str]:
     above the second → T, else R (a single segment is R)."""
     low, high = torch.quantile(entropies.double(), torch.tensor([1 / 3, 2 / 3], dtype=torch.double))
     return ["E" if e < low else "T" if e > high else "R" for e in entropies.double().tolist()]
+
+
+def drop_one_by_quotas(
+    segment: torch.Tensor, quota: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, ranking: Ranking
+) -> torch.Tensor | None:
+    """The keep mask of an eviction that drops at most one entry per head (a decode step),
+    found without sorting: what :func:`within_group_rank` and :func:`select_by_tiers` keep
+    (tiers: protected 3, not classified 2, in quota 1, out of quota 0; then the lower value,
+    then the earlier position goes first). None when that needs the sort: more than one
+    entry to drop, a NaN, or a tie this shortcut cannot order (then the caller sorts).
+
+    Why it is the same entry. In each classified segment ``s`` take ``a_s``, its candidate
+    (not protected) with the lowest value, the earliest of those tied. Every out-of-quota
+    candidate of ``s`` is at or after ``a_s`` in the dropping order, so if ``s`` has any,
+    ``a_s`` is the first of them to go, and ``a_s`` is out of quota iff its rank in ``s`` (the
+    entries before it by value, descending, then position) reaches the quota. If ``a_s`` is in
+    quota and no other entry of ``s`` ties its value, every other candidate ranks before it,
+    so in quota too (a tie is left to the sort). Labelling only these ``a_s`` tier 0 and the
+    other classified candidates tier 1 therefore drops what the full ranking drops."""
+    n = values.shape[-1]
+    drop = (n - ranking.counts).clamp(min=0)
+    most = int(drop.max())
+    if most != 1 or bool(values.isnan().any()):
+        return None
+    protected, inf = ranking.protected, torch.tensor(float("inf"), device=values.device)
+    candidate = ~protected & (quota >= 0)
+    bins = int(segment.max()) + 1
+    per_segment = quota.new_zeros(*segment.shape[:-1], bins)
+    lowest = per_segment.float().fill_(float("inf"))
+    lowest = lowest.scatter_reduce(-1, segment, torch.where(candidate, values, inf), "amin")
+    lowest_value = lowest.gather(-1, segment)
+    at_lowest = candidate & (values == lowest_value)
+    last = torch.iinfo(torch.long).max
+    earliest = per_segment.fill_(last).scatter_reduce(-1, segment, positions.masked_fill(~at_lowest, last), "amin")
+    earliest_position = earliest.gather(-1, segment)
+    first_to_go = at_lowest & (positions == earliest_position)  # a_s, one per segment with a candidate
+    tied = values == lowest_value
+    before = (values > lowest_value) | (tied & (positions < earliest_position))
+    rank = torch.zeros_like(earliest).scatter_add_(-1, segment, before.long()).gather(-1, segment)
+    ties = torch.zeros_like(earliest).scatter_add_(-1, segment, tied.long()).gather(-1, segment)
+    out_of_quota = rank >= quota
+    if bool((first_to_go & ~out_of_quota & (ties > 1)).any()):
+        return None
+    tiers = torch.where(protected, 3, torch.where(quota < 0, 2, torch.where(first_to_go & out_of_quota, 0, 1)))
+    lowest_tier = tiers == tiers.amin(dim=-1, keepdim=True)
+    value = torch.where(lowest_tier, values, inf).amin(dim=-1, keepdim=True)
+    going = lowest_tier & (values == value)
+    slot = positions.masked_fill(~going, last).argmin(dim=-1, keepdim=True)
+    return torch.ones_like(protected).scatter_(-1, slot, drop[..., None] == 0)
 
 
 QUOTAS_PARAM = Param(
@@ -72,13 +123,51 @@ SEGMENT_PARAMS = declare(
 )
 
 
+@dataclass
+class EntropySums:
+    """ThinKV's entropy bookkeeping of a row (rows along dim 0, so rows in lockstep read it
+    stacked, :class:`~kvevict.rows.StackedRows`). A token's entropy is the mean over the
+    entropy layers of its pass's entropy (one value per layer for every token of a pass), a
+    segment's the mean of its tokens', summed in position order as each pass leaves the last
+    entropy layer (the same floating-point sums, in the same order, as per token)."""
+
+    layers: torch.Tensor
+    """``[B]`` float64: the current pass's entropy summed over the entropy layers it passed."""
+    tokens: torch.Tensor
+    """``[B, S]`` float64: per segment, its tokens' mean entropies summed so far."""
+    means: torch.Tensor
+    """``[B, S]`` float32: the mean entropy of each classified segment."""
+    classified: torch.Tensor
+    """``[B]`` int64: segments classified (the first ones: a segment completes after the earlier)."""
+
+    @staticmethod
+    def empty(rows: int, segments: int, device: torch.device) -> EntropySums:
+        zeros = torch.zeros(rows, segments, dtype=torch.float64, device=device)
+        return EntropySums(
+            torch.zeros(rows, dtype=torch.float64, device=device),
+            zeros,
+            zeros.float(),
+            torch.zeros(rows, dtype=torch.long, device=device),
+        )
+
+    def grown(self, segments: int) -> EntropySums:
+        """The same sums with room for ``segments`` segments."""
+        more = segments - self.tokens.shape[1]
+        return EntropySums(self.layers, pad(self.tokens, (0, more)), pad(self.means, (0, more)), self.classified)
+
+
 class SegmentQuotas(Selector):
     """ThinKV's selection (see the module docstring): the recent window first (the protected
     entries), then segments not classified yet, then each classified segment's quota of its
     entries ranked best by ``scorer``'s score, then the rest, up to each head's count. Reads
-    the last query's attention of every pass for the entropy that classifies the segments."""
+    the last query's attention of every pass for the entropy that classifies the segments.
+
+    Per row it keeps :class:`EntropySums` and each segment's quota (``[B, S]``, -1 while not
+    classified), with room for the model's context (``max_position_embeddings``), grown
+    when a row outgrows it (rows then run in lockstep only if they grew alike)."""
 
     name = "thinkv-quotas"
+    batched = True
 
     def __init__(self, scorer: Scorer, segment: int, quotas: dict[str, int], entropy_layers: int):
         super().__init__()
@@ -86,46 +175,95 @@ class SegmentQuotas(Selector):
         """The method's scorer: its own scores, recent entries included, rank within a segment."""
         self.segment, self.quotas, self.entropy_layers = segment, quotas, entropy_layers
         self._first_entropy_layer = 0
+        self._context = 0
 
     def bind(self, config: PretrainedConfig) -> None:
         self._first_entropy_layer = max(0, config.num_hidden_layers - self.entropy_layers)
+        self._context = getattr(config, "max_position_embeddings", 0) or 0
 
     def requirements(self, phase: Phase, evicting: bool, regime: Regime) -> Requirements:
         return Requirements(last_query_attention=True)
 
     def observe(self, layer: EntryView, signals: Signals) -> None:
-        if layer.layer_idx >= self._first_entropy_layer:
-            entropy = attention_entropy(signals.last_query_attention)[0].item()
-            sums = self.shared(layer.owner).setdefault(ENTROPY, {})
-            for position in range(layer.seen - signals.num_new, layer.seen):
-                total, count = sums.get(position, (0.0, 0))
-                sums[position] = (total + entropy, count + 1)
-
-    def segment_classes(self, layer: EntryView) -> dict[int, str]:
-        """Classes of the segments complete in every entropy layer (classified once, frozen)."""
+        if layer.layer_idx < self._first_entropy_layer:
+            return
+        entropy_layers = [
+            other.layer_idx for other in layer.owner.eviction_layers if other.layer_idx >= self._first_entropy_layer
+        ]
         shared = self.shared(layer.owner)
-        sums: dict[int, tuple[float, int]] = shared.setdefault(ENTROPY, {})
-        classes: dict[int, str] = shared.setdefault(SEGMENTS, {})
-        means: list[float] = shared.setdefault(SEGMENT_ENTROPY, [])
-        needed = sum(1 for other in layer.owner.eviction_layers if other.layer_idx >= self._first_entropy_layer)
-        while True:
-            index = len(classes)
-            members = range(index * self.segment, (index + 1) * self.segment)
-            if any(sums.get(p, (0.0, 0))[1] < needed for p in members):
-                return classes
-            means.append(sum(sums[p][0] / sums[p][1] for p in members) / self.segment)
-            classes[index] = classify_by_thirds(torch.tensor(means))[-1]
-            for p in members:  # classified: the per-token entropies are no longer needed
-                del sums[p]
+        sums: EntropySums | None = shared.get(ENTROPY)
+        if sums is None:
+            rows, device = layer.positions.shape[0], layer.positions.device
+            sums = EntropySums.empty(rows, -(-self._context // self.segment), device)
+            shared[QUOTA] = torch.full((rows, sums.tokens.shape[1]), -1, dtype=torch.long, device=device)
+        entropy = attention_entropy(signals.last_query_attention).double()
+        sums.layers = entropy if layer.layer_idx == entropy_layers[0] else sums.layers + entropy
+        if layer.layer_idx == entropy_layers[-1]:  # the pass's tokens have every layer's entropy
+            sums = self.room(shared, sums, layer.seen)
+            self.add_tokens(sums, sums.layers / len(entropy_layers), layer.seen, layer.num_new)
+            self.classify(shared, sums, layer.seen, layer.num_new)
+        shared[ENTROPY] = sums
+
+    def room(self, shared: MutableMapping, sums: EntropySums, seen: int | torch.Tensor) -> EntropySums:
+        """``sums`` (and the quotas) with room for the segment of every position before ``seen``."""
+        held, needed = sums.tokens.shape[1], -(-int(torch.as_tensor(seen).max()) // self.segment)
+        if needed <= held:
+            return sums
+        segments = max(needed, 2 * held)
+        shared[QUOTA] = pad(shared[QUOTA], (0, segments - held), value=-1)
+        return sums.grown(segments)
+
+    def add_tokens(self, sums: EntropySums, mean: torch.Tensor, seen: int | torch.Tensor, num_new: int) -> None:
+        """Add the pass's ``num_new`` tokens, each of entropy ``mean`` ``[B]``, to their
+        segments' sums, one by one in position order (never in place: the sums may have been
+        made under ``inference_mode``, and this pass may run outside it)."""
+        ends = torch.as_tensor(seen, device=mean.device).reshape(-1).expand(mean.shape[0])
+        if num_new == 1:  # a decode step: one token per row, one sum each
+            segment = torch.div(ends - 1, self.segment, rounding_mode="floor")
+            sums.tokens = sums.tokens.scatter_add(1, segment[:, None], mean[:, None])
+            return
+        tokens = sums.tokens.clone()
+        for row, (end, value) in enumerate(zip(ends.tolist(), mean.tolist(), strict=True)):  # a prompt or chunk
+            for segment in range((end - num_new) // self.segment, -(-end // self.segment)):
+                total = float(tokens[row, segment])
+                for _ in range(max(end - num_new, segment * self.segment), min(end, (segment + 1) * self.segment)):
+                    total += value
+                tokens[row, segment] = total
+        sums.tokens = tokens
+
+    def classify(self, shared: MutableMapping, sums: EntropySums, seen: int | torch.Tensor, num_new: int) -> None:
+        """Classify the segments the pass completed (every token in every entropy layer):
+        by the thirds of the means of every segment classified so far, then frozen."""
+        seen = torch.as_tensor(seen).reshape(-1)
+        if not bool((seen // self.segment > (seen - num_new) // self.segment).any()):
+            return  # usually: no segment completed (one check per pass, in its last entropy layer)
+        quota, means = shared[QUOTA].clone(), sums.means.clone()
+        complete = (seen // self.segment).expand(sums.classified.shape[0]).tolist()
+        for row, (done, count) in enumerate(zip(complete, sums.classified.tolist(), strict=True)):
+            for index in range(count, done):
+                means[row, index] = sums.tokens[row, index] / self.segment
+                quota[row, index] = self.quotas[classify_by_thirds(means[row, : index + 1])[-1]]
+        sums.means = means
+        sums.classified = torch.tensor(complete, device=sums.classified.device).maximum(sums.classified)
+        shared[QUOTA] = quota
+
+    def segment_quotas(self, layer: EntryView, segment: torch.Tensor) -> torch.Tensor:
+        """The quota of each entry's segment ``[B, Hkv, n]`` (-1: not classified yet)."""
+        table = self.shared(layer.owner).get(QUOTA)
+        if table is None:
+            return torch.full_like(segment, -1)
+        table = pad(table, (0, 1), value=-1)  # the segments past the table are not classified
+        index = segment.clamp(min=0, max=table.shape[1] - 1).flatten(1)
+        return table.gather(1, index).view_as(segment)
 
     def keep(self, layer: EntryView, signals: Signals, ranking: Ranking) -> torch.Tensor:
-        classes = self.segment_classes(layer)
         segment = torch.div(layer.positions, self.segment, rounding_mode="floor")
-        quota = torch.tensor(
-            [self.quotas[classes[s]] if s in classes else -1 for s in range(int(segment.max()) + 1)],
-            device=segment.device,
-        )[segment]
+        quota = self.segment_quotas(layer, segment)
         values = self.scorer.score(layer, signals).float()
+        if layer.valid is None:
+            keep = drop_one_by_quotas(segment, quota, values, layer.positions, ranking)
+            if keep is not None:
+                return keep
         if layer.valid is not None:  # padding ranks below every real entry of its segment
             values = values.masked_fill(~layer.valid, float("-inf"))
         in_quota = within_group_rank(segment, values, layer.positions) < quota
@@ -158,6 +296,7 @@ class ThinKV(CumulativeAttention):
     """
 
     name = "thinkv"
+    batched = True
     summary = "segments classified R/E/T by attention entropy; per-segment quotas 64/32/8 by attention (ThinKV)"
     regimes = ("decode",)
     PARAMS = declare(window=RECENT_WINDOW, group=GROUP, **SEGMENT_PARAMS)
@@ -178,6 +317,7 @@ class SegmentHS(EpiKV):
     """
 
     name = "segment-hs"
+    batched = True
     summary = "ThinKV segments and quotas, entries ranked by the EpiKV hidden-state score (hybrid)"
     PARAMS = declare(**EpiKV.PARAMS, **SEGMENT_PARAMS)
 
