@@ -20,8 +20,9 @@ layer holds (:mod:`kvevict.layer`, :mod:`kvevict.driver`) or its other tensors
 
 Layout (docs/quant.md): the groups follow each row's storage columns from the row's first
 column (row-relative, so a row of a batch is grouped exactly as alone); a row of ``w`` entries
-quantizes its first ``q = group · ⌊max(0, w − residual) / group⌋`` columns and keeps the rest
-at full precision. Eviction works on the dequantized entries during a pass (a dropped entry's
+quantizes its first ``q = F · ⌊w / F⌋`` columns, ``F = group · max(1, ⌊residual / group⌋)``
+(KIVI's flush: the full-precision tail grows to ``F − 1`` entries and is quantized whole when
+it reaches ``F``), and keeps the rest at full precision. Eviction works on the dequantized entries during a pass (a dropped entry's
 slot refilled from the last column, a spliced row, ...); the pass's end quantizes the layer
 anew from what it then holds, so codes and scales always describe exactly the entries held.
 """
@@ -174,18 +175,62 @@ def dequantize_values(quantized: QuantizedTensor, bits: int, group: int, dtype: 
 
 
 def quantized_columns(width: int, config: QuantConfig) -> int:
-    """Leading entries of a row of ``width`` entries that are quantized: whole groups, leaving
-    at least ``residual`` (and fewer than ``residual + group``) at full precision."""
-    return config.group * (max(0, width - config.residual) // config.group)
+    """Leading entries of a row of ``width`` entries that are quantized (KIVI's flush, as
+    transformers' ``QuantizedCache``): the full-precision tail grows one entry a step and is
+    quantized whole once it reaches ``F = group · max(1, ⌊residual / group⌋)`` entries, so
+    ``width mod F`` entries stay at full precision: at most ``residual − 1`` when ``residual``
+    ≥ ``group`` (a multiple of it: exactly ``0 .. residual − 1``), at most ``group − 1`` below
+    (a key group needs ``group`` tokens)."""
+    flush = config.group * max(1, config.residual // config.group)
+    return flush * (width // flush)
+
+
+@dataclass(frozen=True)
+class CompactPositions:
+    """A layer's entry positions ``[B, H, n]`` between passes, in as few bytes as hold them
+    exactly: ``first`` ``[B]`` when column ``c`` of every head of row ``b`` holds ``first[b] + c``
+    (nothing evicted or moved: no table at all), else ``table`` in the narrowest signed integer
+    type holding every position (int16 below 2^15, int32 below 2^31, else int64)."""
+
+    shape: tuple[int, int, int]
+    first: torch.Tensor | None
+    table: torch.Tensor | None
+
+    @classmethod
+    def of(cls, positions: torch.Tensor) -> CompactPositions:
+        b, h, n = positions.shape
+        first = positions[:, 0, 0].clone()
+        if bool((positions == first.view(b, 1, 1) + torch.arange(n, device=positions.device)).all()):
+            return cls((b, h, n), first, None)
+        low, high = (int(x) for x in positions.aminmax())
+        for dtype in (torch.int16, torch.int32):
+            if torch.iinfo(dtype).min <= low and high <= torch.iinfo(dtype).max:
+                return cls((b, h, n), None, positions.to(dtype))
+        return cls((b, h, n), None, positions.clone())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [x for x in (self.first, self.table) if x is not None]
+
+    def restore(self, columns: int) -> torch.Tensor:
+        """The positions ``[B, H, columns]`` int64 (``columns`` ≥ ``n``; zeros past it)."""
+        b, h, n = self.shape
+        like = self.first if self.table is None else self.table
+        assert like is not None
+        out = torch.zeros(b, h, columns, dtype=torch.long, device=like.device)
+        if self.table is None:
+            out[:, :, :n] = like.view(b, 1, 1) + torch.arange(n, device=like.device)
+        else:
+            out[:, :, :n] = self.table
+        return out
 
 
 @dataclass
 class QuantizedEntries:
     """A layer's keys and values between passes: row ``b``'s storage columns ``starts[b] ..
     starts[b] + counts[b]`` as codes (row-relative columns ``0 .. counts[b]`` of ``keys`` and
-    ``values``), and storage columns ``residual_from .. n`` of every row at full precision.
-    ``positions`` (int32) and ``held`` (None: all) say which entry each code is, so that the
-    next pass's end requantizes only what changed (:func:`compress`)."""
+    ``values``), storage columns ``residual_from .. n`` of every row at full precision, and the
+    ``n`` columns' positions (:class:`CompactPositions`; they also say which entry each code is,
+    so that the next pass's end requantizes only what changed: :meth:`reusable`)."""
 
     config: QuantConfig
     keys: QuantizedTensor
@@ -196,18 +241,27 @@ class QuantizedEntries:
     residual_keys: torch.Tensor
     residual_values: torch.Tensor
     n: int
-    positions: torch.Tensor
-    held: torch.Tensor | None
+    positions: CompactPositions
 
     def tensors(self) -> list[torch.Tensor]:
-        held = [] if self.held is None else [self.held]
         return [
             *self.keys.tensors(),
             *self.values.tensors(),
             self.residual_keys,
             self.residual_values,
-            self.positions,
-        ] + held
+            *self.positions.tensors(),
+        ]
+
+    def reusable(self, valid: torch.Tensor | None) -> ReusableCodes:
+        """These codes as a pass begins, with which of them are real (``valid`` ``[B, H, n]``, the
+        layer's validity now, or None: all), for the pass's end to keep those still in place."""
+        held = None
+        if valid is not None or not _aligned(self.starts, self.counts):
+            real = valid
+            if real is None:
+                real = torch.ones(self.positions.shape, dtype=torch.bool, device=self.residual_keys.device)
+            held = _row_relative(real, self.starts, self.counts, False)
+        return ReusableCodes(self, held)
 
     def restore(self, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[B, H, columns, d]`` (``columns`` ≥ :attr:`n`; zeros past it): the
@@ -231,6 +285,23 @@ class QuantizedEntries:
         return dense[0], dense[1]
 
 
+@dataclass
+class ReusableCodes:
+    """During a pass, a layer's codes from before it (``entries``) and which of them were real
+    (``held``, row-relative ``[B, H, q]``; None: all)."""
+
+    entries: QuantizedEntries
+    held: torch.Tensor | None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.entries.tensors() + ([] if self.held is None else [self.held])
+
+    def positions(self) -> torch.Tensor:
+        """``[B, H, q]``: the position of each code's entry (row-relative columns; −1 past a row's codes)."""
+        entries = self.entries
+        return _row_relative(entries.positions.restore(entries.n), entries.starts, entries.counts, -1)
+
+
 def _aligned(starts: Sequence[int], counts: Sequence[int]) -> bool:
     return all(start == 0 for start in starts) and len(set(counts)) == 1
 
@@ -247,20 +318,21 @@ def _row_relative(x: torch.Tensor, starts: Sequence[int], counts: Sequence[int],
     return out
 
 
-def _reusable(previous: QuantizedEntries | None, positions: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+def _reusable(previous: ReusableCodes | None, positions: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     """``[B, H, q]`` (row-relative columns): whether ``previous``'s code of that column is still
     the entry held there (same position, same validity; a row that moved to column 0 keeps its
     row-relative columns)."""
     reuse = torch.zeros(held.shape, dtype=torch.bool, device=held.device)
-    if previous is None or previous.positions.shape[:2] != positions.shape[:2]:
+    if previous is None or previous.entries.positions.shape[:2] != positions.shape[:2]:
         return reuse
-    common = min(previous.positions.shape[2], positions.shape[2])
-    same = previous.positions[:, :, :common] == positions[:, :, :common]
+    before = previous.positions()
+    common = min(before.shape[2], positions.shape[2])
+    same = before[:, :, :common] == positions[:, :, :common]
     if previous.held is not None:
         same &= previous.held[:, :, :common] == held[:, :, :common]
     elif not bool(held[:, :, :common].all()):
         same &= held[:, :, :common]
-    for row, count in enumerate(previous.counts):
+    for row, count in enumerate(previous.entries.counts):
         same[row, :, count:] = False
     reuse[:, :, :common] = same
     return reuse
@@ -273,13 +345,13 @@ def compress(
     positions: torch.Tensor,
     spans: Sequence[tuple[int, int]],
     config: QuantConfig,
-    previous: QuantizedEntries | None = None,
+    previous: ReusableCodes | None = None,
 ) -> QuantizedEntries:
     """Quantize a layer's ``keys``/``values`` ``[B, H, n, d]`` at ``positions`` whose row ``b``
     holds columns ``spans[b] = (start, width)`` (``valid`` ``[B, H, n]``: which are real; None:
     all), leaving each row's last entries past :func:`quantized_columns` at full precision.
 
-    Codes of ``previous`` (this layer's last quantization) whose entry is still in place are
+    Codes of ``previous`` (this layer's codes as its pass began) whose entry is still in place are
     kept as they are; only key groups with a new or moved entry, and new or moved values, are
     quantized (from the pass's dequantized or new entries). What a row gets depends on that
     row alone, so a row of a batch is quantized exactly as alone."""
@@ -287,25 +359,19 @@ def compress(
     starts = [start for start, _ in spans]
     counts = [quantized_columns(width, config) for _, width in spans]
     rel_keys, rel_values = _row_relative(keys, starts, counts), _row_relative(values, starts, counts)
-    rel_positions = _row_relative(positions, starts, counts, -1).to(torch.int32)
-    if valid is None and _aligned(starts, counts):
-        held = torch.ones(rel_positions.shape, dtype=torch.bool, device=keys.device)
-        stored_held = None
-    else:
-        held = _row_relative(
-            torch.ones(positions.shape, dtype=torch.bool, device=keys.device) if valid is None else valid,
-            starts,
-            counts,
-            False,
-        )
-        stored_held = held.clone()
+    rel_positions = _row_relative(positions, starts, counts, -1)
+    mask = None
+    if valid is not None or not _aligned(starts, counts):
+        real = torch.ones(positions.shape, dtype=torch.bool, device=keys.device) if valid is None else valid
+        mask = _row_relative(real, starts, counts, False)
+    held = torch.ones(rel_positions.shape, dtype=torch.bool, device=keys.device) if mask is None else mask
     reuse = _reusable(previous, rel_positions, held)
-    if previous is not None and previous.counts == counts and bool(reuse.all()):  # every code in place
-        quantized_keys, quantized_values = previous.keys, previous.values
+    before = None if previous is None else previous.entries
+    if before is not None and before.counts == counts and bool(reuse.all()):  # every code in place
+        quantized_keys, quantized_values = before.keys, before.values
     else:
-        mask = None if stored_held is None else held
-        quantized_keys = _changed_keys(rel_keys, mask, reuse, None if previous is None else previous.keys, config)
-        quantized_values = _changed_values(rel_values, reuse, None if previous is None else previous.values, config)
+        quantized_keys = _changed_keys(rel_keys, mask, reuse, None if before is None else before.keys, config)
+        quantized_values = _changed_values(rel_values, reuse, None if before is None else before.values, config)
     residual_from = min(start + count for start, count in zip(starts, counts))
     return QuantizedEntries(
         config=config,
@@ -317,8 +383,7 @@ def compress(
         residual_keys=keys[:, :, residual_from:n].clone(),
         residual_values=values[:, :, residual_from:n].clone(),
         n=n,
-        positions=rel_positions,
-        held=stored_held,
+        positions=CompactPositions.of(positions),
     )
 
 

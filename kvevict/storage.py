@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from kvevict.quant import QuantConfig, QuantizedEntries, compress
+from kvevict.quant import QuantConfig, QuantizedEntries, ReusableCodes, compress
 
 SLACK = 16
 """Columns a storage may hold beyond its entries and its room to grow before it gives them back."""
@@ -108,7 +108,7 @@ class LayerStorage:
         """Between passes, the real entries of a ragged layer, and nothing else (:meth:`pack`)."""
         self.quantized: QuantizedEntries | None = None
         """Between passes, the keys and values of a quantized layer (:meth:`quantize`)."""
-        self.previous: QuantizedEntries | None = None
+        self.previous: ReusableCodes | None = None
         """During a pass, what :attr:`quantized` was: its codes still in place are kept at the pass's end."""
         self.replaced()
 
@@ -227,21 +227,25 @@ class LayerStorage:
     def quantize(self, n: int, spans: Sequence[tuple[int, int]], config: QuantConfig) -> None:
         """Between passes, hold the first ``n`` columns' keys and values quantized
         (:func:`kvevict.quant.compress`; row ``b`` holds columns ``spans[b] = (start, width)``);
-        positions, validity and state stay as they are."""
+        the positions compactly (:class:`kvevict.quant.CompactPositions`); validity and state stay as they are."""
         assert self.quantized is None and self.packed is None
         valid = None if self.valid is None else self.valid.narrow(2, 0, n)
         keys, values, positions = (x.narrow(2, 0, n) for x in self.kv_positions())
         self.quantized = compress(keys, values, valid, positions, spans, config, self.previous)
         self.previous = None
-        self.keys, self.values = (x.new_empty(*x.shape[:2], 0, *x.shape[3:]) for x in (self.keys, self.values))
+        self.keys, self.values, self.positions = (
+            x.new_empty(*x.shape[:2], 0, *x.shape[3:]) for x in self.kv_positions()
+        )
         self.replaced()
 
     def dequantize(self) -> None:
-        """The quantized keys and values back in padded storage (dequantized) before a pass."""
+        """The quantized keys and values (dequantized) and the positions back in padded storage before a pass."""
         quantized = self.quantized
         assert quantized is not None
-        self.quantized, self.previous = None, quantized
+        self.quantized = None
+        self.previous = quantized.reusable(None if self.valid is None else self.valid.narrow(2, 0, quantized.n))
         self.keys, self.values = quantized.restore(self.capacity)
+        self.positions = quantized.positions.restore(self.capacity)
         self.replaced()
 
     def dense(self, name: str, free: torch.Tensor) -> torch.Tensor | None:
@@ -253,6 +257,8 @@ class LayerStorage:
         if quantized is not None:
             if name in ("keys", "values"):
                 return quantized.restore(quantized.n)[name == "values"]
+            if name == "positions":
+                return quantized.positions.restore(quantized.n)
             value = self.valid if name == "valid" else self.entries()[name]
             return None if value is None else value.narrow(2, 0, quantized.n)
         packed = self.packed
@@ -263,7 +269,8 @@ class LayerStorage:
         """Storage is written in place, which torch forbids on tensors made under ``inference_mode``
         once that mode is left (e.g. ``kvevict.answer`` filled the cache and the caller goes on
         under ``no_grad``): copy it once into ordinary tensors."""
-        if not torch.is_inference_mode_enabled() and any(x.is_inference() for x in self.kv_positions()):
+        held = [*self.entries().values(), *([] if self.valid is None else [self.valid])]
+        if not torch.is_inference_mode_enabled() and any(x.is_inference() for x in held):
             self._map(torch.clone)
 
     def ensure_valid(self, spans: Sequence[tuple[int, int]]) -> torch.Tensor:
