@@ -188,37 +188,39 @@ def quantized_columns(width: int, config: QuantConfig) -> int:
 @dataclass(frozen=True)
 class CompactPositions:
     """A layer's entry positions ``[B, H, n]`` between passes, in as few bytes as hold them
-    exactly: ``first`` ``[B]`` when column ``c`` of every head of row ``b`` holds ``first[b] + c``
-    (nothing evicted or moved: no table at all), else ``table`` in the narrowest signed integer
-    type holding every position (int16 below 2^15, int32 below 2^31, else int64)."""
+    exactly: ``first`` (one int a row, metadata like the rows' starts, no tensor) when column
+    ``c`` of every head of row ``b`` holds ``first[b] + c`` (nothing evicted or moved: no table
+    at all), else ``table`` in the narrowest signed integer type holding every position (int16
+    below 2^15, int32 below 2^31, else int64)."""
 
     shape: tuple[int, int, int]
-    first: torch.Tensor | None
+    device: torch.device
+    first: list[int] | None
     table: torch.Tensor | None
 
     @classmethod
     def of(cls, positions: torch.Tensor) -> CompactPositions:
         b, h, n = positions.shape
-        first = positions[:, 0, 0].clone()
-        if bool((positions == first.view(b, 1, 1) + torch.arange(n, device=positions.device)).all()):
-            return cls((b, h, n), first, None)
+        shape, device = (b, h, n), positions.device
+        first = positions[:, 0, 0]
+        if bool((positions == first.view(b, 1, 1) + torch.arange(n, device=device)).all()):
+            return cls(shape, device, first.tolist(), None)
         low, high = (int(x) for x in positions.aminmax())
         for dtype in (torch.int16, torch.int32):
             if torch.iinfo(dtype).min <= low and high <= torch.iinfo(dtype).max:
-                return cls((b, h, n), None, positions.to(dtype))
-        return cls((b, h, n), None, positions.clone())
+                return cls(shape, device, None, positions.to(dtype))
+        return cls(shape, device, None, positions.clone())
 
     def tensors(self) -> list[torch.Tensor]:
-        return [x for x in (self.first, self.table) if x is not None]
+        return [] if self.table is None else [self.table]
 
     def restore(self, columns: int) -> torch.Tensor:
         """The positions ``[B, H, columns]`` int64 (``columns`` ≥ ``n``; zeros past it)."""
         b, h, n = self.shape
-        like = self.first if self.table is None else self.table
-        assert like is not None
-        out = torch.zeros(b, h, columns, dtype=torch.long, device=like.device)
-        if self.table is None:
-            out[:, :, :n] = like.view(b, 1, 1) + torch.arange(n, device=like.device)
+        out = torch.zeros(b, h, columns, dtype=torch.long, device=self.device)
+        if self.first is not None:
+            first = torch.tensor(self.first, device=self.device)
+            out[:, :, :n] = first.view(b, 1, 1) + torch.arange(n, device=self.device)
         else:
             out[:, :, :n] = self.table
         return out

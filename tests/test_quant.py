@@ -105,15 +105,14 @@ def test_positions_are_held_in_the_fewest_bytes_that_hold_them_exactly() -> None
     large[0, 0, 0] = -(2**20)
     huge = small.clone()
     huge[1, 1, 1] = 2**40
-    expected = [(None, torch.int64), (torch.int16, None), (torch.int32, None), (torch.int64, None)]
-    for positions, (table, first) in zip((consecutive, small, large, huge), expected):
+    for positions, table in zip((consecutive, small, large, huge), (None, torch.int16, torch.int32, torch.int64)):
         compact = CompactPositions.of(positions)
-        assert (compact.table is None) == (table is None) and (compact.first is None) == (first is None)
-        assert table is None or compact.table.dtype == table
+        assert (compact.first is None) == (table is not None)
+        assert (compact.table.dtype if compact.table is not None else None) == table
         restored = compact.restore(15)
         assert restored.dtype == torch.long and torch.equal(restored[:, :, :12], positions)
         assert not bool(restored[:, :, 12:].any())
-    assert CompactPositions.of(consecutive).tensors()[0].tolist() == [-3, 2]  # one int64 a row
+    assert CompactPositions.of(consecutive).first == [-3, 2] and CompactPositions.of(consecutive).tensors() == []
 
 
 # -- the quantized contract ------------------------------------------------------------------------
@@ -221,7 +220,7 @@ def test_without_quant_nothing_is_quantized() -> None:
 def test_kv_bytes_are_the_codes_scales_residual_and_positions(quant: str, bits: int) -> None:
     """The tiny llama: 2 layers, 2 KV heads of 16 dims, fp32. ``full`` over 75 tokens, groups of 8,
     residual 8: 72 entries quantized (9 key groups), 75 mod 8 = 3 at full precision; the
-    positions 0 .. 74 of every head are one int64 (the row's first), nothing over the capacity."""
+    positions 0 .. 74 of every head are the row's first (an int, no tensor)."""
     model = tiny_model()
     cache = kvevict.EvictionCache(model, "full", quant=quant, quant_group=8, residual=8)
     with torch.no_grad():
@@ -231,10 +230,9 @@ def test_kv_bytes_are_the_codes_scales_residual_and_positions(quant: str, bits: 
     key_scales = 2 * heads * (q // 8) * d * 4  # scale and zero point per channel per group of 8 tokens
     value_scales = 2 * heads * q * (d // 8) * 4  # scale and zero point per token per group of 8 channels
     residual = 2 * heads * (n - q) * d * 4
-    positions = 8
     for layer in cache.eviction_layers:
         assert layer.storage.state == {} and layer.storage.valid is None
-        assert layer.kv_bytes() == codes + key_scales + value_scales + residual + positions
+        assert layer.kv_bytes() == codes + key_scales + value_scales + residual
     assert cache.kv_bytes() == sum(resident_storages(cache).values())  # and that is what a walk finds
 
 
