@@ -49,6 +49,17 @@ class QuantConfig:
     group: int = DEFAULT_GROUP
     residual: int = 32
 
+    @property
+    def flush(self) -> int:
+        """Entries the full-precision residual reaches when it is quantized whole (:func:`quantized_columns`)."""
+        return self.group * max(1, self.residual // self.group)
+
+    def coded_bytes(self, head_dim: int, itemsize: int) -> int:
+        """Bytes one entry of one KV head takes as codes: its key's and value's packed codes, and
+        its share of scales and zero points (``itemsize`` bytes each): per key channel one pair a
+        group of tokens, per value one pair a group of channels (``4·d/group`` in all)."""
+        return 2 * head_dim * self.bits // 8 + 4 * (head_dim // self.group) * itemsize
+
     def options(self) -> dict[str, object]:
         """The ``EvictionCache`` arguments that make this configuration."""
         return {"quant": f"int{self.bits}", "quant_group": self.group, "residual": self.residual}
@@ -181,8 +192,7 @@ def quantized_columns(width: int, config: QuantConfig) -> int:
     ``width mod F`` entries stay at full precision: at most ``residual − 1`` when ``residual``
     ≥ ``group`` (a multiple of it: exactly ``0 .. residual − 1``), at most ``group − 1`` below
     (a key group needs ``group`` tokens)."""
-    flush = config.group * max(1, config.residual // config.group)
-    return flush * (width // flush)
+    return config.flush * (width // config.flush)
 
 
 @dataclass(frozen=True)
@@ -230,7 +240,8 @@ class CompactPositions:
 class QuantizedEntries:
     """A layer's keys and values between passes: row ``b``'s storage columns ``starts[b] ..
     starts[b] + counts[b]`` as codes (row-relative columns ``0 .. counts[b]`` of ``keys`` and
-    ``values``), storage columns ``residual_from .. n`` of every row at full precision, and the
+    ``values``), its next ``widths[b] − counts[b]`` columns (fewer than :attr:`QuantConfig.flush`)
+    at full precision (row-relative columns of ``residual_keys`` and ``residual_values``), and the
     ``n`` columns' positions (:class:`CompactPositions`; they also say which entry each code is,
     so that the next pass's end requantizes only what changed: :meth:`reusable`)."""
 
@@ -239,7 +250,7 @@ class QuantizedEntries:
     values: QuantizedTensor
     starts: list[int]
     counts: list[int]
-    residual_from: int
+    widths: list[int]
     residual_keys: torch.Tensor
     residual_values: torch.Tensor
     n: int
@@ -266,23 +277,23 @@ class QuantizedEntries:
         return ReusableCodes(self, held)
 
     def restore(self, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[B, H, columns, d]`` (``columns`` ≥ :attr:`n`; zeros past it): the
-        quantized entries dequantized, the residual as held."""
+        """Keys and values ``[B, H, columns, d]`` (``columns`` ≥ :attr:`n`): the quantized entries
+        dequantized, the residual as held, zeros in every column outside the rows' entries (a
+        left-padded row's padding, columns past a row's end, past ``n``)."""
         bits, group, dtype = self.config.bits, self.config.group, self.residual_keys.dtype
+        tails = [start + count for start, count in zip(self.starts, self.counts)]
+        lengths = [width - count for width, count in zip(self.widths, self.counts)]
+        covered = _aligned(self.starts, self.counts) and self.starts[0] == 0 and _aligned(tails, lengths)
+        covered = covered and tails[0] + lengths[0] == self.n  # every column before n is written below
         dense = []
         for residual, part in (
             (self.residual_keys, dequantize_keys(self.keys, bits, group, dtype)),
             (self.residual_values, dequantize_values(self.values, bits, group, dtype)),
         ):
             out = residual.new_empty(*residual.shape[:2], columns, residual.shape[-1])
-            out[:, :, self.n :].zero_()
-            out[:, :, self.residual_from : self.n] = residual
-            if _aligned(self.starts, self.counts):
-                out[:, :, : self.counts[0]] = part
-            else:
-                out[:, :, : self.residual_from].zero_()  # (a left-padded row's padding)
-                for row, (start, count) in enumerate(zip(self.starts, self.counts)):
-                    out[row, :, start : start + count] = part[row, :, :count]
+            (out[:, :, self.n :] if covered else out).zero_()
+            _place(out, part, self.starts, self.counts)
+            _place(out, residual, tails, lengths)
             dense.append(out)
         return dense[0], dense[1]
 
@@ -305,7 +316,7 @@ class ReusableCodes:
 
 
 def _aligned(starts: Sequence[int], counts: Sequence[int]) -> bool:
-    return all(start == 0 for start in starts) and len(set(counts)) == 1
+    return len(set(starts)) == 1 and len(set(counts)) == 1
 
 
 def _row_relative(x: torch.Tensor, starts: Sequence[int], counts: Sequence[int], fill: float = 0) -> torch.Tensor:
@@ -313,11 +324,21 @@ def _row_relative(x: torch.Tensor, starts: Sequence[int], counts: Sequence[int],
     column 0, ``[B, H, max(counts), ...]`` (``fill`` past a row's count): a view when aligned."""
     longest = max(counts)
     if _aligned(starts, counts):
-        return x.narrow(2, 0, longest)
+        return x.narrow(2, starts[0], longest)
     out = x.new_full((*x.shape[:2], longest, *x.shape[3:]), fill)
     for row, (start, count) in enumerate(zip(starts, counts)):
         out[row, :, :count] = x[row, :, start : start + count]
     return out
+
+
+def _place(out: torch.Tensor, rel: torch.Tensor, starts: Sequence[int], counts: Sequence[int]) -> None:
+    """Row ``b``'s row-relative columns ``0 .. counts[b]`` of ``rel`` into columns ``starts[b] ..
+    starts[b] + counts[b]`` of ``out`` (the inverse of :func:`_row_relative`)."""
+    if _aligned(starts, counts):
+        out.narrow(2, starts[0], counts[0]).copy_(rel)
+        return
+    for row, (start, count) in enumerate(zip(starts, counts)):
+        out[row, :, start : start + count] = rel[row, :, :count]
 
 
 def _reusable(previous: ReusableCodes | None, positions: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
@@ -374,16 +395,18 @@ def compress(
     else:
         quantized_keys = _changed_keys(rel_keys, mask, reuse, None if before is None else before.keys, config)
         quantized_values = _changed_values(rel_values, reuse, None if before is None else before.values, config)
-    residual_from = min(start + count for start, count in zip(starts, counts))
+    widths = [width for _, width in spans]
+    tails = [start + count for start, count in zip(starts, counts)]
+    lengths = [width - count for width, count in zip(widths, counts)]
     return QuantizedEntries(
         config=config,
         keys=quantized_keys,
         values=quantized_values,
         starts=starts,
         counts=counts,
-        residual_from=residual_from,
-        residual_keys=keys[:, :, residual_from:n].clone(),
-        residual_values=values[:, :, residual_from:n].clone(),
+        widths=widths,
+        residual_keys=_row_relative(keys, tails, lengths).clone(),
+        residual_values=_row_relative(values, tails, lengths).clone(),
         n=n,
         positions=CompactPositions.of(positions),
     )

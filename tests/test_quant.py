@@ -154,9 +154,10 @@ def test_a_quantized_left_padded_batch_gives_each_row_what_it_gets_alone(policy:
     prompts = [prompt(length, seed=seed) for seed, length in enumerate((BUDGET + 8, BUDGET + 24, BUDGET + 15))]
     ids, mask = left_padded(prompts)
     budget = None if policy == "full" else BUDGET
-    batch_tokens, batch_logits = greedy_batch(
-        model, ids, mask, kvevict.EvictionCache(model, build_policy(policy), budget=budget, **QUANT), 7
-    )
+    batch = kvevict.EvictionCache(model, build_policy(policy), budget=budget, **QUANT)
+    batch_tokens, batch_logits = greedy_batch(model, ids, mask, batch, 7)
+    for layer in batch.eviction_layers:  # each row keeps its own tail at full precision, fewer than 8 entries
+        assert layer.storage.quantized.residual_keys.shape[2] < QUANT["residual"]
     for row, ids_alone in enumerate(prompts):
         alone = kvevict.EvictionCache(model, build_policy(policy), budget=budget, **QUANT)
         tokens, logits = greedy(model, ids_alone, alone, new_tokens=7)
