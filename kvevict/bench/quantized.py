@@ -14,10 +14,10 @@ For each prompt of the offline tasks, the full cache's greedy answer is replayed
 - each ``--policies`` policy at ``--keep``, unquantized and with each ``--quant``.
 
 Each row: top-1 agreement and mean KL(reference ‖ run) over the answer positions, the KV bytes
-held after the replay and their mean over the replay's passes (kvevict: ``kv_bytes()``; a
+held after the replay and their mean over its decode steps (kvevict: ``kv_bytes()``; a
 transformers cache: every tensor its layers hold, quanto's packed codes, scales and shifts
-included; the mean is what to compare: each cache flushes its full-precision residual at its
-own step), and the median over decode steps of a step's time over the paired ``DynamicCache`` step's. A benchmark, never a test: timings depend on the machine.
+included; the mean is what to compare, over a whole number of flushes: each cache flushes its
+full-precision residual at its own step), and the median over decode steps of a step's time over the paired ``DynamicCache`` step's. A benchmark, never a test: timings depend on the machine.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def replay_paired(
     """``answer`` ``[T]`` teacher-forced after ``ids`` one token per pass, through ``cache`` and,
     step by step in turn, an unquantized ``DynamicCache``: the ``[T, V]`` logits of ``cache``
     predicting each answer token, each decode pass's seconds over the paired DynamicCache pass's,
-    and the KV bytes ``cache`` holds after each pass (:func:`cache_bytes`, not timed)."""
+    and the KV bytes ``cache`` holds after the prompt and after each decode pass (:func:`cache_bytes`, not timed)."""
     reference = DynamicCache()
     model(input_ids=ids, **with_cache(reference))
     logits = [model(input_ids=ids, **with_cache(cache)).logits[0, -1:]]
@@ -148,7 +148,7 @@ def measure(
     residual: int = 32,
 ) -> list[dict[str, object]]:
     """One row per run (prompts pooled): ``top1``, ``kl``, ``kv_mib`` (after the replay) and
-    ``mean_kv_mib`` (over the replay's passes), each a mean over prompts,
+    ``mean_kv_mib`` (over its decode steps; after the prompt where there are none), each a mean over prompts,
     ``step_ratio`` (median over the decode steps of each step's time over the paired
     ``DynamicCache`` step's, :func:`replay_paired`), over the prompts the run's policy accepts
     (``prompts``: a ``keep=`` budget below a policy's windows is refused on a short prompt)."""
@@ -168,7 +168,7 @@ def measure(
             total["top1"].append(fidelity.top1)
             total["kl"].append(fidelity.kl)
             total["kv"].append(held[-1])
-            total["mean_kv"].append(statistics.fmean(held))
+            total["mean_kv"].append(statistics.fmean(held[1:] or held))
             total["ratio"] += ratios
             if isinstance(cache, EvictionCache):
                 cache.close()
