@@ -19,7 +19,7 @@ told to move (gather, refill from the last column, grow, add or drop batch rows)
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Protocol
 
 import torch
@@ -36,6 +36,51 @@ def capacity_bound(entries: int, room: int) -> int:
     before :meth:`LayerStorage.fit` gives columns back, which also bounds geometric growth
     (≤ 1.125×, or :data:`SLACK` columns more)."""
     return entries + room + max(SLACK, entries // 4)
+
+
+@dataclass(frozen=True)
+class ColumnBytes:
+    """The resident bytes of one row's entries in one layer, as a scheduler bounds them
+    (:func:`kvevict.bench.serving.batch_bound`). Unquantized (``coded`` 0): ``dense`` per column
+    of the padded storage's capacity (a key and a value per KV head at the model's dtype, their
+    positions, validity, per-token state). Quantized (:mod:`kvevict.quant`), between passes:
+    ``kept`` per padded column (validity, state, each head's position: at most int32, as
+    :class:`~kvevict.quant.CompactPositions` holds positions below 2^31), ``coded`` per entry
+    (codes, scales, zero points) and at most ``tail`` entries at full precision (``full`` bytes
+    each: a key and a value per head); while a pass attends the layer it also holds its
+    ``dense`` columns and one bool per head of each (which codes were real as it began)."""
+
+    dense: int
+    coded: int = 0
+    kept: int = 0
+    full: int = 0
+    tail: int = 0
+    heads: int = 0
+
+    @classmethod
+    def of(cls, dense: int, heads: int, head_dim: int, itemsize: int, quant: QuantConfig | None) -> ColumnBytes:
+        """A layer's, from its ``dense`` column bytes (which count each head's position as int64)."""
+        if quant is None:
+            return cls(dense)
+        full = heads * 2 * head_dim * itemsize
+        coded = heads * quant.coded_bytes(head_dim, itemsize)
+        return cls(dense, coded, dense - full - heads * 4, full, quant.flush - 1, heads)
+
+    def resident(self, entries: int, room: int) -> int:
+        """Bytes between passes of a row holding ``entries`` per head with ``room`` to grow."""
+        columns = capacity_bound(entries, room)
+        if not self.coded:
+            return columns * self.dense
+        return columns * self.kept + entries * self.coded + min(entries, self.tail) * self.full
+
+    def attended(self, entries: int, room: int) -> int:
+        """Bytes a pass holds besides :meth:`resident` while it attends this layer (quantized:
+        the dequantized columns, and which codes were real; unquantized: nothing)."""
+        return capacity_bound(entries, room) * (self.dense + self.heads) if self.coded else 0
+
+    def widest(self, other: ColumnBytes) -> ColumnBytes:
+        """Each figure the larger of the two (a setting's estimate raised to a built cache's)."""
+        return ColumnBytes(*(max(mine, theirs) for mine, theirs in zip(astuple(self), astuple(other))))
 
 
 @dataclass
