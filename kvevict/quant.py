@@ -101,12 +101,14 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """The codes :func:`pack` packed, ``[..., d]`` uint8."""
+    """The codes :func:`pack` packed, ``[..., d]`` uint8 (one shift and mask by a scalar per code of
+    a byte: a broadcast shift of uint8 is several times slower on a CPU)."""
     per = 8 // bits
     if per == 1:
         return packed
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    return ((packed[..., None] >> shifts) & (2**bits - 1)).flatten(-2)
+    mask = 2**bits - 1
+    parts = [packed & mask, *((packed >> shift) & mask for shift in range(bits, 8 - bits, bits)), packed >> 8 - bits]
+    return torch.stack(parts, dim=-1).flatten(-2)
 
 
 def quantize_groups(
@@ -157,13 +159,36 @@ def quantize_keys(keys: torch.Tensor, bits: int, group: int, held: torch.Tensor 
     return QuantizedTensor(pack(codes.view(b, h, q, d), bits), scale, zero)
 
 
-def dequantize_keys(quantized: QuantizedTensor, bits: int, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """The keys :func:`quantize_keys` quantized, ``[B, H, q, d]`` in ``dtype``."""
+def dequantize_keys(
+    quantized: QuantizedTensor, bits: int, group: int, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The keys :func:`quantize_keys` quantized, ``[B, H, q, d]`` in ``dtype`` (into ``out`` when given)."""
     codes = unpack(quantized.codes, bits)
     b, h, q, d = codes.shape
-    grouped = codes.view(b, h, q // group, group, d).float()
-    scale, zero = quantized.scale.float()[:, :, :, None], quantized.zero.float()[:, :, :, None]
-    return torch.addcmul(zero, grouped, scale).view(b, h, q, d).to(dtype)
+    return _affine(codes, quantized, (b, h, q // group, group, d), 3, dtype, out)
+
+
+def _affine(
+    codes: torch.Tensor,
+    quantized: QuantizedTensor,
+    groups: tuple[int, ...],
+    dim: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """``codes · scale + zero`` (KIVI eq. 1) of ``codes`` ``[B, H, q, d]`` viewed as ``groups``
+    (``[B, H, q / G, G, d]`` for keys, ``[B, H, q, d / G, G]`` for values: the scale and zero
+    point broadcast along the group's dimension ``dim``), into ``out`` (new when None): in place where
+    ``dtype`` is float32, else computed in float32 and rounded once."""
+    out = codes.new_empty(codes.shape, dtype=dtype) if out is None else out
+    scale, zero = quantized.scale.unsqueeze(dim), quantized.zero.unsqueeze(dim)
+    grouped = out.view(groups)
+    if dtype == torch.float32:
+        grouped.copy_(codes.view(groups))
+        grouped.mul_(scale).add_(zero)
+    else:
+        grouped.copy_(torch.addcmul(zero.float(), codes.view(groups).float(), scale.float()))
+    return out
 
 
 def quantize_values(values: torch.Tensor, bits: int, group: int) -> QuantizedTensor:
@@ -173,16 +198,13 @@ def quantize_values(values: torch.Tensor, bits: int, group: int) -> QuantizedTen
     return QuantizedTensor(pack(codes.view(b, h, q, d), bits), scale, zero)
 
 
-def dequantize_values(quantized: QuantizedTensor, bits: int, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """The values :func:`quantize_values` quantized, ``[B, H, q, d]`` in ``dtype``."""
+def dequantize_values(
+    quantized: QuantizedTensor, bits: int, group: int, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The values :func:`quantize_values` quantized, ``[B, H, q, d]`` in ``dtype`` (into ``out`` when given)."""
     codes = unpack(quantized.codes, bits)
     b, h, q, d = codes.shape
-    grouped = codes.view(b, h, q, d // group, group).float()
-    return (
-        torch.addcmul(quantized.zero.float()[..., None], grouped, quantized.scale.float()[..., None])
-        .view(b, h, q, d)
-        .to(dtype)
-    )
+    return _affine(codes, quantized, (b, h, q, d // group, group), 4, dtype, out)
 
 
 def quantized_columns(width: int, config: QuantConfig) -> int:
@@ -286,13 +308,16 @@ class QuantizedEntries:
         covered = _aligned(self.starts, self.counts) and self.starts[0] == 0 and _aligned(tails, lengths)
         covered = covered and tails[0] + lengths[0] == self.n  # every column before n is written below
         dense = []
-        for residual, part in (
-            (self.residual_keys, dequantize_keys(self.keys, bits, group, dtype)),
-            (self.residual_values, dequantize_values(self.values, bits, group, dtype)),
+        for residual, codes, dequantize in (
+            (self.residual_keys, self.keys, dequantize_keys),
+            (self.residual_values, self.values, dequantize_values),
         ):
             out = residual.new_empty(*residual.shape[:2], columns, residual.shape[-1])
             (out[:, :, self.n :] if covered else out).zero_()
-            _place(out, part, self.starts, self.counts)
+            if _aligned(self.starts, self.counts):  # straight into place
+                dequantize(codes, bits, group, dtype, out.narrow(2, self.starts[0], self.counts[0]))
+            else:
+                _place(out, dequantize(codes, bits, group, dtype), self.starts, self.counts)
             _place(out, residual, tails, lengths)
             dense.append(out)
         return dense[0], dense[1]
@@ -341,16 +366,25 @@ def _place(out: torch.Tensor, rel: torch.Tensor, starts: Sequence[int], counts: 
         out[row, :, start : start + count] = rel[row, :, :count]
 
 
-def _reusable(previous: ReusableCodes | None, positions: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+def _reusable(
+    previous: ReusableCodes | None,
+    positions: torch.Tensor,
+    held: torch.Tensor,
+    compact: CompactPositions,
+    starts: Sequence[int],
+) -> torch.Tensor:
     """``[B, H, q]`` (row-relative columns): whether ``previous``'s code of that column is still
     the entry held there (same position, same validity; a row that moved to column 0 keeps its
-    row-relative columns)."""
+    row-relative columns). ``compact``: the layer's positions now, rows starting at ``starts``."""
     reuse = torch.zeros(held.shape, dtype=torch.bool, device=held.device)
     if previous is None or previous.entries.positions.shape[:2] != positions.shape[:2]:
         return reuse
-    before = previous.positions()
-    common = min(before.shape[2], positions.shape[2])
-    same = before[:, :, :common] == positions[:, :, :common]
+    old = previous.entries
+    common = min(max(old.counts), positions.shape[2])
+    if old.positions.first is not None and old.positions.first == compact.first and old.starts == list(starts):
+        same = torch.ones(*held.shape[:2], common, dtype=torch.bool, device=held.device)  # nothing moved
+    else:
+        same = previous.positions()[:, :, :common] == positions[:, :, :common]
     if previous.held is not None:
         same &= previous.held[:, :, :common] == held[:, :, :common]
     elif not bool(held[:, :, :common].all()):
@@ -388,7 +422,8 @@ def compress(
         real = torch.ones(positions.shape, dtype=torch.bool, device=keys.device) if valid is None else valid
         mask = _row_relative(real, starts, counts, False)
     held = torch.ones(rel_positions.shape, dtype=torch.bool, device=keys.device) if mask is None else mask
-    reuse = _reusable(previous, rel_positions, held)
+    compact = CompactPositions.of(positions)
+    reuse = _reusable(previous, rel_positions, held, compact, starts)
     before = None if previous is None else previous.entries
     if before is not None and before.counts == counts and bool(reuse.all()):  # every code in place
         quantized_keys, quantized_values = before.keys, before.values
@@ -408,7 +443,7 @@ def compress(
         residual_keys=_row_relative(keys, tails, lengths).clone(),
         residual_values=_row_relative(values, tails, lengths).clone(),
         n=n,
-        positions=CompactPositions.of(positions),
+        positions=compact,
     )
 
 
