@@ -4,8 +4,8 @@
 KIVI's recipe, per KV head: **keys** are quantized *per channel*, in groups of ``group``
 tokens (each channel of a group of tokens shares a scale and a zero point: key outliers sit in
 fixed channels); **values** are quantized *per token*, in groups of ``group`` channels; the
-most recent ``residual`` tokens stay at full precision until a whole group of older tokens is
-ready to be quantized. Each group is quantized asymmetrically to ``b`` bits (KIVI §3, eq. 1)::
+most recent tokens stay at full precision until ``residual`` of them are there, and are then
+quantized together (whole groups). Each group is quantized asymmetrically to ``b`` bits (KIVI §3, eq. 1)::
 
     z = min X,   s = (max X − min X) / (2^b − 1),   Q(X) = round((X − z) / s),   X̂ = Q(X)·s + z
 
@@ -22,9 +22,10 @@ Layout (docs/quant.md): the groups follow each row's storage columns from the ro
 column (row-relative, so a row of a batch is grouped exactly as alone); a row of ``w`` entries
 quantizes its first ``q = F · ⌊w / F⌋`` columns, ``F = group · max(1, ⌊residual / group⌋)``
 (KIVI's flush: the full-precision tail grows to ``F − 1`` entries and is quantized whole when
-it reaches ``F``), and keeps the rest at full precision. Eviction works on the dequantized entries during a pass (a dropped entry's
-slot refilled from the last column, a spliced row, ...); the pass's end quantizes the layer
-anew from what it then holds, so codes and scales always describe exactly the entries held.
+it reaches ``F``), and keeps the rest at full precision. Eviction works on the dequantized
+entries during a pass (a dropped entry's slot refilled from the last column, a spliced row,
+...); the pass's end quantizes the layer anew from what it then holds, so codes and scales
+always describe exactly the entries held.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ DEFAULT_GROUP = 32
 @dataclass(frozen=True)
 class QuantConfig:
     """``bits`` per code; ``group``: tokens per key group (per channel) and channels per value
-    group (per token); ``residual``: most recent entries of each row kept at full precision."""
+    group (per token); ``residual``: most recent entries of each row held at full precision until
+    they are quantized together (fewer than ``max(residual, group)``: :func:`quantized_columns`)."""
 
     bits: int
     group: int = DEFAULT_GROUP
