@@ -417,21 +417,25 @@ def compress(
     n = keys.shape[2]
     starts = [start for start, _ in spans]
     counts = [quantized_columns(width, config) for _, width in spans]
-    rel_keys, rel_values = _row_relative(keys, starts, counts), _row_relative(values, starts, counts)
-    rel_positions = _row_relative(positions, starts, counts, -1)
     mask = None
     if valid is not None or not _aligned(starts, counts):
         real = torch.ones(positions.shape, dtype=torch.bool, device=keys.device) if valid is None else valid
         mask = _row_relative(real, starts, counts, False)
-    held = torch.ones(rel_positions.shape, dtype=torch.bool, device=keys.device) if mask is None else mask
     compact = CompactPositions.of(positions)
-    reuse = _reusable(previous, rel_positions, held, compact, starts)
     before = None if previous is None else previous.entries
-    if before is not None and before.counts == counts and bool(reuse.all()):  # every code in place
+    if before is not None and _unmoved(previous, compact, starts, counts, mask is not None):
         quantized_keys, quantized_values = before.keys, before.values
     else:
-        quantized_keys = _changed_keys(rel_keys, mask, reuse, None if before is None else before.keys, config)
-        quantized_values = _changed_values(rel_values, reuse, None if before is None else before.values, config)
+        rel_positions = _row_relative(positions, starts, counts, -1)
+        held = torch.ones(rel_positions.shape, dtype=torch.bool, device=keys.device) if mask is None else mask
+        reuse = _reusable(previous, rel_positions, held, compact, starts)
+        if before is not None and before.counts == counts and bool(reuse.all()):  # every code in place
+            quantized_keys, quantized_values = before.keys, before.values
+        else:
+            rel_keys, rel_values = _row_relative(keys, starts, counts), _row_relative(values, starts, counts)
+            previous_keys, previous_values = (None, None) if before is None else (before.keys, before.values)
+            quantized_keys = _changed_keys(rel_keys, mask, reuse, previous_keys, config)
+            quantized_values = _changed_values(rel_values, reuse, previous_values, config)
     widths = [width for _, width in spans]
     tails = [start + count for start, count in zip(starts, counts)]
     lengths = [width - count for width, count in zip(widths, counts)]
@@ -446,6 +450,27 @@ def compress(
         residual_values=_row_relative(values, tails, lengths).clone(),
         n=n,
         positions=compact,
+    )
+
+
+def _unmoved(
+    previous: ReusableCodes | None,
+    compact: CompactPositions,
+    starts: Sequence[int],
+    counts: Sequence[int],
+    masked: bool,
+) -> bool:
+    """Whether each of ``previous``'s codes is still the entry held in its column, known without a
+    tensor: every entry real, then and now, the rows' codes over the same columns, and each row's
+    positions consecutive from the same first (nothing evicted, moved or added among them)."""
+    if previous is None or previous.held is not None or masked:
+        return False
+    old = previous.entries
+    return (
+        old.counts == list(counts)
+        and old.starts == list(starts)
+        and old.positions.first is not None
+        and old.positions.first == compact.first
     )
 
 
