@@ -88,8 +88,9 @@ class EvictionCache(PassEnds, Cache):
             pass of more than one token until the first single-token one is a prompt chunk.
         quant: ``"int8"``, ``"int4"`` or ``"int2"``: hold the retained keys and values quantized
             between passes (KIVI, :mod:`kvevict.quant`): keys per channel in groups of
-            ``quant_group`` tokens, values per token in groups of ``quant_group`` channels, the
-            most recent ``residual`` entries of each row at full precision until a group fills
+            ``quant_group`` tokens, values per token in groups of ``quant_group`` channels, each
+            row's most recent entries at full precision until ``residual`` (whole groups, at
+            least one) are there, then quantized whole: fewer than ``max(residual, quant_group)``
             (``quant_group`` None: 32, or the head dimension where smaller).
             Each pass attends (and its policy reads) the entries as dequantized, one layer at a
             time. None (default): every entry at the model's dtype, as without the option.

@@ -41,7 +41,7 @@ from kvevict.driver import PolicyDriver
 from kvevict.passes import PassBookkeeping, PendingPass, SteadyRecord
 from kvevict.rows import RowState, RowView, SequenceState, uniform
 from kvevict.signals import Signals
-from kvevict.storage import Columns, LayerStorage
+from kvevict.storage import ColumnBytes, Columns, LayerStorage
 
 
 class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
@@ -485,6 +485,12 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         entries = self.storage.entries().values()  # shapes [B, Hkv, capacity, ...] (packed: capacity 0)
         per_head = sum(math.prod(x.shape[3:]) * x.element_size() for x in entries) + torch.bool.itemsize  # + valid
         return self.storage.keys.shape[1] * per_head
+
+    def storage_bytes(self) -> ColumnBytes:
+        """:meth:`column_bytes` and, quantized, what a column holds between passes (:class:`ColumnBytes`)."""
+        keys = self.storage.keys
+        heads, head_dim = keys.shape[1], keys.shape[-1]
+        return ColumnBytes.of(self.column_bytes(), heads, head_dim, keys.element_size(), self.owner.quant)
 
     def kv_bytes(self) -> int:
         """Bytes this layer's storage holds: keys, values, positions, validity, per-token state,

@@ -4,8 +4,8 @@
 KIVI's recipe, per KV head: **keys** are quantized *per channel*, in groups of ``group``
 tokens (each channel of a group of tokens shares a scale and a zero point: key outliers sit in
 fixed channels); **values** are quantized *per token*, in groups of ``group`` channels; the
-most recent ``residual`` tokens stay at full precision until a whole group of older tokens is
-ready to be quantized. Each group is quantized asymmetrically to ``b`` bits (KIVI §3, eq. 1)::
+most recent tokens stay at full precision until ``residual`` of them are there, and are then
+quantized together (whole groups). Each group is quantized asymmetrically to ``b`` bits (KIVI §3, eq. 1)::
 
     z = min X,   s = (max X − min X) / (2^b − 1),   Q(X) = round((X − z) / s),   X̂ = Q(X)·s + z
 
@@ -20,10 +20,12 @@ layer holds (:mod:`kvevict.layer`, :mod:`kvevict.driver`) or its other tensors
 
 Layout (docs/quant.md): the groups follow each row's storage columns from the row's first
 column (row-relative, so a row of a batch is grouped exactly as alone); a row of ``w`` entries
-quantizes its first ``q = group · ⌊max(0, w − residual) / group⌋`` columns and keeps the rest
-at full precision. Eviction works on the dequantized entries during a pass (a dropped entry's
-slot refilled from the last column, a spliced row, ...); the pass's end quantizes the layer
-anew from what it then holds, so codes and scales always describe exactly the entries held.
+quantizes its first ``q = F · ⌊w / F⌋`` columns, ``F = group · max(1, ⌊residual / group⌋)``
+(KIVI's flush: the full-precision tail grows to ``F − 1`` entries and is quantized whole when
+it reaches ``F``), and keeps the rest at full precision. Eviction works on the dequantized
+entries during a pass (a dropped entry's slot refilled from the last column, a spliced row,
+...); the pass's end quantizes the layer anew from what it then holds, so codes and scales
+always describe exactly the entries held.
 """
 
 from __future__ import annotations
@@ -42,11 +44,23 @@ DEFAULT_GROUP = 32
 @dataclass(frozen=True)
 class QuantConfig:
     """``bits`` per code; ``group``: tokens per key group (per channel) and channels per value
-    group (per token); ``residual``: most recent entries of each row kept at full precision."""
+    group (per token); ``residual``: most recent entries of each row held at full precision until
+    they are quantized together (fewer than ``max(residual, group)``: :func:`quantized_columns`)."""
 
     bits: int
     group: int = DEFAULT_GROUP
     residual: int = 32
+
+    @property
+    def flush(self) -> int:
+        """Entries the full-precision residual reaches when it is quantized whole (:func:`quantized_columns`)."""
+        return self.group * max(1, self.residual // self.group)
+
+    def coded_bytes(self, head_dim: int, itemsize: int) -> int:
+        """Bytes one entry of one KV head takes as codes: its key's and value's packed codes, and
+        its share of scales and zero points (``itemsize`` bytes each): per key channel one pair a
+        group of tokens, per value one pair a group of channels (``4·d/group`` in all)."""
+        return 2 * head_dim * self.bits // 8 + 4 * (head_dim // self.group) * itemsize
 
     def options(self) -> dict[str, object]:
         """The ``EvictionCache`` arguments that make this configuration."""
@@ -89,12 +103,14 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """The codes :func:`pack` packed, ``[..., d]`` uint8."""
+    """The codes :func:`pack` packed, ``[..., d]`` uint8 (one shift and mask by a scalar per code of
+    a byte: a broadcast shift of uint8 is several times slower on a CPU)."""
     per = 8 // bits
     if per == 1:
         return packed
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    return ((packed[..., None] >> shifts) & (2**bits - 1)).flatten(-2)
+    mask = 2**bits - 1
+    parts = [packed & mask, *((packed >> shift) & mask for shift in range(bits, 8 - bits, bits)), packed >> 8 - bits]
+    return torch.stack(parts, dim=-1).flatten(-2)
 
 
 def quantize_groups(
@@ -145,13 +161,36 @@ def quantize_keys(keys: torch.Tensor, bits: int, group: int, held: torch.Tensor 
     return QuantizedTensor(pack(codes.view(b, h, q, d), bits), scale, zero)
 
 
-def dequantize_keys(quantized: QuantizedTensor, bits: int, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """The keys :func:`quantize_keys` quantized, ``[B, H, q, d]`` in ``dtype``."""
+def dequantize_keys(
+    quantized: QuantizedTensor, bits: int, group: int, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The keys :func:`quantize_keys` quantized, ``[B, H, q, d]`` in ``dtype`` (into ``out`` when given)."""
     codes = unpack(quantized.codes, bits)
     b, h, q, d = codes.shape
-    grouped = codes.view(b, h, q // group, group, d).float()
-    scale, zero = quantized.scale.float()[:, :, :, None], quantized.zero.float()[:, :, :, None]
-    return torch.addcmul(zero, grouped, scale).view(b, h, q, d).to(dtype)
+    return _affine(codes, quantized, (b, h, q // group, group, d), 3, dtype, out)
+
+
+def _affine(
+    codes: torch.Tensor,
+    quantized: QuantizedTensor,
+    groups: tuple[int, ...],
+    dim: int,
+    dtype: torch.dtype,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """``codes · scale + zero`` (KIVI eq. 1) of ``codes`` ``[B, H, q, d]`` viewed as ``groups``
+    (``[B, H, q / G, G, d]`` for keys, ``[B, H, q, d / G, G]`` for values: the scale and zero
+    point broadcast along the group's dimension ``dim``), into ``out`` (new when None): in place where
+    ``dtype`` is float32, else computed in float32 and rounded once."""
+    out = codes.new_empty(codes.shape, dtype=dtype) if out is None else out
+    scale, zero = quantized.scale.unsqueeze(dim), quantized.zero.unsqueeze(dim)
+    grouped = out.view(groups)
+    if dtype == torch.float32:
+        grouped.copy_(codes.view(groups))
+        grouped.mul_(scale).add_(zero)
+    else:
+        grouped.copy_(torch.addcmul(zero.float(), codes.view(groups).float(), scale.float()))
+    return out
 
 
 def quantize_values(values: torch.Tensor, bits: int, group: int) -> QuantizedTensor:
@@ -161,78 +200,150 @@ def quantize_values(values: torch.Tensor, bits: int, group: int) -> QuantizedTen
     return QuantizedTensor(pack(codes.view(b, h, q, d), bits), scale, zero)
 
 
-def dequantize_values(quantized: QuantizedTensor, bits: int, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """The values :func:`quantize_values` quantized, ``[B, H, q, d]`` in ``dtype``."""
+def dequantize_values(
+    quantized: QuantizedTensor, bits: int, group: int, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The values :func:`quantize_values` quantized, ``[B, H, q, d]`` in ``dtype`` (into ``out`` when given)."""
     codes = unpack(quantized.codes, bits)
     b, h, q, d = codes.shape
-    grouped = codes.view(b, h, q, d // group, group).float()
-    return (
-        torch.addcmul(quantized.zero.float()[..., None], grouped, quantized.scale.float()[..., None])
-        .view(b, h, q, d)
-        .to(dtype)
-    )
+    return _affine(codes, quantized, (b, h, q, d // group, group), 4, dtype, out)
 
 
 def quantized_columns(width: int, config: QuantConfig) -> int:
-    """Leading entries of a row of ``width`` entries that are quantized: whole groups, leaving
-    at least ``residual`` (and fewer than ``residual + group``) at full precision."""
-    return config.group * (max(0, width - config.residual) // config.group)
+    """Leading entries of a row of ``width`` entries that are quantized (KIVI's flush, as
+    transformers' ``QuantizedCache``): the full-precision tail grows one entry a step and is
+    quantized whole once it reaches ``F = group · max(1, ⌊residual / group⌋)`` entries, so
+    ``width mod F`` entries stay at full precision: at most ``residual − 1`` when ``residual``
+    ≥ ``group`` (a multiple of it: exactly ``0 .. residual − 1``), at most ``group − 1`` below
+    (a key group needs ``group`` tokens)."""
+    return config.flush * (width // config.flush)
+
+
+@dataclass(frozen=True)
+class CompactPositions:
+    """A layer's entry positions ``[B, H, n]`` between passes, in as few bytes as hold them
+    exactly: ``first`` (one int a row, metadata like the rows' starts, no tensor) when column
+    ``c`` of every head of row ``b`` holds ``first[b] + c`` (nothing evicted or moved: no table
+    at all), else ``table`` in the narrowest signed integer type holding every position (int16
+    below 2^15, int32 below 2^31, else int64)."""
+
+    shape: tuple[int, int, int]
+    device: torch.device
+    first: list[int] | None
+    table: torch.Tensor | None
+
+    @classmethod
+    def of(cls, positions: torch.Tensor) -> CompactPositions:
+        b, h, n = positions.shape
+        shape, device = (b, h, n), positions.device
+        first = positions[:, 0, 0]
+        if bool((positions == first.view(b, 1, 1) + torch.arange(n, device=device)).all()):
+            return cls(shape, device, first.tolist(), None)
+        low, high = (int(x) for x in positions.aminmax())
+        for dtype in (torch.int16, torch.int32):
+            if torch.iinfo(dtype).min <= low and high <= torch.iinfo(dtype).max:
+                return cls(shape, device, None, positions.to(dtype))
+        return cls(shape, device, None, positions.clone())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [] if self.table is None else [self.table]
+
+    def restore(self, columns: int) -> torch.Tensor:
+        """The positions ``[B, H, columns]`` int64 (``columns`` ≥ ``n``; zeros past it)."""
+        b, h, n = self.shape
+        out = torch.zeros(b, h, columns, dtype=torch.long, device=self.device)
+        if self.first is not None:
+            first = torch.tensor(self.first, device=self.device)
+            out[:, :, :n] = first.view(b, 1, 1) + torch.arange(n, device=self.device)
+        else:
+            out[:, :, :n] = self.table
+        return out
 
 
 @dataclass
 class QuantizedEntries:
     """A layer's keys and values between passes: row ``b``'s storage columns ``starts[b] ..
     starts[b] + counts[b]`` as codes (row-relative columns ``0 .. counts[b]`` of ``keys`` and
-    ``values``), and storage columns ``residual_from .. n`` of every row at full precision.
-    ``positions`` (int32) and ``held`` (None: all) say which entry each code is, so that the
-    next pass's end requantizes only what changed (:func:`compress`)."""
+    ``values``), its next ``widths[b] − counts[b]`` columns (fewer than :attr:`QuantConfig.flush`)
+    at full precision (row-relative columns of ``residual_keys`` and ``residual_values``), and the
+    ``n`` columns' positions (:class:`CompactPositions`; they also say which entry each code is,
+    so that the next pass's end requantizes only what changed: :meth:`reusable`)."""
 
     config: QuantConfig
     keys: QuantizedTensor
     values: QuantizedTensor
     starts: list[int]
     counts: list[int]
-    residual_from: int
+    widths: list[int]
     residual_keys: torch.Tensor
     residual_values: torch.Tensor
     n: int
-    positions: torch.Tensor
-    held: torch.Tensor | None
+    positions: CompactPositions
 
     def tensors(self) -> list[torch.Tensor]:
-        held = [] if self.held is None else [self.held]
         return [
             *self.keys.tensors(),
             *self.values.tensors(),
             self.residual_keys,
             self.residual_values,
-            self.positions,
-        ] + held
+            *self.positions.tensors(),
+        ]
+
+    def reusable(self, valid: torch.Tensor | None) -> ReusableCodes:
+        """These codes as a pass begins, with which of them are real (``valid`` ``[B, H, n]``, the
+        layer's validity now, or None: all), for the pass's end to keep those still in place."""
+        held = None
+        if valid is not None or not _aligned(self.starts, self.counts):
+            real = valid
+            if real is None:
+                real = torch.ones(self.positions.shape, dtype=torch.bool, device=self.residual_keys.device)
+            held = _row_relative(real, self.starts, self.counts, False)
+        return ReusableCodes(self, held)
 
     def restore(self, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[B, H, columns, d]`` (``columns`` ≥ :attr:`n`; zeros past it): the
-        quantized entries dequantized, the residual as held."""
+        """Keys and values ``[B, H, columns, d]`` (``columns`` ≥ :attr:`n`): the quantized entries
+        dequantized, the residual as held, zeros in every column outside the rows' entries (a
+        left-padded row's padding, columns past a row's end, past ``n``)."""
         bits, group, dtype = self.config.bits, self.config.group, self.residual_keys.dtype
+        tails = [start + count for start, count in zip(self.starts, self.counts)]
+        lengths = [width - count for width, count in zip(self.widths, self.counts)]
+        covered = _aligned(self.starts, self.counts) and self.starts[0] == 0 and _aligned(tails, lengths)
+        covered = covered and tails[0] + lengths[0] == self.n  # every column before n is written below
         dense = []
-        for residual, part in (
-            (self.residual_keys, dequantize_keys(self.keys, bits, group, dtype)),
-            (self.residual_values, dequantize_values(self.values, bits, group, dtype)),
+        for residual, codes, dequantize in (
+            (self.residual_keys, self.keys, dequantize_keys),
+            (self.residual_values, self.values, dequantize_values),
         ):
             out = residual.new_empty(*residual.shape[:2], columns, residual.shape[-1])
-            out[:, :, self.n :].zero_()
-            out[:, :, self.residual_from : self.n] = residual
-            if _aligned(self.starts, self.counts):
-                out[:, :, : self.counts[0]] = part
+            (out[:, :, self.n :] if covered else out).zero_()
+            if _aligned(self.starts, self.counts):  # straight into place
+                dequantize(codes, bits, group, dtype, out.narrow(2, self.starts[0], self.counts[0]))
             else:
-                out[:, :, : self.residual_from].zero_()  # (a left-padded row's padding)
-                for row, (start, count) in enumerate(zip(self.starts, self.counts)):
-                    out[row, :, start : start + count] = part[row, :, :count]
+                _place(out, dequantize(codes, bits, group, dtype), self.starts, self.counts)
+            _place(out, residual, tails, lengths)
             dense.append(out)
         return dense[0], dense[1]
 
 
+@dataclass
+class ReusableCodes:
+    """During a pass, a layer's codes from before it (``entries``) and which of them were real
+    (``held``, row-relative ``[B, H, q]``; None: all)."""
+
+    entries: QuantizedEntries
+    held: torch.Tensor | None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.entries.tensors() + ([] if self.held is None else [self.held])
+
+    def positions(self) -> torch.Tensor:
+        """``[B, H, q]``: the position of each code's entry (row-relative columns; −1 past a row's codes)."""
+        entries = self.entries
+        return _row_relative(entries.positions.restore(entries.n), entries.starts, entries.counts, -1)
+
+
 def _aligned(starts: Sequence[int], counts: Sequence[int]) -> bool:
-    return all(start == 0 for start in starts) and len(set(counts)) == 1
+    return len(set(starts)) == 1 and len(set(counts)) == 1
 
 
 def _row_relative(x: torch.Tensor, starts: Sequence[int], counts: Sequence[int], fill: float = 0) -> torch.Tensor:
@@ -240,27 +351,47 @@ def _row_relative(x: torch.Tensor, starts: Sequence[int], counts: Sequence[int],
     column 0, ``[B, H, max(counts), ...]`` (``fill`` past a row's count): a view when aligned."""
     longest = max(counts)
     if _aligned(starts, counts):
-        return x.narrow(2, 0, longest)
+        return x.narrow(2, starts[0], longest)
     out = x.new_full((*x.shape[:2], longest, *x.shape[3:]), fill)
     for row, (start, count) in enumerate(zip(starts, counts)):
         out[row, :, :count] = x[row, :, start : start + count]
     return out
 
 
-def _reusable(previous: QuantizedEntries | None, positions: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+def _place(out: torch.Tensor, rel: torch.Tensor, starts: Sequence[int], counts: Sequence[int]) -> None:
+    """Row ``b``'s row-relative columns ``0 .. counts[b]`` of ``rel`` into columns ``starts[b] ..
+    starts[b] + counts[b]`` of ``out`` (the inverse of :func:`_row_relative`)."""
+    if _aligned(starts, counts):
+        out.narrow(2, starts[0], counts[0]).copy_(rel)
+        return
+    for row, (start, count) in enumerate(zip(starts, counts)):
+        out[row, :, start : start + count] = rel[row, :, :count]
+
+
+def _reusable(
+    previous: ReusableCodes | None,
+    positions: torch.Tensor,
+    held: torch.Tensor,
+    compact: CompactPositions,
+    starts: Sequence[int],
+) -> torch.Tensor:
     """``[B, H, q]`` (row-relative columns): whether ``previous``'s code of that column is still
     the entry held there (same position, same validity; a row that moved to column 0 keeps its
-    row-relative columns)."""
+    row-relative columns). ``compact``: the layer's positions now, rows starting at ``starts``."""
     reuse = torch.zeros(held.shape, dtype=torch.bool, device=held.device)
-    if previous is None or previous.positions.shape[:2] != positions.shape[:2]:
+    if previous is None or previous.entries.positions.shape[:2] != positions.shape[:2]:
         return reuse
-    common = min(previous.positions.shape[2], positions.shape[2])
-    same = previous.positions[:, :, :common] == positions[:, :, :common]
+    old = previous.entries
+    common = min(max(old.counts), positions.shape[2])
+    if old.positions.first is not None and old.positions.first == compact.first and old.starts == list(starts):
+        same = torch.ones(*held.shape[:2], common, dtype=torch.bool, device=held.device)  # nothing moved
+    else:
+        same = previous.positions()[:, :, :common] == positions[:, :, :common]
     if previous.held is not None:
         same &= previous.held[:, :, :common] == held[:, :, :common]
     elif not bool(held[:, :, :common].all()):
         same &= held[:, :, :common]
-    for row, count in enumerate(previous.counts):
+    for row, count in enumerate(previous.entries.counts):
         same[row, :, count:] = False
     reuse[:, :, :common] = same
     return reuse
@@ -273,52 +404,73 @@ def compress(
     positions: torch.Tensor,
     spans: Sequence[tuple[int, int]],
     config: QuantConfig,
-    previous: QuantizedEntries | None = None,
+    previous: ReusableCodes | None = None,
 ) -> QuantizedEntries:
     """Quantize a layer's ``keys``/``values`` ``[B, H, n, d]`` at ``positions`` whose row ``b``
     holds columns ``spans[b] = (start, width)`` (``valid`` ``[B, H, n]``: which are real; None:
     all), leaving each row's last entries past :func:`quantized_columns` at full precision.
 
-    Codes of ``previous`` (this layer's last quantization) whose entry is still in place are
+    Codes of ``previous`` (this layer's codes as its pass began) whose entry is still in place are
     kept as they are; only key groups with a new or moved entry, and new or moved values, are
     quantized (from the pass's dequantized or new entries). What a row gets depends on that
     row alone, so a row of a batch is quantized exactly as alone."""
     n = keys.shape[2]
     starts = [start for start, _ in spans]
     counts = [quantized_columns(width, config) for _, width in spans]
-    rel_keys, rel_values = _row_relative(keys, starts, counts), _row_relative(values, starts, counts)
-    rel_positions = _row_relative(positions, starts, counts, -1).to(torch.int32)
-    if valid is None and _aligned(starts, counts):
-        held = torch.ones(rel_positions.shape, dtype=torch.bool, device=keys.device)
-        stored_held = None
+    mask = None
+    if valid is not None or not _aligned(starts, counts):
+        real = torch.ones(positions.shape, dtype=torch.bool, device=keys.device) if valid is None else valid
+        mask = _row_relative(real, starts, counts, False)
+    compact = CompactPositions.of(positions)
+    before = None if previous is None else previous.entries
+    if before is not None and _unmoved(previous, compact, starts, counts, mask is not None):
+        quantized_keys, quantized_values = before.keys, before.values
     else:
-        held = _row_relative(
-            torch.ones(positions.shape, dtype=torch.bool, device=keys.device) if valid is None else valid,
-            starts,
-            counts,
-            False,
-        )
-        stored_held = held.clone()
-    reuse = _reusable(previous, rel_positions, held)
-    if previous is not None and previous.counts == counts and bool(reuse.all()):  # every code in place
-        quantized_keys, quantized_values = previous.keys, previous.values
-    else:
-        mask = None if stored_held is None else held
-        quantized_keys = _changed_keys(rel_keys, mask, reuse, None if previous is None else previous.keys, config)
-        quantized_values = _changed_values(rel_values, reuse, None if previous is None else previous.values, config)
-    residual_from = min(start + count for start, count in zip(starts, counts))
+        rel_positions = _row_relative(positions, starts, counts, -1)
+        held = torch.ones(rel_positions.shape, dtype=torch.bool, device=keys.device) if mask is None else mask
+        reuse = _reusable(previous, rel_positions, held, compact, starts)
+        if before is not None and before.counts == counts and bool(reuse.all()):  # every code in place
+            quantized_keys, quantized_values = before.keys, before.values
+        else:
+            rel_keys, rel_values = _row_relative(keys, starts, counts), _row_relative(values, starts, counts)
+            previous_keys, previous_values = (None, None) if before is None else (before.keys, before.values)
+            quantized_keys = _changed_keys(rel_keys, mask, reuse, previous_keys, config)
+            quantized_values = _changed_values(rel_values, reuse, previous_values, config)
+    widths = [width for _, width in spans]
+    tails = [start + count for start, count in zip(starts, counts)]
+    lengths = [width - count for width, count in zip(widths, counts)]
     return QuantizedEntries(
         config=config,
         keys=quantized_keys,
         values=quantized_values,
         starts=starts,
         counts=counts,
-        residual_from=residual_from,
-        residual_keys=keys[:, :, residual_from:n].clone(),
-        residual_values=values[:, :, residual_from:n].clone(),
+        widths=widths,
+        residual_keys=_row_relative(keys, tails, lengths).clone(),
+        residual_values=_row_relative(values, tails, lengths).clone(),
         n=n,
-        positions=rel_positions,
-        held=stored_held,
+        positions=compact,
+    )
+
+
+def _unmoved(
+    previous: ReusableCodes | None,
+    compact: CompactPositions,
+    starts: Sequence[int],
+    counts: Sequence[int],
+    masked: bool,
+) -> bool:
+    """Whether each of ``previous``'s codes is still the entry held in its column, known without a
+    tensor: every entry real, then and now, the rows' codes over the same columns, and each row's
+    positions consecutive from the same first (nothing evicted, moved or added among them)."""
+    if previous is None or previous.held is not None or masked:
+        return False
+    old = previous.entries
+    return (
+        old.counts == list(counts)
+        and old.starts == list(starts)
+        and old.positions.first is not None
+        and old.positions.first == compact.first
     )
 
 

@@ -19,12 +19,12 @@ told to move (gather, refill from the last column, grow, add or drop batch rows)
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Protocol
 
 import torch
 
-from kvevict.quant import QuantConfig, QuantizedEntries, compress
+from kvevict.quant import QuantConfig, QuantizedEntries, ReusableCodes, compress
 
 SLACK = 16
 """Columns a storage may hold beyond its entries and its room to grow before it gives them back."""
@@ -36,6 +36,51 @@ def capacity_bound(entries: int, room: int) -> int:
     before :meth:`LayerStorage.fit` gives columns back, which also bounds geometric growth
     (≤ 1.125×, or :data:`SLACK` columns more)."""
     return entries + room + max(SLACK, entries // 4)
+
+
+@dataclass(frozen=True)
+class ColumnBytes:
+    """The resident bytes of one row's entries in one layer, as a scheduler bounds them
+    (:func:`kvevict.bench.serving.batch_bound`). Unquantized (``coded`` 0): ``dense`` per column
+    of the padded storage's capacity (a key and a value per KV head at the model's dtype, their
+    positions, validity, per-token state). Quantized (:mod:`kvevict.quant`), between passes:
+    ``kept`` per padded column (validity, state, each head's position: at most int32, as
+    :class:`~kvevict.quant.CompactPositions` holds positions below 2^31), ``coded`` per entry
+    (codes, scales, zero points) and at most ``tail`` entries at full precision (``full`` bytes
+    each: a key and a value per head); while a pass attends the layer it also holds its
+    ``dense`` columns and one bool per head of each (which codes were real as it began)."""
+
+    dense: int
+    coded: int = 0
+    kept: int = 0
+    full: int = 0
+    tail: int = 0
+    heads: int = 0
+
+    @classmethod
+    def of(cls, dense: int, heads: int, head_dim: int, itemsize: int, quant: QuantConfig | None) -> ColumnBytes:
+        """A layer's, from its ``dense`` column bytes (which count each head's position as int64)."""
+        if quant is None:
+            return cls(dense)
+        full = heads * 2 * head_dim * itemsize
+        coded = heads * quant.coded_bytes(head_dim, itemsize)
+        return cls(dense, coded, dense - full - heads * 4, full, quant.flush - 1, heads)
+
+    def resident(self, entries: int, room: int) -> int:
+        """Bytes between passes of a row holding ``entries`` per head with ``room`` to grow."""
+        columns = capacity_bound(entries, room)
+        if not self.coded:
+            return columns * self.dense
+        return columns * self.kept + entries * self.coded + min(entries, self.tail) * self.full
+
+    def attended(self, entries: int, room: int) -> int:
+        """Bytes a pass holds besides :meth:`resident` while it attends this layer (quantized:
+        the dequantized columns, and which codes were real; unquantized: nothing)."""
+        return capacity_bound(entries, room) * (self.dense + self.heads) if self.coded else 0
+
+    def widest(self, other: ColumnBytes) -> ColumnBytes:
+        """Each figure the larger of the two (a setting's estimate raised to a built cache's)."""
+        return ColumnBytes(*(max(mine, theirs) for mine, theirs in zip(astuple(self), astuple(other))))
 
 
 @dataclass
@@ -108,7 +153,7 @@ class LayerStorage:
         """Between passes, the real entries of a ragged layer, and nothing else (:meth:`pack`)."""
         self.quantized: QuantizedEntries | None = None
         """Between passes, the keys and values of a quantized layer (:meth:`quantize`)."""
-        self.previous: QuantizedEntries | None = None
+        self.previous: ReusableCodes | None = None
         """During a pass, what :attr:`quantized` was: its codes still in place are kept at the pass's end."""
         self.replaced()
 
@@ -227,21 +272,25 @@ class LayerStorage:
     def quantize(self, n: int, spans: Sequence[tuple[int, int]], config: QuantConfig) -> None:
         """Between passes, hold the first ``n`` columns' keys and values quantized
         (:func:`kvevict.quant.compress`; row ``b`` holds columns ``spans[b] = (start, width)``);
-        positions, validity and state stay as they are."""
+        the positions compactly (:class:`kvevict.quant.CompactPositions`); validity and state stay as they are."""
         assert self.quantized is None and self.packed is None
         valid = None if self.valid is None else self.valid.narrow(2, 0, n)
         keys, values, positions = (x.narrow(2, 0, n) for x in self.kv_positions())
         self.quantized = compress(keys, values, valid, positions, spans, config, self.previous)
         self.previous = None
-        self.keys, self.values = (x.new_empty(*x.shape[:2], 0, *x.shape[3:]) for x in (self.keys, self.values))
+        self.keys, self.values, self.positions = (
+            x.new_empty(*x.shape[:2], 0, *x.shape[3:]) for x in self.kv_positions()
+        )
         self.replaced()
 
     def dequantize(self) -> None:
-        """The quantized keys and values back in padded storage (dequantized) before a pass."""
+        """The quantized keys and values (dequantized) and the positions back in padded storage before a pass."""
         quantized = self.quantized
         assert quantized is not None
-        self.quantized, self.previous = None, quantized
+        self.quantized = None
+        self.previous = quantized.reusable(None if self.valid is None else self.valid.narrow(2, 0, quantized.n))
         self.keys, self.values = quantized.restore(self.capacity)
+        self.positions = quantized.positions.restore(self.capacity)
         self.replaced()
 
     def dense(self, name: str, free: torch.Tensor) -> torch.Tensor | None:
@@ -253,6 +302,8 @@ class LayerStorage:
         if quantized is not None:
             if name in ("keys", "values"):
                 return quantized.restore(quantized.n)[name == "values"]
+            if name == "positions":
+                return quantized.positions.restore(quantized.n)
             value = self.valid if name == "valid" else self.entries()[name]
             return None if value is None else value.narrow(2, 0, quantized.n)
         packed = self.packed
@@ -263,7 +314,8 @@ class LayerStorage:
         """Storage is written in place, which torch forbids on tensors made under ``inference_mode``
         once that mode is left (e.g. ``kvevict.answer`` filled the cache and the caller goes on
         under ``no_grad``): copy it once into ordinary tensors."""
-        if not torch.is_inference_mode_enabled() and any(x.is_inference() for x in self.kv_positions()):
+        held = [*self.entries().values(), *([] if self.valid is None else [self.valid])]
+        if not torch.is_inference_mode_enabled() and any(x.is_inference() for x in held):
             self._map(torch.clone)
 
     def ensure_valid(self, spans: Sequence[tuple[int, int]]) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 
 import kvevict
 from kvevict.quant import (
+    CompactPositions,
     QuantConfig,
     dequantize_keys,
     dequantize_values,
@@ -82,9 +83,36 @@ def test_codes_are_packed_low_bits_first() -> None:
     assert pack(four, 4).tolist() == [[15 + (1 << 4)]] and torch.equal(unpack(pack(four, 4), 4), four)
 
 
-def test_the_residual_keeps_the_most_recent_entries_until_a_group_fills() -> None:
-    config = QuantConfig(bits=4, group=8, residual=8)
-    assert [quantized_columns(width, config) for width in (0, 8, 15, 16, 23, 24, 100)] == [0, 0, 0, 8, 8, 16, 88]
+def test_the_residual_is_flushed_whole_in_groups_as_kivi_and_quanto_do() -> None:
+    """``width mod F`` entries at full precision, ``F = group · max(1, ⌊residual / group⌋)``."""
+    widths = (0, 7, 8, 15, 16, 23, 24, 100)
+    config = QuantConfig(bits=4, group=8, residual=8)  # F = 8: 0 .. 7 entries at full precision
+    assert [quantized_columns(width, config) for width in widths] == [0, 0, 8, 8, 16, 16, 24, 96]
+    config = QuantConfig(bits=4, group=8, residual=20)  # F = 16: 0 .. 15, never more than the residual
+    assert [quantized_columns(width, config) for width in widths] == [0, 0, 0, 0, 16, 16, 16, 96]
+    config = QuantConfig(bits=4, group=8, residual=3)  # below a group: a key group still needs 8 tokens
+    assert [quantized_columns(width, config) for width in widths] == [0, 0, 8, 8, 16, 16, 24, 96]
+    for residual in (8, 20, 32):
+        config = QuantConfig(bits=4, group=8, residual=residual)
+        assert all(width - quantized_columns(width, config) < residual for width in range(200))
+
+
+def test_positions_are_held_in_the_fewest_bytes_that_hold_them_exactly() -> None:
+    consecutive = torch.arange(-3, 9).view(1, 1, 12).repeat(2, 3, 1) + torch.tensor([0, 5]).view(2, 1, 1)
+    small = consecutive.clone()
+    small[1, 2, 4] = 30_000
+    large = small.clone()
+    large[0, 0, 0] = -(2**20)
+    huge = small.clone()
+    huge[1, 1, 1] = 2**40
+    for positions, table in zip((consecutive, small, large, huge), (None, torch.int16, torch.int32, torch.int64)):
+        compact = CompactPositions.of(positions)
+        assert (compact.first is None) == (table is not None)
+        assert (compact.table.dtype if compact.table is not None else None) == table
+        restored = compact.restore(15)
+        assert restored.dtype == torch.long and torch.equal(restored[:, :, :12], positions)
+        assert not bool(restored[:, :, 12:].any())
+    assert CompactPositions.of(consecutive).first == [-3, 2] and CompactPositions.of(consecutive).tensors() == []
 
 
 # -- the quantized contract ------------------------------------------------------------------------
@@ -126,9 +154,10 @@ def test_a_quantized_left_padded_batch_gives_each_row_what_it_gets_alone(policy:
     prompts = [prompt(length, seed=seed) for seed, length in enumerate((BUDGET + 8, BUDGET + 24, BUDGET + 15))]
     ids, mask = left_padded(prompts)
     budget = None if policy == "full" else BUDGET
-    batch_tokens, batch_logits = greedy_batch(
-        model, ids, mask, kvevict.EvictionCache(model, build_policy(policy), budget=budget, **QUANT), 7
-    )
+    batch = kvevict.EvictionCache(model, build_policy(policy), budget=budget, **QUANT)
+    batch_tokens, batch_logits = greedy_batch(model, ids, mask, batch, 7)
+    for layer in batch.eviction_layers:  # each row keeps its own tail at full precision, fewer than 8 entries
+        assert layer.storage.quantized.residual_keys.shape[2] < QUANT["residual"]
     for row, ids_alone in enumerate(prompts):
         alone = kvevict.EvictionCache(model, build_policy(policy), budget=budget, **QUANT)
         tokens, logits = greedy(model, ids_alone, alone, new_tokens=7)
@@ -191,23 +220,32 @@ def test_without_quant_nothing_is_quantized() -> None:
 @pytest.mark.parametrize("quant,bits", [("int8", 8), ("int4", 4), ("int2", 2)])
 def test_kv_bytes_are_the_codes_scales_residual_and_positions(quant: str, bits: int) -> None:
     """The tiny llama: 2 layers, 2 KV heads of 16 dims, fp32. ``full`` over 75 tokens, groups of 8,
-    residual 8: 64 entries quantized (8 key groups), 11 at full precision; every entry's int64
-    position over the storage's capacity, and each code's int32 position."""
+    residual 8: 72 entries quantized (9 key groups), 75 mod 8 = 3 at full precision; the
+    positions 0 .. 74 of every head are the row's first (an int, no tensor)."""
     model = tiny_model()
     cache = kvevict.EvictionCache(model, "full", quant=quant, quant_group=8, residual=8)
     with torch.no_grad():
         model(input_ids=prompt(75), past_key_values=cache)
-    heads, d, q, n = 2, 16, 64, 75
+    heads, d, q, n = 2, 16, 72, 75
     codes = 2 * heads * q * d * bits // 8  # keys and values
     key_scales = 2 * heads * (q // 8) * d * 4  # scale and zero point per channel per group of 8 tokens
     value_scales = 2 * heads * q * (d // 8) * 4  # scale and zero point per token per group of 8 channels
     residual = 2 * heads * (n - q) * d * 4
-    identity = heads * q * 4  # int32 position of each code's entry (what the next pass's end may keep)
     for layer in cache.eviction_layers:
         assert layer.storage.state == {} and layer.storage.valid is None
-        positions = heads * layer.storage.capacity * 8  # int64, over the storage's capacity
-        assert layer.kv_bytes() == codes + key_scales + value_scales + residual + identity + positions
+        assert layer.kv_bytes() == codes + key_scales + value_scales + residual
     assert cache.kv_bytes() == sum(resident_storages(cache).values())  # and that is what a walk finds
+
+
+def test_an_evicting_layer_holds_its_positions_as_int16() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "tova", budget=BUDGET, quant="int4", quant_group=8, residual=8)
+    greedy(model, prompt(PROMPT), cache, new_tokens=3)
+    for layer in cache.eviction_layers:
+        compact = layer.storage.quantized.positions
+        assert compact.first is None and compact.table.dtype == torch.int16
+        assert compact.table.shape == (1, 2, layer.n)  # the entries held, not the storage's capacity
+        assert torch.equal(layer.positions, compact.table.long())
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "kvzip", "tova", "lazyeviction"])

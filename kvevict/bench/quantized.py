@@ -14,9 +14,10 @@ For each prompt of the offline tasks, the full cache's greedy answer is replayed
 - each ``--policies`` policy at ``--keep``, unquantized and with each ``--quant``.
 
 Each row: top-1 agreement and mean KL(reference ‖ run) over the answer positions, the KV bytes
-held after the replay (kvevict: ``kv_bytes()``; a transformers cache: every tensor its layers
-hold, quanto's packed codes, scales and shifts included), and the median over decode steps of a
-step's time over the paired ``DynamicCache`` step's. A benchmark, never a test: timings depend on the machine.
+held after the replay and their mean over its decode steps (kvevict: ``kv_bytes()``; a
+transformers cache: every tensor its layers hold, quanto's packed codes, scales and shifts
+included; the mean is what to compare, over a whole number of flushes: each cache flushes its
+full-precision residual at its own step), and the median over decode steps of a step's time over the paired ``DynamicCache`` step's. A benchmark, never a test: timings depend on the machine.
 """
 
 from __future__ import annotations
@@ -105,23 +106,25 @@ def cache_bytes(cache: Cache) -> int:
 @torch.inference_mode()
 def replay_paired(
     model: PreTrainedModel, cache: Cache, ids: torch.Tensor, answer: torch.Tensor
-) -> tuple[torch.Tensor, list[float]]:
+) -> tuple[torch.Tensor, list[float], list[int]]:
     """``answer`` ``[T]`` teacher-forced after ``ids`` one token per pass, through ``cache`` and,
     step by step in turn, an unquantized ``DynamicCache``: the ``[T, V]`` logits of ``cache``
-    predicting each answer token, and each decode pass's seconds over the paired DynamicCache pass's."""
+    predicting each answer token, each decode pass's seconds over the paired DynamicCache pass's,
+    and the KV bytes ``cache`` holds after the prompt and after each decode pass (:func:`cache_bytes`, not timed)."""
     reference = DynamicCache()
     model(input_ids=ids, **with_cache(reference))
     logits = [model(input_ids=ids, **with_cache(cache)).logits[0, -1:]]
     if isinstance(cache, EvictionCache):
         cache.end_prompt()
-    ratios = []
+    ratios, held = [], [cache_bytes(cache)]
     for token in answer[:-1]:
         start = time.perf_counter()
         model(input_ids=token.view(1, 1), **with_cache(reference))
         middle = time.perf_counter()
         logits.append(model(input_ids=token.view(1, 1), **with_cache(cache)).logits[0, -1:])
         ratios.append((time.perf_counter() - middle) / (middle - start))
-    return torch.cat(logits), ratios
+        held.append(cache_bytes(cache))
+    return torch.cat(logits), ratios, held
 
 
 @torch.inference_mode()
@@ -144,7 +147,8 @@ def measure(
     group: int = 32,
     residual: int = 32,
 ) -> list[dict[str, object]]:
-    """One row per run (prompts pooled): ``top1``, ``kl``, ``kv_mib`` (mean over prompts),
+    """One row per run (prompts pooled): ``top1``, ``kl``, ``kv_mib`` (after the replay) and
+    ``mean_kv_mib`` (over its decode steps; after the prompt where there are none), each a mean over prompts,
     ``step_ratio`` (median over the decode steps of each step's time over the paired
     ``DynamicCache`` step's, :func:`replay_paired`), over the prompts the run's policy accepts
     (``prompts``: a ``keep=`` budget below a policy's windows is refused on a short prompt)."""
@@ -154,16 +158,17 @@ def measure(
         answer = greedy_answer(model, ids, new_tokens)
         expected = reference_logits(model, ids, answer)
         for run in runs:
-            total = totals.setdefault(run.label, {"top1": [], "kl": [], "kv": [], "ratio": []})
+            total = totals.setdefault(run.label, {"top1": [], "kl": [], "kv": [], "mean_kv": [], "ratio": []})
             cache = make_cache(model, run, group, residual)
             try:
-                logits, ratios = replay_paired(model, cache, ids, answer)
+                logits, ratios, held = replay_paired(model, cache, ids, answer)
             except ValueError:  # a policy refusing this prompt (a keep= budget below its windows): left out
                 continue
             fidelity = fidelity_metrics(expected, logits, answer)
             total["top1"].append(fidelity.top1)
             total["kl"].append(fidelity.kl)
-            total["kv"].append(cache_bytes(cache))
+            total["kv"].append(held[-1])
+            total["mean_kv"].append(statistics.fmean(held[1:] or held))
             total["ratio"] += ratios
             if isinstance(cache, EvictionCache):
                 cache.close()
@@ -174,6 +179,7 @@ def measure(
             "top1": statistics.fmean(total["top1"]),
             "kl": statistics.fmean(total["kl"]),
             "kv_mib": statistics.fmean(total["kv"]) / MIB,
+            "mean_kv_mib": statistics.fmean(total["mean_kv"]) / MIB,
             "step_ratio": statistics.median(total["ratio"]),
         }
         for label, total in totals.items()
@@ -182,7 +188,15 @@ def measure(
 
 
 def format_table(rows: Sequence[dict[str, object]]) -> str:
-    header = ["run", "prompts", "top-1 vs unquantized", "KL (nats)", "KV MiB", "decode step / DynamicCache"]
+    header = [
+        "run",
+        "prompts",
+        "top-1 vs unquantized",
+        "KL (nats)",
+        "KV MiB",
+        "mean KV MiB",
+        "decode step / DynamicCache",
+    ]
     body = [
         [
             str(r["run"]),
@@ -190,6 +204,7 @@ def format_table(rows: Sequence[dict[str, object]]) -> str:
             f"{r['top1']:.3f}",
             f"{r['kl']:.4f}",
             f"{r['kv_mib']:.2f}",
+            f"{r['mean_kv_mib']:.2f}",
             f"{r['step_ratio']:.2f}x",
         ]
         for r in rows

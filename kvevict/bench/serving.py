@@ -12,7 +12,11 @@ or a compressed document copied and asked a question); this module only schedule
   interval for a decode-time policy, retained entries + new tokens otherwise), and a batch's
   *bound* is what padded storage of that many columns holds
   (:func:`~kvevict.storage.capacity_bound`: room to grow and slack included) for every row:
-  ``rows × capacity_bound(max ceiling) × column bytes``. Before a job's cache exists its
+  ``rows × capacity_bound(max ceiling) × column bytes``. A quantized setting's bound counts what
+  its layers hold between passes (:class:`~kvevict.storage.ColumnBytes`: codes, scales and zero
+  points per entry, at most ``flush − 1`` full-precision entries, positions, validity and state
+  per column) and one layer dequantized, the one a pass attends, so the same cap admits
+  proportionally more of its rows. Before a job's cache exists its
   ceiling is predicted (:meth:`Job.predicted_ceiling`); once built, the real one is checked,
   and a job that no longer fits waits, its cache counted, until a row finishes.
 * **Decoding.** The running rows decode together, one token per row and step, each at its
@@ -37,7 +41,7 @@ from transformers import PreTrainedModel
 from kvevict.bench.memory import MIB
 from kvevict.cache import EvictionCache
 from kvevict.compat import with_cache
-from kvevict.storage import capacity_bound
+from kvevict.storage import ColumnBytes, capacity_bound
 
 NextTokens = Callable[[torch.Tensor, Sequence[Sequence[int]]], list[int]]
 """Picks each row's next token from its logits ``[B, V]`` and its tokens so far (greedy by default)."""
@@ -68,14 +72,16 @@ def padded_bytes(entries: Sequence[int], column_bytes: Sequence[int], room: int 
     return sum(capacity_bound(n, room) * size for n, size in zip(entries, column_bytes, strict=True))
 
 
-def batch_bound(ceilings: Sequence[Sequence[int]], room: int, column_bytes: Sequence[int]) -> int:
+def batch_bound(ceilings: Sequence[Sequence[int]], room: int, layers: Sequence[ColumnBytes]) -> int:
     """Resident bytes of a batch whose rows have ``ceilings`` (per layer, entries per head) in
     padded storage: each layer as long as its longest row's ceiling there (the layers of a pass
-    are all unpacked at once), ``column_bytes[l]`` per entry column of a row of layer ``l``."""
+    are all unpacked at once), a row of layer ``l`` holding what ``layers[l]`` says; quantized,
+    the layers between passes and the largest of them dequantized while a pass attends it."""
     if not ceilings:
         return 0
-    longest = [max(row[layer] for row in ceilings) for layer in range(len(column_bytes))]
-    return len(ceilings) * padded_bytes(longest, column_bytes, room)
+    longest = [max(row[layer] for row in ceilings) for layer in range(len(layers))]
+    resident = sum(layer.resident(n, room) for layer, n in zip(layers, longest, strict=True))
+    return len(ceilings) * (resident + max(layer.attended(n, room) for layer, n in zip(layers, longest)))
 
 
 @dataclass
@@ -118,7 +124,7 @@ class Server:
         self.batch: EvictionCache | None = None
         self.rows: list[_Row | None] = []
         self.waiting: tuple[int, EvictionCache] | None = None
-        self.column_bytes: list[int] = []
+        self.layer_bytes: list[ColumnBytes] = []
         self.room = 1
 
     def _ceilings(self, extra: Sequence[Sequence[int]] = ()) -> list[Sequence[int]]:
@@ -126,18 +132,18 @@ class Server:
 
     def _bound(self, extra: Sequence[Sequence[int]] = ()) -> int:
         waiting = 0 if self.waiting is None else self.waiting[1].kv_bytes()
-        return batch_bound(self._ceilings(extra), self.room, self.column_bytes) + waiting + self.shared_bytes()
+        return batch_bound(self._ceilings(extra), self.room, self.layer_bytes) + waiting + self.shared_bytes()
 
     def _remaining(self, served: Served, job: int, jobs: Sequence[Job]) -> int:
         output = served.outputs[job]
         return 0 if output and output[-1] in self.stop_tokens else jobs[job].new_tokens - len(output)
 
     @torch.inference_mode()
-    def serve(self, jobs: Sequence[Job], estimate_column_bytes: Sequence[int]) -> Served:
-        """Serve every job once; ``estimate_column_bytes``: per layer, resident bytes per entry
-        column of a row before any cache was measured (raised to each built cache's)."""
+    def serve(self, jobs: Sequence[Job], estimate: Sequence[ColumnBytes]) -> Served:
+        """Serve every job once; ``estimate``: per layer, what a row's entries hold before any
+        cache was measured (raised to each built cache's)."""
         served = Served(outputs=[[] for _ in jobs])
-        self.column_bytes = list(estimate_column_bytes)
+        self.layer_bytes = list(estimate)
         pending = list(range(len(jobs)))
         start = time.perf_counter()
         while pending or self.waiting is not None or any(row is not None for row in self.rows):
@@ -157,7 +163,7 @@ class Server:
         if self.waiting is not None:
             job, cache = self.waiting
             ceiling = cache.row_ceiling(0, self._remaining(served, job, jobs))
-            if running and batch_bound(self._ceilings([ceiling]), self.room, self.column_bytes) > self.cap:
+            if running and batch_bound(self._ceilings([ceiling]), self.room, self.layer_bytes) > self.cap:
                 return False
             self.waiting = None
             self._join(job, cache, ceiling, served)
@@ -166,12 +172,12 @@ class Server:
             return False
         job = pending[0]
         free = self.cap - self._bound()
-        transient = jobs[job].transient_bytes(free, self.column_bytes)
+        transient = jobs[job].transient_bytes(free, [layer.dense for layer in self.layer_bytes])
         predicted = jobs[job].predicted_ceiling()
         if transient is None or self._bound([predicted]) > self.cap:
             if running:
                 return False  # wait for a running row to finish
-            need = max(transient or 0, padded_bytes(predicted, self.column_bytes, self.room))
+            need = max(transient or 0, batch_bound([predicted], self.room, self.layer_bytes))
             shared = self.shared_bytes()
             raise ValueError(
                 f"the memory cap ({self.cap / MIB:.1f} MiB) holds no sequence of this setting: one needs about "
@@ -182,13 +188,14 @@ class Server:
         tick = time.perf_counter()
         cache, logits = jobs[job].start()
         served.prefill_s += time.perf_counter() - tick
-        self.column_bytes = [max(mine, theirs) for mine, theirs in zip(self.column_bytes, cache.column_bytes())]
+        built_bytes = [layer.storage_bytes() for layer in cache.eviction_layers]
+        self.layer_bytes = [mine.widest(theirs) for mine, theirs in zip(self.layer_bytes, built_bytes, strict=True)]
         self.room = max(self.room, cache.sequences[0].interval)
         built = max(cache.kv_bytes(), cache.peak_entries() * sum(cache.column_bytes()))  # its pass's padded storage
         served.peak_bytes = max(served.peak_bytes, self._resident() + built)
         served.outputs[job].append(self.next_tokens(logits[None], [served.outputs[job]])[0])
         ceiling = cache.row_ceiling(0, self._remaining(served, job, jobs))
-        if running and batch_bound(self._ceilings([ceiling]), self.room, self.column_bytes) > self.cap:
+        if running and batch_bound(self._ceilings([ceiling]), self.room, self.layer_bytes) > self.cap:
             self.waiting = (job, cache)  # its real ceiling exceeds the prediction: it waits for room
             return False
         self._join(job, cache, ceiling, served)

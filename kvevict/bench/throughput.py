@@ -50,6 +50,8 @@ from kvevict.bench.workloads import Document, Learned, Library, PromptJob, Quest
 from kvevict.figures import pyplot, save_figure
 from kvevict.generation import stop_tokens_of
 from kvevict.policies import make_policy
+from kvevict.quant import QuantConfig
+from kvevict.storage import ColumnBytes
 
 RESULTS_FILE = "throughput.jsonl"
 Workload = Literal["oneshot", "longgen", "ask"]
@@ -116,14 +118,19 @@ def token_bytes(model: PreTrainedModel) -> int:
     return 2 * config.num_hidden_layers * heads * head_dim * model.dtype.itemsize
 
 
-def estimate_column_bytes(model: PreTrainedModel) -> list[int]:
-    """Per layer, resident bytes of one entry column of one row before a cache has shown its
-    own: keys and values plus each KV head's position (int64) and validity (bool); per-token
-    policy state joins once the first cache of a setting is built."""
+def estimate_column_bytes(model: PreTrainedModel, quant: str | None = None) -> list[ColumnBytes]:
+    """Per layer, what one row's entries hold before a cache has shown its own: per column keys
+    and values plus each KV head's position (int64) and validity (bool), and with ``quant``
+    (``EvictionCache``'s default group and residual) the codes instead between passes
+    (:class:`~kvevict.storage.ColumnBytes`); per-token policy state joins once the first cache
+    of a setting is built."""
     config = model.config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     layers = config.num_hidden_layers
-    return [token_bytes(model) // layers + heads * (8 + 1)] * layers
+    dense = token_bytes(model) // layers + heads * (8 + 1)
+    quantized = QuantConfig.make(quant, None, QuantConfig.residual, head_dim)
+    return [ColumnBytes.of(dense, heads, head_dim, model.dtype.itemsize, quantized)] * layers
 
 
 def agreement(outputs: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]) -> float:
@@ -234,7 +241,7 @@ def serve_setting(
         essay = EssayTokens(banned=stop_tokens_of(model)) if config.workload == "longgen" else None
         server = Server(model, config.cap_bytes, next_tokens=essay)
         prompt_tokens = sum(ids.shape[-1] for ids in inputs)
-    served = server.serve(jobs, estimate_column_bytes(model))
+    served = server.serve(jobs, estimate_column_bytes(model, setting.quant))
     figures = _figures(served, len(jobs), prompt_tokens)
     if config.workload == "ask":
         figures |= _answers(served, inputs, library, tokenizer)

@@ -42,7 +42,7 @@ def test_reports_fidelity_bytes_and_a_paired_step_ratio_per_run() -> None:
     rows = measure(model, [prompt(80)], runs, new_tokens=4, group=8, residual=8)
     assert [row["run"] for row in rows] == [run.label for run in runs]
     assert all(0 <= row["top1"] <= 1 and row["kl"] >= 0 and row["step_ratio"] > 0 for row in rows)
-    assert rows[2]["kv_mib"] < rows[1]["kv_mib"]  # the same entries, fewer bits
+    assert rows[2]["kv_mib"] < rows[1]["kv_mib"] and rows[2]["mean_kv_mib"] < rows[1]["mean_kv_mib"]
     assert "decode step / DynamicCache" in quantized.format_table(rows)
 
 
@@ -51,6 +51,17 @@ def test_the_peer_is_transformers_quantized_cache() -> None:
     model = tiny_model()
     rows = measure(model, [prompt(80)], [QuantRun(quant="int4", peer=True)], new_tokens=3, group=8, residual=8)
     assert rows[0]["run"] == "QuantizedCache quanto int4" and rows[0]["kv_mib"] > 0
+
+
+@pytest.mark.parametrize("quant", ["int4", "int2"])
+def test_full_quantized_holds_no_more_than_the_peer_at_the_same_residual(quant: str) -> None:
+    """Over a whole flush cycle (8 decode steps, residual 8) both hold each of 0 .. 7 entries at full
+    precision once (quanto from 0 after the 83-token prompt, kvevict from 83 mod 8 = 3)."""
+    pytest.importorskip("optimum.quanto")
+    model = tiny_model()
+    runs = [QuantRun(quant=quant), QuantRun(quant=quant, peer=True)]
+    mine, peer = measure(model, [prompt(83)], runs, new_tokens=9, group=8, residual=8)
+    assert mine["mean_kv_mib"] <= peer["mean_kv_mib"]
 
 
 def test_a_run_whose_policy_refuses_a_prompt_is_left_out_of_that_prompt() -> None:

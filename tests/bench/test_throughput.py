@@ -14,7 +14,7 @@ from kvevict.bench.throughput import MIB, Setting, ThroughputConfig, run_through
 from kvevict.bench.workloads import Learned, PromptJob, setting_cache
 from kvevict.cli import main
 from kvevict.generation import greedy_after, prefill, stop_tokens_of
-from kvevict.storage import capacity_bound
+from kvevict.storage import ColumnBytes, capacity_bound
 from tests.conftest import prompt, tiny_model
 
 NEW = 6
@@ -48,7 +48,7 @@ def full_column_bytes(model) -> list[int]:
 def rows_bound(model, rows: int, entries: int) -> int:
     """Resident bytes of ``rows`` full-cache rows of ``entries`` entries per head in every layer."""
     column = full_column_bytes(model)
-    return batch_bound([[entries] * len(column)] * rows, 1, column)
+    return batch_bound([[entries] * len(column)] * rows, 1, [ColumnBytes(size) for size in column])
 
 
 def two_full_sequences(model, length: int, new: int) -> float:
@@ -96,6 +96,26 @@ def test_a_decode_time_policy_is_admitted_by_its_ceiling_not_by_full_growth(tmp_
     for record in (full, evicting):
         assert record["peak_kv_bytes"] <= config.cap_bytes
         assert [len(tokens) for tokens in record["outputs"]] == [new] * 8  # every sequence served once, whole
+
+
+def test_a_quantized_setting_admits_more_rows_under_the_same_cap_and_stays_under_it(tmp_path) -> None:
+    """Admission by what quantized rows hold (codes, scales, the residual, one dense layer)."""
+    model = tiny_model()
+    length, new = 100, 150
+    prompts = [prompt(length, seed=seed) for seed in range(8)]
+    cap = (rows_bound(model, 3, length + new) + capacity_bound(length, 0) * sum(full_column_bytes(model))) / MIB
+    config = ThroughputConfig("tiny", "random", 8, length, new, cap, workload="longgen", fidelity=False)
+    runs = settings(["tova"], budgets=(192,), quants=(None, "int4"))
+    records = run_throughput(model, prompts, config, runs, tmp_path, False)
+    assert [(r["policy"], r.get("quant")) for r in records] == [
+        ("full", None), ("tova", None), ("full", "int4"), ("tova", "int4")
+    ]  # fmt: skip
+    full, tova, full_int4, tova_int4 = records
+    assert full["max_batch"] == 3
+    assert full_int4["max_batch"] > full["max_batch"] and tova_int4["max_batch"] > tova["max_batch"]
+    for record in records:
+        assert record["peak_kv_bytes"] <= config.cap_bytes
+        assert [len(tokens) for tokens in record["outputs"]] == [new] * 8
 
 
 def test_teacher_forced_fidelity_is_recorded_for_long_generations(tmp_path) -> None:
