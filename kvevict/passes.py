@@ -25,8 +25,9 @@ from kvevict.rows import LayerStack, RowState, RowView, SequenceState, phase_of,
 from kvevict.signals import Phase, Signals
 from kvevict.storage import Columns, LayerArena, LayerStorage
 
-SidePassObserver = Callable[[Any, torch.Tensor, float, torch.nn.Module | None], None]
-"""Receives ``(layer, query, scaling, attention module)`` of each layer during a scoring pass."""
+SidePassObserver = Callable[[Any, torch.Tensor, Any, torch.nn.Module | None], torch.Tensor | None]
+"""Receives ``(layer, query, logit spec, attention module)`` of each layer during a scoring pass, before
+the kernel; returns the layer's attention output ``[B, q, Hq, d]`` when it computed it, else None."""
 
 
 class PassHook:
