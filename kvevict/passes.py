@@ -149,7 +149,7 @@ class PassBookkeeping:
 
     def _continue_prompt(self, row: SequenceState) -> None:
         """A later chunk of the prompt: its tokens are prompt tokens of ``row`` (``decode_step`` stays 0)."""
-        if self.policy.deferred_prefill:
+        if self.policy.deferred_prefill and not self.policy.rescores_chunks:
             raise ValueError(
                 f"policy {self.policy.name!r} evicts the prefill once the whole prompt has run through every layer "
                 "(a scoring pass, or one budget across layers), so it cannot compress a prompt chunk by chunk: "

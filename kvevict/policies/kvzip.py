@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 
 SCORES = "scores"
 """Memo key (this stage's namespace): running max ``[B, Hkv, n_context]`` fp32 over the repeat chunks."""
+BEST = "best"
+"""Per-token state key (``per_layer``): each entry's best score over the repeat passes it saw ``[B, Hkv, n]`` fp32."""
 VALUE_WEIGHTS = "value_weights"
 """Memo key (``plus``): ``‖W_O^h v_i‖₂`` of the context entries ``[B, Hq, n_context]``."""
 FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
@@ -192,12 +194,19 @@ class KVzip(Method):
     :func:`kvevict.load_model`, or give ``tokenizer=``); without one the repeat is the bare
     context (a warning says so). Prefill only; costs about one more prefill per context
     (see docs/policies.md).
+
+    Chunked prefill (``per_layer=True`` only; docs/fastkvzip.md, round 3): after each chunk's
+    forward the chunk alone is repeated over the retained entries and the chunk, every entry
+    keeps the max of its scores over the repeats it saw (per-token state), and each head is
+    evicted back to its budget: at most ``budget + chunk`` entries per KV head between passes
+    (plus the repeat's own while it runs).
     """
 
     name = "kvzip"
     summary = "keep what the model reads to repeat the context (KVzip reconstruction, global budget; prefill)"
     regimes = ("prefill",)
     deferred_prefill = True
+    rescores_chunks = True  # with per_layer=true: each chunk repeated and evicted in turn (class docstring)
     comparable_scores = True
 
     PARAMS = declare(
@@ -225,8 +234,18 @@ class KVzip(Method):
     def clash_advice(self, stage: Stage) -> str:
         return f"kvzip shares one budget across layers itself; use {stage.name}+kvzip[per_layer=true]"
 
+    def new_tokens(self, layer: EntryView, num_new: int) -> dict[str, torch.Tensor]:
+        if not self.per_layer:
+            return {}
+        return {BEST: layer.keys.new_zeros(*layer.keys.shape[:2], num_new, dtype=torch.float32)}
+
     def score(self, layer: EntryView, signals: Any) -> torch.Tensor:
-        return self.memo(layer).pop(SCORES)
+        scores = self.memo(layer).pop(SCORES)
+        if not self.per_layer:
+            return scores
+        best = self.state(layer)[BEST]  # the scores of the earlier chunks' repeats (0 for this chunk's entries)
+        best.copy_(torch.maximum(best, scores))
+        return best
 
     # -- the repeat pass --------------------------------------------------------------
     def repeat_inputs(self, decoder: torch.nn.Module, input_ids: torch.Tensor) -> list[torch.Tensor]:
@@ -266,7 +285,7 @@ class KVzip(Method):
         left-padded batch per chunk; each row scores only its own entries, as alone."""
         if input_ids is None:
             raise ValueError("kvzip needs the prefill's input_ids (not inputs_embeds) to run its repeat pass")
-        prompts = {view.row: view.prompt_length for view, _ in cache.deferred}
+        prompts = {view.row: view.num_new for view, _ in cache.deferred}  # the prompt, or this chunk of it
         repeats = {
             row: self.repeat_inputs(decoder, input_ids[row : row + 1, input_ids.shape[-1] - length :])
             for row, length in prompts.items()

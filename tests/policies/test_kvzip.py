@@ -187,3 +187,29 @@ def test_bad_parameters_say_what_is_allowed() -> None:
     with pytest.raises(ValueError, match="sinks"):
         kvevict.make_policy("kvzip", sinks=0)
     kvevict.make_policy("kvzip", sinks=0, per_layer=True)
+
+
+def test_a_prompt_in_chunks_is_repeated_and_evicted_chunk_by_chunk() -> None:
+    """kvzip[per_layer=true] takes chunked prefill: after each chunk each head is back at its
+    budget, every entry keeps the best score of the repeats it saw, and the next token is
+    attention over the retained entries. A pooled budget still refuses chunks."""
+    model = tiny_model()
+    ids = prompt(96)
+    cache = kvevict.EvictionCache(model, "kvzip[per_layer=true]", budget=24)
+    before: dict[int, dict[int, float]] = {}
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        for start in range(0, 96, 32):
+            model(input_ids=ids[:, start : start + 32], past_key_values=cache)
+            assert cache.layer_lengths() == [24, 24]
+            layer = cache.eviction_layers[0]
+            best = dict(zip(layer.positions[0, 0].tolist(), layer.state["kvzip/best"][0, 0].tolist()))
+            assert all(best[p] >= score for p, score in before.get(0, {}).items() if p in best)  # a running max
+            before[0] = best
+            assert max(layer.positions[0, 0].tolist()) <= start + 31
+    assert cache.get_seq_length() == 96  # positions go on from the whole prompt
+    assert_next_logits_match_reference(model, cache, ids[:, -1:])
+    pooled = kvevict.EvictionCache(model, "kvzip", budget=24)
+    with pytest.raises(ValueError, match="cannot compress a prompt chunk by chunk"), torch.no_grad():
+        for start in range(0, 64, 32):
+            model(input_ids=ids[:, start : start + 32], past_key_values=pooled)
