@@ -45,6 +45,7 @@ class AttendedLayer(Protocol):
     def query_positions(self, q: int) -> torch.Tensor: ...
     def begin_pass(self, attention_mask: torch.Tensor | None) -> None: ...
     def decode_row(self, query: torch.Tensor, spec: LogitSpec) -> torch.Tensor | None: ...
+    def side_attention(self, query: torch.Tensor, spec: LogitSpec, module: torch.nn.Module) -> torch.Tensor | None: ...
     def correct_output(self, query: torch.Tensor, output: torch.Tensor, scaling: float) -> torch.Tensor: ...
     def after_attention(
         self, query: torch.Tensor, scaling: LogitSpec, module: torch.nn.Module, row: torch.Tensor | None
@@ -127,7 +128,10 @@ def _make_attention(base: str) -> Callable:
         layer.begin_pass(attention_mask)
         spec = kernel_spec(query, kwargs)
         row = None if base not in ROW_KERNELS or module.training else layer.decode_row(query, spec)
-        if row is None:
+        side = layer.side_attention(query, spec, module)  # a policy's own scoring pass (KVzip's) may attend itself
+        if side is not None:
+            output, weights = side, None
+        elif row is None:
             attention_mask = _layer_mask(base, attention_mask, query, layer)
             output, weights = base_kernel(base, module)(module, query, key, value, attention_mask, **kwargs)
         else:  # the policy reads this very row: attend by it rather than compute it twice

@@ -128,6 +128,17 @@ class PolicyDriver:
             self._row_log_partition = logits.logsumexp(dim=-1)
         return softmax_rows(logits, spec)
 
+    def side_attention(
+        self, query: torch.Tensor, spec: LogitSpec, module: torch.nn.Module | None = None
+    ) -> torch.Tensor | None:
+        """In a scoring pass of the policy's own (KVzip's repeat, :meth:`EvictionCache.scoring_pass`):
+        hand the pass's queries to its observer before the kernel runs, and return the attention
+        output ``[B, q, Hq, d]`` when the observer computed it (the kernel then does not run);
+        None when it did not, or outside a scoring pass."""
+        if self.owner.side_pass is None:
+            return None
+        return self.owner.side_pass(self, query, spec, module)
+
     def after_attention(
         self,
         query: torch.Tensor,
@@ -141,8 +152,7 @@ class PolicyDriver:
         by), let it observe them, drop what left a sliding window, and evict down to the row's
         budget when due (or defer that eviction to the end of the prefill forward,
         :meth:`EvictionCache.finish_prefill`)."""
-        if self.owner.side_pass is not None:  # a scoring pass of the policy's own (KVzip's repeat)
-            self.owner.side_pass(self, query, scaling, module)
+        if self.owner.side_pass is not None:  # a scoring pass of the policy's own: observed before (side_attention)
             return
         rows, changed = [], False
         views, self._pass_views = self._views_of_pass(), None

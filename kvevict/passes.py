@@ -25,8 +25,9 @@ from kvevict.rows import LayerStack, RowState, RowView, SequenceState, phase_of,
 from kvevict.signals import Phase, Signals
 from kvevict.storage import Columns, LayerArena, LayerStorage
 
-SidePassObserver = Callable[[Any, torch.Tensor, float, torch.nn.Module | None], None]
-"""Receives ``(layer, query, scaling, attention module)`` of each layer during a scoring pass."""
+SidePassObserver = Callable[[Any, torch.Tensor, Any, torch.nn.Module | None], torch.Tensor | None]
+"""Receives ``(layer, query, logit spec, attention module)`` of each layer during a scoring pass, before
+the kernel; returns the layer's attention output ``[B, q, Hq, d]`` when it computed it, else None."""
 
 
 class PassHook:
@@ -148,7 +149,7 @@ class PassBookkeeping:
 
     def _continue_prompt(self, row: SequenceState) -> None:
         """A later chunk of the prompt: its tokens are prompt tokens of ``row`` (``decode_step`` stays 0)."""
-        if self.policy.deferred_prefill:
+        if self.policy.deferred_prefill and not self.policy.rescores_chunks:
             raise ValueError(
                 f"policy {self.policy.name!r} evicts the prefill once the whole prompt has run through every layer "
                 "(a scoring pass, or one budget across layers), so it cannot compress a prompt chunk by chunk: "

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from kvevict.gates import gate_scores, hook_attention_inputs, initial_gates, model_key, save_gates, shape_of, stored
-from kvevict.policies.kvzip import KVzip
+from kvevict.policies.kvzip import SCORES, KVzip
 
 OFFLINE_TASKS = ("niah_single_2", "niah_multikey_1", "niah_multivalue", "niah_multiquery", "vt", "cwe")
 SINKS = 4
@@ -61,14 +61,27 @@ class TrainConfig:
 
 
 class RecordingKVzip(KVzip):
-    """kvevict's ``kvzip`` that also keeps the scores it evicts by, per layer (row 0)."""
+    """kvevict's ``kvzip`` that also keeps the scores its repeat pass gives, per layer (row 0).
+
+    Read after the repeat pass, not when evicting: a sliding-window layer whose window fits the
+    budget is not evicted (it keeps its window anyway) but is scored all the same."""
 
     name = "kvzip"
 
-    def score(self, layer: Any, signals: Any) -> torch.Tensor:
-        scores = super().score(layer, signals)
-        self.__dict__.setdefault("recorded", {})[layer.layer_idx] = scores[0].float().clone()
-        return scores
+    def rescore(self, cache: Any, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
+        super().rescore(cache, decoder, input_ids)
+        self.recorded = {
+            layer.layer_idx: _by_position(layer, self.memo(layer.row_view(0))[SCORES][0])
+            for layer in cache.eviction_layers
+        }
+
+
+def _by_position(layer: Any, scores: torch.Tensor) -> torch.Tensor:
+    """A layer's scores ``[Hkv, m]`` of the entries it holds, placed at their positions ``[Hkv, seen]``:
+    NaN where it holds none (what left a sliding window before the repeat pass)."""
+    positions = layer.positions[0, :, : scores.shape[-1]].long()
+    placed = scores.new_full((scores.shape[0], layer.rows[0].seen), float("nan"), dtype=torch.float32)
+    return placed.scatter_(1, positions, scores.float())
 
 
 def contexts(tokenizer: Any, config: TrainConfig, files: list[Path]) -> list[torch.Tensor]:
@@ -115,7 +128,7 @@ def collect(model: Any, ids: torch.Tensor, positions: torch.Tensor) -> tuple[tor
     handles = hook_attention_inputs(model, receive)
     try:
         with EvictionCache(model, Policy(RecordingKVzip()), keep=0.5) as cache, torch.no_grad():
-            model(input_ids=ids, **with_cache(cache), use_cache=True)
+            model(input_ids=ids, **with_cache(cache), use_cache=True, logits_to_keep=1)  # no vocabulary-wide logits
             recorded = cache.policy.method.recorded
     finally:
         for handle in handles:
@@ -133,7 +146,13 @@ def distillation_loss(
     for layer, gate in enumerate(gates):
         predicted = gate_scores(features[layer][None].float(), gate)[0].clamp(1e-6, 1 - 1e-6)
         target = targets[layer].clamp(0, 1)
-        losses.append(torch.nn.functional.binary_cross_entropy(predicted, target, reduction="none").mean(-1).sum())
+        held = ~target.isnan()  # a sliding layer's targets exist only for what it held (its window)
+        if bool(held.all()):
+            loss = torch.nn.functional.binary_cross_entropy(predicted, target, reduction="none").mean(-1)
+        else:
+            loss = torch.nn.functional.binary_cross_entropy(predicted, target.nan_to_num(0.0), reduction="none")
+            loss = loss.masked_fill(~held, 0.0).sum(-1) / held.sum(-1).clamp(min=1)
+        losses.append(loss.sum())
     return torch.stack(losses).mean()
 
 

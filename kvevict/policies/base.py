@@ -477,6 +477,10 @@ class Method(Scorer):
     deferred_prefill: ClassVar[bool] = False
     """True when the method scores the prompt only after the whole prefill forward ran
     (KVzip's repeat pass, :meth:`rescore`): its prefill eviction is deferred until then."""
+    rescores_chunks: ClassVar[bool] = False
+    """True for a :attr:`deferred_prefill` method that can also rescore a prompt prefilled in
+    chunks, after each chunk's forward (chunked KVzip): unless one budget is shared across
+    layers, such a prompt is then evicted chunk by chunk instead of refused."""
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)

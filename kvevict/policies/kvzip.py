@@ -31,13 +31,24 @@ from kvevict.models import tokenizer_of
 from kvevict.policies.allocation import GlobalBudget
 from kvevict.policies.base import Method, SinksAndWindow, Stage, Stages
 from kvevict.policies.params import Param, declare, flag, integer
-from kvevict.signals import COLUMN_SUM_CHUNK, attention_rows, group_reduce, projected_value_norms, query_chunks
+from kvevict.signals import (
+    COLUMN_SUM_CHUNK,
+    LogitSpec,
+    as_spec,
+    attention_logits,
+    attention_rows,
+    group_reduce,
+    projected_value_norms,
+    query_chunks,
+)
 
 if TYPE_CHECKING:
     from kvevict.views import EntryView, ScoringCache
 
 SCORES = "scores"
 """Memo key (this stage's namespace): running max ``[B, Hkv, n_context]`` fp32 over the repeat chunks."""
+BEST = "best"
+"""Per-token state key (``per_layer``): each entry's best score over the repeat passes it saw ``[B, Hkv, n]`` fp32."""
 VALUE_WEIGHTS = "value_weights"
 """Memo key (``plus``): ``‖W_O^h v_i‖₂`` of the context entries ``[B, Hq, n_context]``."""
 FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
@@ -73,6 +84,84 @@ def reconstruction_scores(
     return group_reduce(best, keys.shape[1], "max")
 
 
+def causal_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of ``r`` queries ``[B, Hq, r, d]`` over their own ``r`` keys and values
+    ``[B, Hkv, r, d]`` (GQA): the output ``[B, Hq, r, d]`` and each query's log-sum-exp of its
+    logits ``[B, Hq, r]`` fp32. On a CPU, torch's fused flash kernel (it skips the blocks above
+    the diagonal and returns the log-sum-exp); elsewhere the explicit product."""
+    group = query.shape[1] // keys.shape[1]
+    if query.is_cpu:
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, keys, values, 0.0, True, scale=scaling
+        )
+        return output, lse.float()
+    logits = attention_logits(query, keys, scaling)
+    lse = logits.logsumexp(dim=-1)
+    probs = (logits - lse[..., None]).exp()
+    b, hq, r, _ = probs.shape
+    output = torch.bmm(probs.reshape(b * keys.shape[1], group * r, r), values.float().flatten(0, 1))
+    return output.view(b, hq, r, -1).to(values.dtype), lse
+
+
+def attend_and_score(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    context: int,
+    *,
+    value_weights: torch.Tensor | None = None,
+    query_weights: torch.Tensor | None = None,
+    chunk: int = COLUMN_SUM_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The repeat pass's attention output ``[B, r, Hq, d]`` (the kernel's layout) and KVzip's
+    scores ``[B, Hkv, context]`` (as :func:`reconstruction_scores`) from one computation, for
+    repeat queries that see every one of the ``context`` entries and, causally, their own.
+
+    The repeat's own block runs through :func:`causal_attention` (its output ``o_R`` and
+    log-sum-exp ``λ_R`` per query); the context block, ``chunk`` queries at a time, is one
+    grouped product ``ℓ = q·kᵀ·scaling`` with ``m_j = max_i ℓ_ji`` and ``E = exp(ℓ − m)``, the
+    only ``exp`` per logit (the output needs it anyway). With ``λ_C = m + log Σ_i E`` and
+    ``λ = logaddexp(λ_C, λ_R)`` (the query's log-sum-exp over everything it sees) and
+    ``c_j = exp(m_j − λ_j)``: the output is ``c·(E v) + exp(λ_R − λ)·o_R``, and entry ``i``'s
+    attention probability under query ``j`` is ``E_ji·c_j``, whose max over queries (and the GQA
+    group) is the score. The logits over the context are computed once, not once by the kernel
+    and once more to score them, and the repeat's columns, which KVzip does not score, only in
+    the fused kernel's causal half."""
+    b, hq, r, d = query.shape
+    hkv = keys.shape[1]
+    group = hq // hkv
+    own, own_lse = causal_attention(query, keys[:, :, context:], values[:, :, context:], scaling)
+    context_keys = keys[:, :, :context].float().flatten(0, 1).transpose(1, 2)  # [B·Hkv, d, n]
+    context_values = values[:, :, :context].float().flatten(0, 1)  # [B·Hkv, n, d]
+    best = query.new_zeros(b, hq, context, dtype=torch.float32)
+    output = query.new_empty(b, r, hq, d, dtype=values.dtype)
+    for start in range(0, r, chunk):
+        stop = min(start + chunk, r)
+        rows = stop - start
+        grouped = query[:, :, start:stop].float().reshape(b * hkv, group * rows, d)
+        logits = torch.bmm(grouped, context_keys).mul_(scaling)  # [B·Hkv, G·rows, n]
+        top = logits.amax(dim=-1, keepdim=True)
+        weights = logits.sub_(top).exp_()  # E, in place of the logits
+        top, total = top.view(b, hq, rows), weights.sum(dim=-1).view(b, hq, rows)
+        own_lse_rows = own_lse[:, :, start:stop]
+        lse = torch.logaddexp(top + total.log(), own_lse_rows)
+        scale = (top - lse).exp()[..., None]  # c_j
+        mixed = torch.bmm(weights, context_values).view(b, hq, rows, d) * scale
+        mixed += own[:, :, start:stop].float() * (own_lse_rows - lse).exp()[..., None]
+        output[:, start:stop] = mixed.transpose(1, 2).to(values.dtype)
+        probs = weights.view(b, hq, rows, context).mul_(scale)
+        if query_weights is not None:
+            probs = probs * query_weights[:, None, start:stop, None]
+        if value_weights is not None:
+            probs = probs * value_weights[:, :, None, :]
+        best = torch.maximum(best, probs.amax(dim=2))
+    return output, group_reduce(best, hkv, "max")
+
+
 def repeat_chunks(
     context_ids: torch.Tensor,
     first: torch.Tensor,
@@ -105,12 +194,19 @@ class KVzip(Method):
     :func:`kvevict.load_model`, or give ``tokenizer=``); without one the repeat is the bare
     context (a warning says so). Prefill only; costs about one more prefill per context
     (see docs/policies.md).
+
+    Chunked prefill (``per_layer=True`` only; docs/fastkvzip.md, round 3): after each chunk's
+    forward the chunk alone is repeated over the retained entries and the chunk, every entry
+    keeps the max of its scores over the repeats it saw (per-token state), and each head is
+    evicted back to its budget: at most ``budget + chunk`` entries per KV head between passes
+    (plus the repeat's own while it runs).
     """
 
     name = "kvzip"
     summary = "keep what the model reads to repeat the context (KVzip reconstruction, global budget; prefill)"
     regimes = ("prefill",)
     deferred_prefill = True
+    rescores_chunks = True  # with per_layer=true: each chunk repeated and evicted in turn (class docstring)
     comparable_scores = True
 
     PARAMS = declare(
@@ -138,8 +234,18 @@ class KVzip(Method):
     def clash_advice(self, stage: Stage) -> str:
         return f"kvzip shares one budget across layers itself; use {stage.name}+kvzip[per_layer=true]"
 
+    def new_tokens(self, layer: EntryView, num_new: int) -> dict[str, torch.Tensor]:
+        if not self.per_layer:
+            return {}
+        return {BEST: layer.keys.new_zeros(*layer.keys.shape[:2], num_new, dtype=torch.float32)}
+
     def score(self, layer: EntryView, signals: Any) -> torch.Tensor:
-        return self.memo(layer).pop(SCORES)
+        scores = self.memo(layer).pop(SCORES)
+        if not self.per_layer:
+            return scores
+        best = self.state(layer)[BEST]  # the scores of the earlier chunks' repeats (0 for this chunk's entries)
+        best.copy_(torch.maximum(best, scores))
+        return best
 
     # -- the repeat pass --------------------------------------------------------------
     def repeat_inputs(self, decoder: torch.nn.Module, input_ids: torch.Tensor) -> list[torch.Tensor]:
@@ -179,7 +285,7 @@ class KVzip(Method):
         left-padded batch per chunk; each row scores only its own entries, as alone."""
         if input_ids is None:
             raise ValueError("kvzip needs the prefill's input_ids (not inputs_embeds) to run its repeat pass")
-        prompts = {view.row: view.prompt_length for view, _ in cache.deferred}
+        prompts = {view.row: view.num_new for view, _ in cache.deferred}  # the prompt, or this chunk of it
         repeats = {
             row: self.repeat_inputs(decoder, input_ids[row : row + 1, input_ids.shape[-1] - length :])
             for row, length in prompts.items()
@@ -195,13 +301,31 @@ class KVzip(Method):
 
                 hooks.append(module.register_forward_pre_hook(remember, with_kwargs=True))
 
-        def observe(layer: EntryView, query: torch.Tensor, scaling: float, module: torch.nn.Module | None) -> None:
+        def observe(
+            layer: Any, query: torch.Tensor, spec: LogitSpec, module: torch.nn.Module | None
+        ) -> torch.Tensor | None:
+            """Score the layer's repeat queries; attend by the same logits (:func:`attend_and_score`) when the
+            pass is one row's whole repeat over its untouched prompt (no padding, window, soft-cap or sinks)."""
+            output = None
             for row in prompts:
                 view = layer.row_view(row)
                 if view.num_new:
-                    observe_row(view, query[row : row + 1, :, -view.num_new :], scaling, module)
+                    whole = (
+                        layer.batch_size == 1
+                        and view.num_new == query.shape[-2]
+                        and view.keys is layer.keys
+                        and layer.valid is None
+                        and layer.window is None
+                        and not layer.compacted
+                        and as_spec(spec).softcap is None
+                        and as_spec(spec).sinks is None
+                    )
+                    output = observe_row(view, query[row : row + 1, :, -view.num_new :], spec, module, whole)
+            return output
 
-        def observe_row(view: Any, query: torch.Tensor, scaling: float, module: torch.nn.Module | None) -> None:
+        def observe_row(
+            view: Any, query: torch.Tensor, spec: LogitSpec, module: torch.nn.Module | None, attend: bool
+        ) -> torch.Tensor | None:
             context = view.length - view.num_new  # the row's prompt entries, then its repeat's
             memo = self.memo(view)
             value_weights = query_weights = None
@@ -214,11 +338,24 @@ class KVzip(Method):
                     )
                 value_weights = memo[VALUE_WEIGHTS]
                 query_weights = 1.0 / norms[view.layer_idx][view.row : view.row + 1, -view.num_new :].clamp(min=1e-6)
-            scores = reconstruction_scores(
-                query, view.keys, scaling, context, value_weights=value_weights, query_weights=query_weights
-            )
+            output = None
+            if attend:
+                output, scores = attend_and_score(
+                    query,
+                    view.keys,
+                    view.values,
+                    as_spec(spec).scaling,
+                    context,
+                    value_weights=value_weights,
+                    query_weights=query_weights,
+                )
+            else:
+                scores = reconstruction_scores(
+                    query, view.keys, spec, context, value_weights=value_weights, query_weights=query_weights
+                )
             old = memo.get(SCORES)
             memo[SCORES] = scores if old is None else torch.maximum(old, scores)
+            return output
 
         try:
             for chunk in range(max(len(inputs) for inputs in repeats.values())):

@@ -264,6 +264,12 @@ class Policy:
         rescores the prompt, or the allocator shares one budget across layers)."""
         return self.method.deferred_prefill or self.allocator.across_layers
 
+    @property
+    def rescores_chunks(self) -> bool:
+        """Whether a deferred prefill eviction may run after every chunk of a prompt prefilled in
+        chunks: the method rescores each chunk, and each layer keeps its own budget."""
+        return self.method.rescores_chunks and not self.allocator.across_layers
+
     def select_layers(self, deferred: Sequence[tuple[EntryView, Signals]]) -> list[torch.Tensor]:
         """A deferred prefill eviction: the keep mask of every layer (given with its prefill
         signals), the allocator first seeing the selection scores of all of them."""

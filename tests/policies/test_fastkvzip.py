@@ -151,3 +151,30 @@ def test_the_packaged_gates_keep_the_needle_snapkv_loses_on_smollm2(smollm2) -> 
 
     assert score("fastkvzip") == 1.0
     assert score("snapkv") == 0.0
+
+
+@pytest.mark.slow
+def test_the_packaged_gemma3_gates_load_and_compress_a_context(gemma3) -> None:
+    """Gemma-3-270M's packaged gates fit it, and a context-only compression runs on them: the
+    gates score the sliding-window layers too, and a context longer than the window keeps at
+    most the pooled budget of every layer (a sliding layer at most its window)."""
+    from kvevict.bench.tasks import get_task
+    from kvevict.gates import packaged_path
+
+    model, tokenizer = gemma3
+    assert packaged_path(model.config.get_text_config(decoder=True)).is_file()
+    sample = get_task("niah_single_1").samples(tokenizer, length=1024, count=1, seed=0)[0]
+    ids = torch.tensor([tokenizer.encode(sample.context)])
+    cache = kvevict.EvictionCache(model, "fastkvzip", keep=0.1)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    layers = cache.eviction_layers
+    scores = [layer.state["fastkvzip/score"] for layer in layers]
+    assert all(bool(((score >= 0) & (score <= 1)).all()) for score in scores)
+    budget = layers[0].rows[0].budget
+    held = sum(int(layer.head_lengths().sum()) for layer in layers)
+    assert budget < ids.shape[-1] // 8 and held <= len(
+        layers
+    ) * model.config.get_text_config().num_key_value_heads * budget + len(layers)
+    assert max(cache.layer_lengths()) < ids.shape[-1]
+    cache.close()

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import kvevict
-from kvevict.policies.kvzip import reconstruction_scores, repeat_chunks
+from kvevict.policies.kvzip import attend_and_score, causal_attention, reconstruction_scores, repeat_chunks
+from kvevict.signals import causal_mask
 from tests.conftest import assert_next_logits_match_reference, greedy, prompt, tiny_model
 
 
@@ -36,6 +37,35 @@ def test_score_is_the_max_over_repeat_queries_and_the_group_of_the_probability()
     )
     # entry 0: max(1/5, 2/4, 3/3, 3·2/4) = 1.5; entry 1: max(3/5, 2/4, 1/3, 2/4) = 0.6
     torch.testing.assert_close(weighted, torch.tensor([[[1.5, 0.6]]]))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("chunk", [256, 5])
+def test_one_pass_attends_as_the_kernel_and_scores_as_reconstruction_scores(weighted: bool, chunk: int) -> None:
+    # 6 query heads over 2 KV heads, 11 context entries then 13 repeat entries (causal among themselves)
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 6, 13, 8, generator=generator) * 2
+    keys, values = torch.randn(2, 1, 2, 24, 8, generator=generator)
+    weights = {}
+    if weighted:
+        weights = {"value_weights": torch.rand(1, 6, 11, generator=generator), "query_weights": torch.rand(1, 13)}
+    output, scores = attend_and_score(query, keys, values, 0.3, 11, chunk=chunk, **weights)
+    mask = causal_mask(13, 24, query.device)
+    kernel = torch.nn.functional.scaled_dot_product_attention(
+        query, keys.repeat_interleave(3, 1), values.repeat_interleave(3, 1), attn_mask=mask, scale=0.3
+    )
+    torch.testing.assert_close(output, kernel.transpose(1, 2))
+    torch.testing.assert_close(scores, reconstruction_scores(query, keys, 0.3, 11, **weights))
+
+
+def test_causal_attention_returns_each_querys_log_sum_exp() -> None:
+    generator = torch.Generator().manual_seed(1)
+    query, keys, values = torch.randn(3, 1, 4, 7, 8, generator=generator)
+    output, lse = causal_attention(query, keys[:, :2], values[:, :2], 0.5)
+    expanded = keys[:, :2].repeat_interleave(2, 1), values[:, :2].repeat_interleave(2, 1)
+    logits = (query @ expanded[0].transpose(-1, -2) * 0.5).masked_fill(~causal_mask(7, 7, query.device), -math.inf)
+    torch.testing.assert_close(lse, logits.logsumexp(-1))
+    torch.testing.assert_close(output, logits.softmax(-1) @ expanded[1])
 
 
 def test_repeat_chunks_restart_from_the_end_of_the_previous_chunk() -> None:
@@ -157,3 +187,29 @@ def test_bad_parameters_say_what_is_allowed() -> None:
     with pytest.raises(ValueError, match="sinks"):
         kvevict.make_policy("kvzip", sinks=0)
     kvevict.make_policy("kvzip", sinks=0, per_layer=True)
+
+
+def test_a_prompt_in_chunks_is_repeated_and_evicted_chunk_by_chunk() -> None:
+    """kvzip[per_layer=true] takes chunked prefill: after each chunk each head is back at its
+    budget, every entry keeps the best score of the repeats it saw, and the next token is
+    attention over the retained entries. A pooled budget still refuses chunks."""
+    model = tiny_model()
+    ids = prompt(96)
+    cache = kvevict.EvictionCache(model, "kvzip[per_layer=true]", budget=24)
+    before: dict[int, dict[int, float]] = {}
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        for start in range(0, 96, 32):
+            model(input_ids=ids[:, start : start + 32], past_key_values=cache)
+            assert cache.layer_lengths() == [24, 24]
+            layer = cache.eviction_layers[0]
+            best = dict(zip(layer.positions[0, 0].tolist(), layer.state["kvzip/best"][0, 0].tolist()))
+            assert all(best[p] >= score for p, score in before.get(0, {}).items() if p in best)  # a running max
+            before[0] = best
+            assert max(layer.positions[0, 0].tolist()) <= start + 31
+    assert cache.get_seq_length() == 96  # positions go on from the whole prompt
+    assert_next_logits_match_reference(model, cache, ids[:, -1:])
+    pooled = kvevict.EvictionCache(model, "kvzip", budget=24)
+    with pytest.raises(ValueError, match="cannot compress a prompt chunk by chunk"), torch.no_grad():
+        for start in range(0, 64, 32):
+            model(input_ids=ids[:, start : start + 32], past_key_values=pooled)
