@@ -92,8 +92,8 @@ def test_a_decode_step_after_the_first_eviction_attends_by_its_row_on_a_cpu(monk
     sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
     counted = lambda *args, **kwargs: calls.append(1) or sdpa(*args, **kwargs)
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", counted)
-    original = driver_module.attention_rows
-    monkeypatch.setattr(driver_module, "attention_rows", lambda query, *args: rows.append(1) or original(query, *args))
+    original = driver_module.softmax_rows  # the decode row's probabilities, from its logits
+    monkeypatch.setattr(driver_module, "softmax_rows", lambda logits, *args: rows.append(1) or original(logits, *args))
     model = tiny_model()
     for budget, expected in ((40, 2), (10_000, 2 * 4)):  # no eviction: always the kernel
         calls.clear()
