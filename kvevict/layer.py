@@ -306,7 +306,7 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         rows, first = self.rows, self.rows[0]
         if len(rows) > 1 and self.policy.batched and self.window is None and self.valid is None:
             step = first.seen - first.prompt_length
-            shared = [self.owner.row_shared(i).keys() for i in range(len(rows))]
+            shared = self.owner.row_shared
             lockstep = all(
                 row.start == 0
                 and row.width == self.n
@@ -314,8 +314,8 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
                 == (first.budget, first.interval, first.new, first.passes)
                 and row.seen - row.prompt_length == step
                 and row.memo.keys() == first.memo.keys()
-                and keys == shared[0]
-                for row, keys in zip(rows, shared, strict=True)
+                and shared(i).keys() == shared(0).keys()
+                for i, row in enumerate(rows)
             )
             if lockstep:
                 return [RowView(self, 0, len(rows))]

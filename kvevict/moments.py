@@ -151,7 +151,7 @@ def mi_evict(
     which leaves the argmin unchanged. ``protected`` entries are never evicted. ``stats``
     are not modified: the caller adds the returned entries with :func:`accumulate`.
 
-    Cost: ``‖r_j‖²`` is expanded into per-entry scalars kept up to date incrementally
+    Cost of the exact loop: ``‖r_j‖²`` is expanded into per-entry scalars kept up to date incrementally
     (``P_j = S k_j`` gains ``σ_je v_e`` with ``σ_je = k_j·k_e`` when ``e`` is evicted), so a
     step costs a few ``n × d`` matrix-vector products and ``O(n)`` scalar work, never
     ``O(n·d²)``; the scalars are float64 (cancellation in the expansion).
@@ -186,12 +186,11 @@ def _chunked_loop(
     per head, no cancelling expansion), evicts each head's lowest ``max(chunk, ⌊ρ·n_e⌋)``
     candidates and adds them to the statistics."""
     evicted = torch.zeros_like(candidate)
+    alpha = alpha.float()
     while bool((remaining > 0).any()):
         norms = mi_residual_norms(keys, values, stats, scaling)
-        score = (alpha.float() * norms).masked_fill(~candidate, float("inf"))
-        steps = remaining.clamp(max=chunk)
-        if fraction:
-            steps = torch.minimum(remaining, (fraction * stats.count).long().clamp(min=chunk))
+        score = (alpha * norms).masked_fill(~candidate, float("inf"))
+        steps = torch.minimum(remaining, (fraction * stats.count).long().clamp(min=chunk))  # ρ = 0: chunk
         step = int(steps.max())
         picked = score.topk(step, dim=-1, largest=False).indices  # [B, Hkv, step]
         take = torch.arange(step, device=keys.device) < steps[..., None]  # heads that are done take nothing

@@ -24,7 +24,7 @@ from kvevict.policies.allocation import AdaKV
 from kvevict.policies.base import Corrector, Method, Observer, Ranking, Selector, SinksAndWindow, Stage, Stages, Uniform
 from kvevict.policies.h2o import GROUP
 from kvevict.policies.params import choice, declare, flag, integer, number
-from kvevict.policies.selection import position_order
+from kvevict.policies.selection import in_position_order, position_order
 from kvevict.policies.snapkv import snapkv_scores
 from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals, group_reduce
 
@@ -253,5 +253,5 @@ class MomentKV(Method):
         before = votes.shape[-1] - signals.window_attention.shape[2]
         real = None if layer.valid is None else layer.valid[..., :before]
         order = position_order(layer.positions[..., :before], real)
-        pooled = chunk_pool(votes[..., :before].gather(-1, order), self.pool_chunk)
-        return torch.cat([torch.empty_like(pooled).scatter_(-1, order, pooled), votes[..., before:]], dim=-1)
+        pooled = in_position_order(lambda x: chunk_pool(x, self.pool_chunk), votes[..., :before], order)
+        return torch.cat([pooled, votes[..., before:]], dim=-1)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from kvevict.budgets import capped_share
 from kvevict.policies.base import Method
 from kvevict.policies.params import declare, integer, number
-from kvevict.policies.selection import position_order
+from kvevict.policies.selection import in_position_order, position_order
 from kvevict.signals import Signals, attention_logits, group_reduce
 
 if TYPE_CHECKING:
@@ -46,9 +46,8 @@ def rkv_importance(
     importance = reduced.mean(dim=2)  # [B, Hkv, m]
     if kernel > 1:
         order = None if positions is None else position_order(positions, valid)
-        ordered = importance if order is None else importance.gather(-1, order)
-        pooled = F.max_pool1d(ordered, kernel, stride=1, padding=kernel // 2)
-        importance = pooled if order is None else torch.empty_like(pooled).scatter_(-1, order, pooled)
+        pool = lambda x: F.max_pool1d(x, kernel, stride=1, padding=kernel // 2)
+        importance = in_position_order(pool, importance, order)
     return importance
 
 

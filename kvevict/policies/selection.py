@@ -6,12 +6,14 @@
   the first (kvevict's extension for bounded memory, see :class:`PromptKeeping`).
 * :func:`within_group_rank` and :func:`select_by_tiers`: lexicographic selection (a tier
   first, then a value), used by the per-chunk (LagKV) and per-segment (ThinKV) quotas.
-* :func:`position_order`: the entries in position order (the cache refills evicted slots, so
-  storage order is not position order), for the rules that read neighbours or chunks.
+* :func:`position_order` and :func:`in_position_order`: the entries in position order (the
+  cache refills evicted slots, so storage order is not position order), for the rules that
+  read neighbours or chunks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -151,3 +153,15 @@ def position_order(positions: torch.Tensor, real: torch.Tensor | None = None) ->
     if real is not None:
         positions = positions.masked_fill(~real, torch.iinfo(positions.dtype).max)
     return positions.argsort(dim=-1, stable=True)
+
+
+def in_position_order(
+    transform: Callable[[torch.Tensor], torch.Tensor], scores: torch.Tensor, order: torch.Tensor | None
+) -> torch.Tensor:
+    """``transform`` (pooling over neighbours, chunk means) of ``scores`` ``[..., n]`` laid out
+    in position order (``order`` from :func:`position_order`; None: already in it), its result
+    put back in storage order."""
+    if order is None:
+        return transform(scores)
+    ordered = transform(scores.gather(-1, order))
+    return torch.empty_like(ordered).scatter_(-1, order, ordered)
