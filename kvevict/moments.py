@@ -287,25 +287,25 @@ def nc_correct(
     """Normalization-corrected attention output (Eq. 12), same shape and dtype as ``output``.
 
     ``output`` is ``f_R`` ``[B, Hq, q, d_v]`` (attention over the retained entries),
-    ``log_z_retained`` its ``log Z_R`` ``[B, Hq, q]``, ``query`` ``[B, Hq, q, d_k]``. Mixing
-    in the log domain, ``w_R = σ(log Z_R − log Ẑ_E)`` and ``1 − w_R = σ(log Ẑ_E − log Z_R)``,
-    stays finite for any logit size; fp32 inside. Heads with nothing evicted are returned
-    bit for bit, and so is everything when nothing was evicted at all.
+    ``log_z_retained`` its ``log Z_R`` ``[B, Hq, q]``, ``query`` ``[B, Hq, q, d_k]``. With
+    ``f = c / n_e``, ``z₀ = x·s_k`` and ``z₁ = S x`` (two products with the statistics as held,
+    no ``S̃`` built): ``log Ẑ_E = log n_e + f z₀`` (Jensen, Eq. 11) and
+    ``f̂_E = v̄ + f (z₁ − v̄ z₀)`` (Eq. 9, ``S̃ x = S x − s_v (s_k·x)/n_e``). Mixing in the log
+    domain, ``w_R = σ(log Z_R − log Ẑ_E)``, output ``f̂_E + w_R (f_R − f̂_E)``, stays finite for
+    any logit size; fp32 inside. Heads with nothing evicted (``log n_e = −∞``, ``w_R = 1``) are
+    returned bit for bit.
     """
-    has = stats.count > 0
-    if not bool(has.any()):
-        return output
     b, hq, q, dv = output.shape
     hkv = stats.count.shape[1]
-    rows = query.float().reshape(b, hkv, (hq // hkv) * q, -1)
-    key_mean, value_mean = stats.means()
-    n_e = stats.count.clamp(min=1)[..., None]
-    log_z_evicted = torch.log(n_e) + scaling * (rows @ key_mean[..., None]).squeeze(-1)  # Jensen, Eq. 11
-    f_evicted = value_mean[..., None, :].expand(b, hkv, rows.shape[2], dv)
+    rows = query.reshape(b, hkv, (hq // hkv) * q, -1).float()
+    count = stats.count[..., None, None]
+    factor = scaling / count.clamp(min=1)
+    key_dot = rows @ stats.key_sum[..., None]  # z₀ [B, Hkv, m, 1]
+    log_z_evicted = torch.addcmul(count.log(), factor, key_dot)
+    value_mean = stats.value_sum[..., None, :] / count.clamp(min=1)
+    f_evicted = value_mean
     if stats.outer is not None:
-        f_evicted = f_evicted + _centered_outer_times(stats, rows) * (scaling / n_e)[..., None]  # Eq. 9
-    f_retained = output.float().reshape(b, hkv, -1, dv)
-    gap = log_z_retained.float().reshape(b, hkv, -1) - log_z_evicted
-    mixed = torch.sigmoid(gap)[..., None] * f_retained + torch.sigmoid(-gap)[..., None] * f_evicted
-    mixed = mixed.reshape(b, hq, q, dv).to(output.dtype)
-    return torch.where(has.repeat_interleave(hq // hkv, dim=1)[..., None, None], mixed, output)
+        f_evicted = torch.addcmul(value_mean, factor, rows @ stats.outer.transpose(-1, -2) - key_dot * value_mean)
+    weight = torch.sigmoid(log_z_retained.reshape(b, hkv, -1, 1).float() - log_z_evicted)
+    mixed = torch.lerp(f_evicted, output.reshape(b, hkv, -1, dv).float(), weight)
+    return mixed.reshape(b, hq, q, dv).to(output.dtype)

@@ -96,7 +96,7 @@ class MomentNC(Corrector):
         """NC (Eq. 12) of the kernel's output ``[B, q, Hq, d]`` from the layer's statistics
         (``log Z_R``: ``log_partition`` when the pass computed it, the same logits' log-sum-exp)."""
         stats = self.statistics.recorded(layer)
-        if stats is None or not bool(stats.count.any()):
+        if stats is None:  # nothing evicted yet (a head that evicted nothing passes through bit for bit)
             return output
         log_z = nc_log_partition(query, layer.keys, scaling, layer.valid) if log_partition is None else log_partition
         return nc_correct(output.transpose(1, 2), log_z, query, stats, scaling).transpose(1, 2)
