@@ -10,7 +10,10 @@ window (32 tokens) are kept. As KVzip, the prompt is compressed at prefill by de
 one budget pooled over every layer and head (``global`` with no per-head floor);
 ``per_layer=true`` gives each head its budget, and another allocator (``adakv+``,
 ``pyramidkv+``, ``global+`` with its floor) may be named over it. ``regime=decode|both``
-evicts while decoding too (each head keeping its budget).
+evicts while decoding too (each head keeping its budget): every generated token is scored as it
+passes, and the cache is evicted back to its budget every ``interval`` tokens (the paper's 128,
+``min(128, budget // 2)`` for small budgets), so a decode step pays for an eviction once per
+interval.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvevict.budgets import capped_share
 from kvevict.gates import (
     TRAIN_COMMAND,
     GateHooks,
@@ -59,6 +63,8 @@ class FastKVzip(Method):
         sinks: first tokens always kept (4).
         window: recent tokens always kept (32).
         per_layer: each head keeps its own budget instead of one pool over every layer and head.
+        interval: decode-time eviction every ``interval`` tokens (``regime=decode|both``; default
+            ``min(128, budget // 2)``, the paper's 128); the cache's own ``interval=`` overrides it.
     """
 
     name = "fastkvzip"
@@ -71,6 +77,7 @@ class FastKVzip(Method):
         sinks=integer(4),
         window=integer(32),
         per_layer=flag(False),
+        interval=integer(None, low=1, unset="min(128, budget // 2)"),
     )
 
     def stages(self) -> Stages:
@@ -81,6 +88,9 @@ class FastKVzip(Method):
             allocator=GlobalBudget(safeguard=0.0) if pooled else None,
             replaceable=frozenset({"allocator"}),
         )
+
+    def default_interval(self, budget: int) -> int:
+        return max(1, capped_share(budget, divisor=2)) if self.interval is None else self.interval
 
     def bind(self, config: PretrainedConfig) -> None:
         """Load the gates for ``config`` (refused, saying how to train them, when there are none)."""

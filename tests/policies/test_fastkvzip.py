@@ -18,7 +18,7 @@ from kvevict.gates import (
     shape_of,
     stored,
 )
-from tests.conftest import build_policy, greedy, prompt, tiny_model
+from tests.conftest import build_policy, prompt, tiny_model
 
 
 def hand_gate() -> dict[str, torch.Tensor]:
@@ -114,11 +114,21 @@ def test_the_prompt_is_compressed_at_prefill_under_any_allocator(name: str, one_
 
 
 @pytest.mark.parametrize("regime", ["decode", "both"])
-def test_decode_regimes_evict_while_decoding(regime: str, one_thread) -> None:
+def test_decode_regimes_evict_while_decoding_every_interval(regime: str, one_thread) -> None:
+    """Batched decode-time gating (the paper's every 128 tokens): the cache grows by up to an
+    interval past its budget, then is evicted back to it."""
+    assert build_policy("fastkvzip").default_interval(512) == 128  # the paper's
+    assert build_policy("fastkvzip").default_interval(40) == 20  # min(128, budget // 2)
     model = tiny_model()
-    cache = kvevict.EvictionCache(model, build_policy(f"fastkvzip[regime={regime}]"), budget=40)
-    greedy(model, prompt(30), cache, new_tokens=20)
-    assert cache.layer_lengths() == [40, 40]
+    cache = kvevict.EvictionCache(model, build_policy(f"fastkvzip[regime={regime},interval=8]"), budget=40)
+    lengths = []
+    with torch.no_grad():
+        logits = model(input_ids=prompt(30), past_key_values=cache).logits
+        for _ in range(26):
+            logits = model(input_ids=logits[:, -1:].argmax(-1), past_key_values=cache).logits
+            lengths.append(max(cache.layer_lengths()))
+    assert max(lengths) == 40 + 8 - 1 and min(lengths[10:]) == 40  # over the budget between evictions only
+    assert lengths.count(40) >= 2  # evicted back to the budget at least twice
 
 
 def test_a_decode_regime_cannot_pool_one_budget_across_layers() -> None:
