@@ -212,6 +212,8 @@ def answer(
     cache: EvictionCache | None = None,
     prefill_chunk: int | None = None,
     quant: str | None = None,
+    quant_group: int | None = None,
+    residual: int | None = None,
 ) -> str | list[str]:
     """Answer ``question`` about ``context`` with a KV cache compressed by ``policy``.
 
@@ -226,7 +228,7 @@ def answer(
     ``prefill_chunk``: compress the prompts ``prefill_chunk`` tokens at a time (bounded memory:
     at most ``budget + prefill_chunk`` entries per KV head, :meth:`EvictionCache.peak_entries`).
     ``quant``: hold the retained entries quantized (``"int8"``, ``"int4"``, ``"int2"``; KIVI,
-    :mod:`kvevict.quant`; give ``cache=EvictionCache(..., quant_group=, residual=)`` for other groups).
+    :mod:`kvevict.quant`), ``quant_group`` and ``residual`` as :class:`EvictionCache`'s (None: its defaults).
     """
     batched = not isinstance(context, str) or not isinstance(question, str)
     contexts = [context] if isinstance(context, str) else list(context)
@@ -239,11 +241,13 @@ def answer(
         raise ValueError(
             f"give as many contexts as questions (or one of either), got {len(contexts)} and {len(questions)}"
         )
+    storage = {"quant_group": quant_group} | ({} if residual is None else {"residual": residual})
     if cache is None:
-        cache = EvictionCache(model, policy, budget=budget, keep=keep, quant=quant)
-    elif policy != "full" or budget is not None or keep is not None or quant is not None:
+        cache = EvictionCache(model, policy, budget=budget, keep=keep, quant=quant, **storage)
+    elif policy != "full" or any(x is not None for x in (budget, keep, quant, quant_group, residual)):
         raise ValueError(
-            "give either cache= or policy=/budget=/keep=/quant= (the cache already has its policy and budget)"
+            "give either cache= or policy=/budget=/keep=/quant=/quant_group=/residual= (the cache already has "
+            "its policy, budget and storage)"
         )
     heads, tails = [], []
     for text, ask in zip(contexts, questions):

@@ -76,6 +76,8 @@ class _Encoder:
             return {"tensor": self._tensor(value), "device": str(value.device)}
         if isinstance(value, torch.Generator):
             return {"generator": self._tensor(value.get_state()), "device": str(value.device)}
+        if isinstance(value, torch.device):
+            return {"torch_device": str(value)}
         if isinstance(value, list | tuple):
             return {"list" if isinstance(value, list) else "tuple": [self.encode(x) for x in value]}
         if isinstance(value, dict):
@@ -93,6 +95,8 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
         return value
     if "tensor" in value:
         return tensors[value["tensor"]].to(value["device"])
+    if "torch_device" in value:
+        return torch.device(value["torch_device"])
     if "generator" in value:
         generator = torch.Generator(value["device"])
         generator.set_state(tensors[value["generator"]])
@@ -123,10 +127,15 @@ def save_file(cache: Any, path: str | Path, model: PreTrainedModel) -> Path:
     encoder = _Encoder("data.", tensors)
     layer_meta = []
     for i, layer in enumerate(layers):
-        n, packed = layer.n, layer.storage.packed
+        n, packed, quantized = layer.n, layer.storage.packed, layer.storage.quantized
         if packed is not None:  # heads or rows of different lengths: the real entries only, as held
             entries = {"valid": packed.held}
             entries.update({_entry_name(name, layer.state): x for name, x in packed.entries.items()})
+        elif quantized is not None:  # codes, scales and zero points as held (encoded below), the rest dense
+            entries = {f"state.{name}": value for name, value in layer.state.items()}
+            if layer.valid is not None:
+                entries["valid"] = layer.valid
+            entries = {name: x.narrow(2, 0, n) for name, x in entries.items()}
         else:
             entries = {"keys": layer.keys, "values": layer.values, "positions": layer.positions}
             entries.update({f"state.{name}": value for name, value in layer.state.items()})
@@ -140,6 +149,7 @@ def save_file(cache: Any, path: str | Path, model: PreTrainedModel) -> Path:
                 **{field: getattr(layer, field) for field in LAYER_FIELDS},
                 "n": n,
                 "packed": packed is not None,
+                "quantized": None if quantized is None else encoder.encode(quantized),
                 "state": list(layer.state),
                 "rows": [
                     {**{field: getattr(row, field) for field in ROW_FIELDS}, "memo": encoder.encode(row.memo)}
@@ -243,9 +253,14 @@ def _restore(cache: Any, metadata: dict[str, str], tensors: dict[str, torch.Tens
     for i, (layer, meta) in enumerate(zip(layers, layer_meta)):
         if meta.get("packed"):
             _spread_packed(tensors, f"layer.{i}.", meta["state"])
+        n, quantized = meta["n"], _decode(meta.get("quantized"), tensors)
+        if quantized is not None:  # the codes as saved: the layer's pass end keeps them (storage.previous below)
+            for name, x in zip(
+                ("keys", "values", "positions"), (*quantized.restore(n), quantized.positions.restore(n))
+            ):
+                tensors[f"layer.{i}.{name}"] = x
         keys = tensors[f"layer.{i}.keys"].to(device)
         layer.lazy_initialization(keys, tensors[f"layer.{i}.values"].to(device))
-        n = meta["n"]
         if keys.shape[2] != n or keys.shape[0] != len(cache.sequences):
             raise IndexError(f"layer {i} holds keys of shape {tuple(keys.shape)}, its record says {n} entries")
         room = n + max(sequence.interval for sequence in cache.sequences)
@@ -269,6 +284,8 @@ def _restore(cache: Any, metadata: dict[str, str], tensors: dict[str, torch.Tens
             row.memo = _decode(saved["memo"], tensors)
             layer.rows.append(row)
         layer.refresh(n)
+        if quantized is not None:
+            storage.previous = quantized.reusable(None if storage.valid is None else storage.valid.narrow(2, 0, n))
         layer.end_pass()  # as at the end of a pass
     shared = _decode(state["shared"], tensors)
     for row, data in shared.items():

@@ -123,3 +123,16 @@ def test_lists_are_answered_as_one_batch_each_as_alone(tokenizer, policy: str, q
 def test_lists_of_different_lengths_are_refused() -> None:
     with pytest.raises(ValueError, match="as many contexts as questions.*got 2 and 3"):
         kvevict.answer(None, None, ["a", "b"], ["x", "y", "z"])
+
+
+def test_answer_builds_quantized_storage_with_its_group_and_residual(tokenizer) -> None:
+    from tests.conftest import tiny_model
+
+    model = tiny_model(vocab=len(tokenizer))
+    context = "The quick brown fox jumps over the lazy dog. " * 9
+    options = {"policy": "snapkv", "budget": 40, "quant": "int4", "quant_group": 8, "residual": 16}
+    cache = kvevict.EvictionCache(model, "snapkv", budget=40, quant="int4", quant_group=8, residual=16)
+    reply = kvevict.answer(model, tokenizer, context, "Who jumps?", cache=cache, max_new_tokens=4)
+    assert kvevict.answer(model, tokenizer, context, "Who jumps?", max_new_tokens=4, **options) == reply
+    with pytest.raises(ValueError, match="either cache= or .*residual="):
+        kvevict.answer(model, tokenizer, context, "Who?", cache=cache, residual=16)

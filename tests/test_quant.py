@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors import safe_open
 
 import kvevict
 from kvevict.quant import (
@@ -267,14 +268,22 @@ def test_quantized_storage_really_shrinks(policy: str) -> None:
 # -- eviction and quantization cooperate ----------------------------------------------------------------
 @pytest.mark.parametrize("policy", ["snapkv", "tova", "kvzip"])
 def test_a_saved_quantized_cache_answers_as_the_original(policy: str, tmp_path) -> None:
+    """The file holds the codes, scales and zero points as held (not the entries dequantized), and
+    loading gives them back bit for bit."""
     model = tiny_model()
     cache = kvevict.EvictionCache(model, build_policy(policy), budget=BUDGET, **QUANT)
     sequences, _ = greedy(model, prompt(PROMPT), cache, new_tokens=4)
-    loaded = kvevict.EvictionCache.load(cache.save(tmp_path / "cache.safetensors"), model)
+    path = cache.save(tmp_path / "cache.safetensors")
+    loaded = kvevict.EvictionCache.load(path, model)
     assert loaded.quant == cache.quant
     for mine, theirs in zip(loaded.eviction_layers, cache.eviction_layers):
         assert mine.storage.quantized is not None
-        torch.testing.assert_close(mine.keys, theirs.keys, rtol=0, atol=1e-6)  # the same codes (scales to rounding)
+        for saved, held in zip(mine.storage.quantized.tensors(), theirs.storage.quantized.tensors(), strict=True):
+            assert torch.equal(saved, held)
+    with safe_open(path, "pt") as saved:
+        names = list(saved.keys())
+        assert not any(name.endswith((".keys", ".values")) for name in names)  # not dequantized
+        assert any(saved.get_tensor(name).dtype == torch.uint8 for name in names)  # the packed codes
     token = sequences[:, -1:]
     with torch.no_grad():
         expected = model(input_ids=token, past_key_values=cache).logits

@@ -86,6 +86,10 @@ class BenchConfig:
     own context. Settings that replay the full cache's answer (fidelity) run one sample at a time."""
     quants: tuple[str | None, ...] = ()
     """Run every setting with each of these ``quant=`` options (None: full precision); empty: full precision only."""
+    quant_group: int | None = None
+    """``EvictionCache(quant_group=...)`` of the quantized settings; None: its default."""
+    residual: int | None = None
+    """``EvictionCache(residual=...)`` of the quantized settings; None: its default (32)."""
     settings: list[Setting] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -108,6 +112,11 @@ class BenchConfig:
         keeps = [Setting(name, keep=k) for name in evicting for k in self.keeps]
         for setting in budgets:
             make_policy(setting.policy).check_budget(setting.budget)
+        for name, value, low in (("quant group", self.quant_group, 1), ("residual", self.residual, 0)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if (self.quant_group is not None or self.residual is not None) and not any(self.quants):
+            raise ValueError("a quant group or residual needs quantized settings (--quant int8, int4 or int2)")
         check_chunk(self.prefill_chunk)
         if self.prefill_chunk is not None:
             for name in evicting:
@@ -172,6 +181,8 @@ def identity(config: BenchConfig, sample: Sample, setting: Setting) -> dict[str,
         "keep": setting.keep,
         "interval": None if setting.policy == "full" else config.interval,  # the reference never evicts
         "quant": setting.quant,
+        "quant_group": None if setting.quant is None else config.quant_group,
+        "residual": None if setting.quant is None else config.residual,
         "query_aware": config.query_aware,
         "max_new_tokens": config.max_new_tokens or sample.max_new_tokens,
         "prefill_chunk": config.prefill_chunk,
@@ -437,6 +448,9 @@ class UnitRunner:
             keep=setting.keep,
             interval=self.config.interval,
             quant=setting.quant,
+            **{
+                name: value for name in ("quant_group", "residual") if (value := getattr(self.config, name)) is not None
+            },
         )
 
     def _fidelity(self, unit: Unit, sample: Sample, prompt: PromptIds, cache: EvictionCache) -> dict[str, float]:

@@ -29,6 +29,8 @@ KEY_FIELDS = (
     "max_new_tokens",
     "prefill_chunk",  # absent from records written before it: None, one pass
     "quant",  # likewise: None, full precision
+    "quant_group",  # likewise (and unquantized): None, EvictionCache's default
+    "residual",  # likewise
 )
 
 

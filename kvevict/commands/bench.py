@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvevict.bench.options import comma_separated, quant_list
-from kvevict.commands.common import BENCH, Subcommands, guarded, model_args, names
+from kvevict.commands.common import BENCH, Subcommands, guarded, model_args, names, quant_args
 
 SUBCOMMANDS = {"memory": "memory", "throughput": "throughput", "decode-speed": "speed", "quant": "quantized"}
 """``kvevict bench NAME ...``: subcommands with parsers of their own, by the module of
@@ -77,6 +77,7 @@ def add_parser(commands: Subcommands) -> None:
         help="run every setting with each quantized storage, e.g. none,int8,int4,int2 (none: full precision; "
         "full also runs quantized when listed; the full-precision full cache stays the reference)",
     )
+    quant_args(bench, several=True)
     bench.add_argument(
         "--prefill-chunk",
         type=int,
@@ -141,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
         prefill_chunk=args.prefill_chunk,
         batch_size=args.batch_size,
         quants=args.quant,
+        quant_group=args.quant_group,
+        residual=args.residual,
         dtype=args.dtype,
         device=args.device,
         attn=args.attn,

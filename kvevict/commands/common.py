@@ -70,6 +70,39 @@ def budget_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def quant_args(parser: argparse.ArgumentParser, *, several: bool = False) -> None:
+    """``--quant`` (one option, or with ``several`` the list of :func:`~kvevict.bench.options.quant_list`
+    added by the caller), ``--quant-group`` and ``--residual``: ``EvictionCache(quant=, quant_group=, residual=)``."""
+    if not several:
+        parser.add_argument(
+            "--quant", choices=("int8", "int4", "int2"), default=None, help="hold the kept entries quantized (KIVI)"
+        )
+    parser.add_argument(
+        "--quant-group",
+        type=int,
+        default=None,
+        metavar="G",
+        help="quantized: keys per channel in groups of G tokens, values per token in groups of G channels "
+        "(default: 32, or the head dimension where smaller)",
+    )
+    parser.add_argument(
+        "--residual",
+        type=int,
+        default=None,
+        metavar="R",
+        help="quantized: recent tokens kept at full precision until R (whole groups) are there (default: 32)",
+    )
+
+
+def quant_options(args: argparse.Namespace) -> dict[str, object]:
+    """The ``EvictionCache`` keywords of the options :func:`quant_args` added (unset ones left to its defaults)."""
+    if args.quant is None and (args.quant_group is not None or args.residual is not None):
+        raise ValueError("--quant-group and --residual need --quant (int8, int4 or int2)")
+    return {"quant": args.quant, "quant_group": args.quant_group} | (
+        {} if args.residual is None else {"residual": args.residual}
+    )
+
+
 def model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvevict.commands.common import Subcommands, budget_args, load_model_from, model_args
+from kvevict.commands.common import Subcommands, budget_args, load_model_from, model_args, quant_args, quant_options
 
 
 def add_parser(commands: Subcommands) -> None:
@@ -20,6 +20,7 @@ def add_parser(commands: Subcommands) -> None:
     parser.add_argument("file", type=Path, help="the document: a UTF-8 text file ('-': standard input)")
     parser.add_argument("--policy", default="kvzip", help="policy name, parameters in brackets (default: kvzip)")
     budget_args(parser)
+    quant_args(parser)
     parser.add_argument("--out", type=Path, required=True, help="where to write the compressed cache (e.g. doc.kv)")
     parser.add_argument(
         "--prefill-chunk",
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from kvevict.generation import check_chunk, prefill, split_prompt
 
     policy = make_policy(args.policy)  # bad input fails before the model loads
+    storage = quant_options(args)
     if args.budget is None and args.keep is None and args.policy != "full":
         raise ValueError("give --keep (a fraction of the document) or --budget (tokens per KV head)")
     if args.budget is not None:
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     text = read_document(args.file)
     model, tokenizer = load_model_from(args)
     context = split_prompt(tokenizer, text)[0]
-    cache = EvictionCache(model, policy, budget=args.budget, keep=args.keep, interval=args.interval)
+    cache = EvictionCache(model, policy, budget=args.budget, keep=args.keep, interval=args.interval, **storage)
     prefill(model, context, cache, chunk=args.prefill_chunk, progress=True)
     path = cache.save(args.out)
     full = context.shape[-1] * sum(cache.column_bytes())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvevict.commands.common import Subcommands, budget_args, load_model_from, model_args
+from kvevict.commands.common import Subcommands, budget_args, load_model_from, model_args, quant_args, quant_options
 
 
 def add_parser(commands: Subcommands) -> None:
@@ -28,6 +28,7 @@ def add_parser(commands: Subcommands) -> None:
         "lazyeviction[window=22], critical+snapkv[critical.alpha=0]",
     )
     budget_args(parser)
+    quant_args(parser)
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: 64)")
     model_args(parser)
     parser.set_defaults(run=run, extra=None)
@@ -37,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from kvevict import Budget, EvictionCache, answer, make_policy
 
     policy = make_policy(args.policy)  # bad input fails before the model loads
+    storage = quant_options(args)
     if args.budget is not None:
         Budget(args.budget, args.keep)
         policy.check_budget(args.budget)
@@ -44,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("'-' (read the prompt from standard input) can stand for one prompt only")
     prompts = [sys.stdin.read() if prompt == "-" else prompt for prompt in args.prompt]
     model, tokenizer = load_model_from(args)
-    cache = EvictionCache(model, policy, budget=args.budget, keep=args.keep, interval=args.interval)
+    cache = EvictionCache(model, policy, budget=args.budget, keep=args.keep, interval=args.interval, **storage)
     replies = answer(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens, cache=cache)
     for i, reply in enumerate(replies, start=1):
         print(reply if len(replies) == 1 else f"[{i}] {reply}")

@@ -285,3 +285,33 @@ def test_each_quant_option_runs_every_setting_and_the_full_precision_full_cache_
     assert config(policies=("snapkv",), budgets=(40,), quants=("int2",)).settings == [
         Setting("snapkv", budget=40, quant="int2")
     ]
+
+
+def test_the_quant_group_and_residual_reach_the_quantized_caches_and_their_records(
+    tmp_path, model, tokenizer, monkeypatch
+) -> None:
+    caches = []
+    original = runner_module.UnitRunner._cache
+    monkeypatch.setattr(
+        runner_module.UnitRunner, "_cache", lambda self, setting: caches.append(original(self, setting)) or caches[-1]
+    )
+    settings = config(
+        policies=("full", "snapkv"), budgets=(40,), samples=1, quants=(None, "int4"), quant_group=8, residual=16
+    )
+    records = list(BenchRunner(settings, tmp_path, model, tokenizer).run(progress=False))
+    assert {(c.quant.group, c.quant.residual) for c in caches if c.quant is not None} == {(8, 16)}
+    by_quant = {r["quant"]: (r["quant_group"], r["residual"]) for r in records}
+    assert by_quant == {None: (None, None), "int4": (8, 16)}  # part of each result's key: a rerun with others redoes it
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"quants": ("int4",), "residual": -1}, "residual must be an integer >= 0"),
+        ({"quants": ("int4",), "quant_group": 0}, "quant group must be an integer >= 1"),
+        ({"residual": 16}, "needs quantized settings"),
+    ],
+)
+def test_bad_quant_options_are_refused(overrides: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        config(**overrides)

@@ -32,6 +32,20 @@ def test_a_compressed_document_answers_from_its_file(document, tmp_path, capsys)
     assert capsys.readouterr().out.strip() == answers[0][4:]  # each question from its own copy
 
 
+def test_a_document_compressed_into_quantized_storage_answers_from_its_file(document, tmp_path, capsys) -> None:
+    out = tmp_path / "doc-int4.kv"
+    argv = ["compress", str(document), "--policy", "snapkv", "--keep", "0.5", "--quant", "int4", "--out", str(out)]
+    assert main([*argv, "--residual", "16"]) == 0
+    summary = capsys.readouterr().out
+    plain = tmp_path / "doc.kv"
+    assert main(["compress", str(document), "--policy", "snapkv", "--keep", "0.5", "--out", str(plain)]) == 0
+    capsys.readouterr()
+    assert out.stat().st_size < plain.stat().st_size / 3  # codes, scales and zero points, not fp32 entries
+    assert "resident KV" in summary
+    assert main(["ask", str(out), "What is the secret passcode for the vault?", "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -41,6 +55,7 @@ def test_a_compressed_document_answers_from_its_file(document, tmp_path, capsys)
         (["ask", "/no/such/doc.kv", "why?"], "no such file"),
         (["ask", "BAD", "why?"], "is not a readable kvevict cache"),
         (["ask", "DOC", "why?", "--max-new-tokens", "0"], "--max-new-tokens must be a positive"),
+        (["compress", "DOC", "--keep", "0.1", "--residual", "16", "--out", "x.kv"], "need --quant"),
     ],
 )
 def test_bad_input_is_refused_in_one_line(argv, message: str, document, tmp_path, capsys) -> None:
