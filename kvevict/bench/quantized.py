@@ -146,13 +146,18 @@ def measure(
     new_tokens: int = 32,
     group: int = 32,
     residual: int = 32,
+    progress: bool = True,
 ) -> list[dict[str, object]]:
     """One row per run (prompts pooled): ``top1``, ``kl``, ``kv_mib`` (after the replay) and
     ``mean_kv_mib`` (over its decode steps; after the prompt where there are none), each a mean over prompts,
     ``step_ratio`` (median over the decode steps of each step's time over the paired
     ``DynamicCache`` step's, :func:`replay_paired`), over the prompts the run's policy accepts
-    (``prompts``: a ``keep=`` budget below a policy's windows is refused on a short prompt)."""
+    (``prompts``: a ``keep=`` budget below a policy's windows is refused on a short prompt).
+    ``progress``: a bar over prompts × runs."""
+    from tqdm import tqdm
+
     totals: dict[str, dict[str, list[float]]] = {}
+    bar = tqdm(total=len(prompts) * len(runs), desc="bench quant", unit="run", disable=not progress)
     for ids in prompts:
         ids = ids.to(model.device)
         answer = greedy_answer(model, ids, new_tokens)
@@ -160,6 +165,7 @@ def measure(
         for run in runs:
             total = totals.setdefault(run.label, {"top1": [], "kl": [], "kv": [], "mean_kv": [], "ratio": []})
             cache = make_cache(model, run, group, residual)
+            bar.update()
             try:
                 logits, ratios, held = replay_paired(model, cache, ids, answer)
             except ValueError:  # a policy refusing this prompt (a keep= budget below its windows): left out
@@ -172,6 +178,7 @@ def measure(
             total["ratio"] += ratios
             if isinstance(cache, EvictionCache):
                 cache.close()
+    bar.close()
     return [
         {
             "run": label,

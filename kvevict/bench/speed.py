@@ -69,15 +69,19 @@ def measure(
     seed: int = 0,
     quant: str | None = None,
     interval: int | None = None,
+    progress: bool = True,
 ) -> list[dict[str, object]]:
     """Rows ``{batch, policy, interval, ms, full_ms, ratio}``: the median over eviction intervals
     of the mean step time under each policy, of the full-cache steps paired with its steps, and
     of the interval's ratio (:func:`paired_ratio`). ``interval``: every policy evicts every
     ``interval`` steps; None, at its own default. A turn takes ``steps`` pairs, rounded up to
-    whole intervals."""
+    whole intervals. ``progress``: a bar over each batch size's prefills and turns."""
+    from tqdm import tqdm
+
     vocab = model.config.get_text_config(decoder=True).vocab_size
     generator = torch.Generator().manual_seed(seed)
     rows = []
+    bar = tqdm(total=len(batch_sizes) * len(policies) * (1 + repeats), desc="bench decode-speed", disable=not progress)
     for batch in batch_sizes:
         ids = torch.randint(min(100, vocab // 2), vocab, (batch, entries + 64), generator=generator).to(model.device)
         token = ids[:, -1:]
@@ -86,6 +90,7 @@ def measure(
             for name in policies:
                 caches[name] = EvictionCache(model, name, budget=entries, interval=interval, quant=quant)
                 model(input_ids=ids, **with_cache(caches[name]), use_cache=True)
+                bar.update()
             full = DynamicCache()
             model(input_ids=ids[:, :entries], **with_cache(full), use_cache=True)
             every = {name: caches[name].sequences[0].interval for name in policies}
@@ -97,6 +102,7 @@ def measure(
                         full_times[name].append(_step_seconds(model, full, token))
                         full.crop(-1)  # back to `entries`
                         times[name].append(_step_seconds(model, caches[name], token))
+                    bar.update()
         for name in policies:
             block = every[name]
             ms, full_ms = (
@@ -109,6 +115,7 @@ def measure(
             )
         for cache in caches.values():
             cache.close()
+    bar.close()
     return rows
 
 
