@@ -91,14 +91,16 @@ def accumulate(stats: MomentStats, keys: torch.Tensor, values: torch.Tensor, evi
         evicted = evicted.gather(-1, slots)
         keys, values = (x.gather(2, slots[..., None].expand(-1, -1, -1, x.shape[-1])) for x in (keys, values))
     weight = evicted.float()
-    k, v = keys.float(), values.float()
+    k, v = keys.float().flatten(0, 1), values.float().flatten(0, 1)  # [B·Hkv, m, d]: one batched product each
+    rows = weight.flatten(0, 1)[:, None]
     outer = None
     if stats.outer is not None:
-        outer = stats.outer + (v * weight[..., None]).transpose(-1, -2) @ k
+        weighted = (v * rows.transpose(1, 2)).transpose(1, 2)
+        outer = torch.baddbmm(stats.outer.flatten(0, 1), weighted, k).view_as(stats.outer)
     return MomentStats(
         count=stats.count + weight.sum(-1),
-        key_sum=stats.key_sum + (weight[..., None, :] @ k).squeeze(-2),
-        value_sum=stats.value_sum + (weight[..., None, :] @ v).squeeze(-2),
+        key_sum=torch.baddbmm(stats.key_sum.flatten(0, 1)[:, None], rows, k).view_as(stats.key_sum),
+        value_sum=torch.baddbmm(stats.value_sum.flatten(0, 1)[:, None], rows, v).view_as(stats.value_sum),
         outer=outer,
     )
 
