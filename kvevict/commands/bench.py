@@ -12,7 +12,13 @@ from pathlib import Path
 from kvevict.bench.options import comma_separated, quant_list
 from kvevict.commands.common import BENCH, Subcommands, guarded, model_args, names, quant_args
 
-SUBCOMMANDS = {"memory": "memory", "throughput": "throughput", "decode-speed": "speed", "quant": "quantized"}
+SUBCOMMANDS = {
+    "memory": "memory",
+    "throughput": "throughput",
+    "decode-speed": "speed",
+    "prefill-speed": "prefill_speed",
+    "quant": "quantized",
+}
 """``kvevict bench NAME ...``: subcommands with parsers of their own, by the module of
 :mod:`kvevict.bench` that runs them (its ``main(argv)``)."""
 
@@ -41,6 +47,7 @@ def add_parser(commands: Subcommands) -> None:
         "Resumable: finished samples are skipped when the same command runs again. "
         "`kvevict bench memory --help`: the prefill peak-memory microbenchmark; "
         "`kvevict bench decode-speed --help`: the cost of a decode step under eviction; "
+        "`kvevict bench prefill-speed --help`: the cost of compressing a prompt against a plain prefill; "
         "`kvevict bench throughput --help`: sequences served per second under a KV memory cap; "
         "`kvevict bench quant --help`: quantized storage against transformers' QuantizedCache.",
     )
