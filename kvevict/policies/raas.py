@@ -100,6 +100,7 @@ class RaaS(Method):
 
     name = "raas"
     batched = True
+    stackable = True  # its hooks read the layer's positions, state, attention and row counters only
     summary = "keep the prompt; evict the token attended (>= median) longest ago (RaaS)"
     regimes = ("decode", "both")
 
@@ -152,6 +153,7 @@ class PromptWhileRoom(Protector):
 
     name = "prompt-while-room"
     batched = True
+    stackable = True
 
     def __init__(self, reserve: int | None):
         super().__init__()
