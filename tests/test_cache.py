@@ -300,7 +300,7 @@ def scored(monkeypatch) -> list[type]:
     return found
 
 
-@pytest.mark.parametrize("policy", ["h2o", "tova", "streamingllm", "lazyeviction", "epikv", "band-adaptive"])
+@pytest.mark.parametrize("policy", ["h2o", "tova", "streamingllm", "lazyeviction", "epikv", "band-adaptive", "raas"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_layers_evicted_as_one_batch_keep_what_each_keeps_alone(policy: str, batch: int, scored: list) -> None:
     """A stackable policy scores every layer's decode-step eviction at once (one minimum over
@@ -316,7 +316,7 @@ def test_layers_evicted_as_one_batch_keep_what_each_keeps_alone(policy: str, bat
     assert scored.count(LayerStack) == 4
 
 
-@pytest.mark.parametrize("policy", ["h2o", "lazyeviction"])
+@pytest.mark.parametrize("policy", ["h2o", "lazyeviction", "raas"])
 def test_layers_stacked_between_evictions_observe_what_each_observes_alone(policy: str, scored: list) -> None:
     """At an interval of 4 most steps only write the new entries' state and observe (one
     batch for all layers), and every 4th also evicts: the same entries and state as alone."""

@@ -39,10 +39,39 @@ def raas_update(
     if alpha is not None:
         attended = attention >= alpha
     else:
-        values = attention if reference is None else attention.masked_fill(~reference, float("nan"))
-        median = torch.nanquantile(values, 0.5, dim=-1, keepdim=True)
-        attended = attention >= median  # a head without reference entries (median NaN) marks nothing
+        attended = attention >= reference_median(attention, reference)  # NaN median (no reference) marks nothing
     return torch.where(attended, torch.full_like(timestamp, step), timestamp)
+
+
+def reference_median(values: torch.Tensor, reference: torch.Tensor | None = None) -> torch.Tensor:
+    """The median of each head's ``reference`` values (``[B, H, n]``, default: all; NaN values
+    left out) → ``[B, H, 1]``, NaN for a head with none: bit for bit
+    ``torch.nanquantile(values with non-reference entries NaN, 0.5, dim=-1, keepdim=True)``,
+    found by two selections (``kthvalue``) instead of nanquantile's sort.
+
+    A head with ``k`` reference values has its lower middle value at index ``m = (k - 1) // 2``
+    of its sorted reference values. The selection index must be one number for every head, so
+    each head moves ``M - m`` of its other entries to −inf (``M``: the largest ``m``) and the
+    rest to +inf: index ``M`` of every head is then its lower middle value and ``M + 1`` its
+    upper one (there are ``n - k ≥ M - m`` other entries, since ``k ≤ n``). Like nanquantile,
+    the two middle values are interpolated by ``lerp`` with weight ``(k - 1) / 2 - m`` (0.5
+    for an even ``k``, else 0 with the upper value equal to the lower), and a head with no
+    reference value interpolates between infinities, which gives NaN."""
+    present = ~values.isnan()
+    reference = present if reference is None else reference & present
+    count = reference.sum(dim=-1, keepdim=True)
+    lower = (count - 1).clamp(min=0) // 2
+    rank = int(lower.max())
+    sunk = (~reference).cumsum(dim=-1) <= rank - lower  # the first M - m other entries go to -inf
+    inf = torch.tensor(float("inf"), dtype=values.dtype, device=values.device)
+    placed = torch.where(reference, values, torch.where(sunk, -inf, inf))
+    below = placed.kthvalue(rank + 1, dim=-1, keepdim=True).values
+    even = count % 2 == 0
+    if rank + 2 > values.shape[-1]:  # no head has an even count of two or more
+        above = below
+    else:
+        above = torch.where(even, placed.kthvalue(rank + 2, dim=-1, keepdim=True).values, below)
+    return torch.lerp(below, above, even * torch.tensor(0.5, dtype=values.dtype, device=values.device))
 
 
 class RaaS(Method):
@@ -71,6 +100,7 @@ class RaaS(Method):
 
     name = "raas"
     batched = True
+    stackable = True  # its hooks read the layer's positions, state, attention and row counters only
     summary = "keep the prompt; evict the token attended (>= median) longest ago (RaaS)"
     regimes = ("decode", "both")
 
@@ -123,6 +153,7 @@ class PromptWhileRoom(Protector):
 
     name = "prompt-while-room"
     batched = True
+    stackable = True
 
     def __init__(self, reserve: int | None):
         super().__init__()

@@ -144,7 +144,7 @@ def test_streamingllm_scores_are_declared_distinct_and_scores_that_tie_are_not()
 def test_a_policy_stacks_layers_when_its_drop_time_stages_declare_it() -> None:
     """Stacking the layers' evictions needs a scorer and a protector that read nothing of a
     layer itself, under uniform top-k: declared by each class, never inherited."""
-    stacked = ("h2o", "tova", "streamingllm", "lazyeviction", "epikv", "hs-variance", "band-adaptive")
+    stacked = ("h2o", "tova", "streamingllm", "lazyeviction", "epikv", "hs-variance", "band-adaptive", "raas")
     assert all(kvevict.make_policy(name).stacks_layers for name in stacked)
     # a shared generator, keys, scores standardised per layer, another allocator or selector
     refused = ("random", "knorm", "attn-x-hs", "adakv+h2o", "critical+h2o", "thinkv", "segment-hs")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import kvevict
-from kvevict.policies.raas import TIMESTAMP, raas_update
+from kvevict.policies.raas import TIMESTAMP, raas_update, reference_median
 from kvevict.signals import Signals, attention_rows, group_reduce
 from tests.conftest import capture_passes, in_position_order, prompt, tiny_model
 
@@ -21,6 +21,32 @@ def test_median_rule_follows_a_scripted_attention_stream() -> None:
     for step, (attention, reference, expected) in enumerate(stream, start=1):
         timestamp = raas_update(timestamp, torch.tensor([[attention]]), step, reference)
         assert timestamp.tolist() == [[expected]] and timestamp.dtype == torch.int32
+
+
+@pytest.mark.parametrize("values", ["uniform", "ties", "wide", "nan"])
+def test_reference_median_is_nanquantile_bit_for_bit(values: str) -> None:
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        n, heads = (
+            int(torch.randint(1, 40, (1,), generator=generator)),
+            int(torch.randint(1, 5, (1,), generator=generator)),
+        )
+        x = torch.rand(2, heads, n, generator=generator)
+        if values == "ties":  # few distinct values, even and odd counts
+            x = torch.randint(0, 4, (2, heads, n), generator=generator).float() / 7
+        elif values == "wide":
+            x = torch.randn(2, heads, n, generator=generator) * 10.0 ** int(
+                torch.randint(-30, 30, (1,), generator=generator)
+            )
+        elif values == "nan":
+            x[x < 0.1] = float("nan")
+        share = float(torch.rand(1, generator=generator))  # from heads with no reference entry to all of them
+        reference = None if trial % 3 == 0 else torch.rand(2, heads, n, generator=generator) < share
+        masked = x if reference is None else x.masked_fill(~reference, float("nan"))
+        expected = torch.nanquantile(masked, 0.5, dim=-1, keepdim=True)
+        median = reference_median(x, reference)
+        assert torch.equal(median.isnan(), expected.isnan())
+        assert torch.equal(median.nan_to_num().view(torch.int32), expected.nan_to_num().view(torch.int32))
 
 
 def test_alpha_rule_follows_a_scripted_attention_stream() -> None:
