@@ -298,13 +298,16 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         """What the policy's hooks run on in this pass: one view of every row at once when the
         rows are in lockstep and the policy is :attr:`~kvevict.policies.Policy.batched` (its
         stages treat rows independently, so each row still gets what it gets alone), else a
-        view per row. Lockstep: every row holds the same storage columns, all real (no
-        padding, no head-wise ragged rows), under the same budget and interval, on a full
-        layer (a sliding window drops per row), has as many real tokens in this pass, passes
-        and tokens after its prompt, and keeps the same policy data (``memo`` and ``shared``
-        keys, read stacked: :class:`~kvevict.rows.StackedRows`); prompt lengths may differ."""
+        view per row. Lockstep: every row holds the same storage columns (from column 0 to
+        :attr:`n`: no left padding), under the same budget and interval, on a full layer (a
+        sliding window drops per row), has as many real tokens in this pass, passes and tokens
+        after its prompt, and keeps the same policy data (``memo`` and ``shared`` keys, read
+        stacked: :class:`~kvevict.rows.StackedRows`); prompt lengths may differ. Heads that
+        hold different numbers of entries (head-wise budgets) may be in lockstep: the view
+        then carries the rows' validity mask ``[B, Hkv, n]``, which every stage honours per
+        row as it does for one row alone."""
         rows, first = self.rows, self.rows[0]
-        if len(rows) > 1 and self.policy.batched and self.window is None and self.valid is None:
+        if len(rows) > 1 and self.policy.batched and self.window is None:
             step = first.seen - first.prompt_length
             shared = self.owner.row_shared
             lockstep = all(

@@ -74,8 +74,6 @@ class _Encoder:
             return value
         if isinstance(value, torch.Tensor):
             return {"tensor": self._tensor(value), "device": str(value.device)}
-        if isinstance(value, torch.Generator):
-            return {"generator": self._tensor(value.get_state()), "device": str(value.device)}
         if isinstance(value, list | tuple):
             return {"list" if isinstance(value, list) else "tuple": [self.encode(x) for x in value]}
         if isinstance(value, dict):
@@ -93,10 +91,6 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
         return value
     if "tensor" in value:
         return tensors[value["tensor"]].to(value["device"])
-    if "generator" in value:
-        generator = torch.Generator(value["device"])
-        generator.set_state(tensors[value["generator"]])
-        return generator
     if "list" in value:
         return [_decode(x, tensors) for x in value["list"]]
     if "tuple" in value:
