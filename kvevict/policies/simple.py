@@ -52,7 +52,7 @@ class Random(Method):
             states = generator.get_state()[None].expand(rows, -1)
         draws, after = [], []
         for state in states:
-            generator.set_state(state.contiguous())
+            generator.set_state(state.clone())  # set_state reads a tensor from its storage's start
             draws.append(torch.rand([1, *shape], generator=generator))
             after.append(generator.get_state())
         shared[GENERATOR] = torch.stack(after)
