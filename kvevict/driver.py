@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kvevict.appended import write_new_entries
 from kvevict.rows import RowState, RowView
 from kvevict.signals import LogitSpec, Signals, attention_logits, compute_signals, softmax_rows
 from kvevict.storage import LayerStorage
@@ -55,8 +56,7 @@ class PolicyDriver:
             for name, value in self.policy.new_tokens(view, view.num_new).items():
                 if name not in self.storage.state:
                     self.storage.add_state(name, value)
-                end = view.columns.stop
-                self.storage.state[name][view.rows, :, end - view.num_new : end] = value
+                write_new_entries(self.storage.state[name][view.rows, :, : view.columns.stop], value, view.new_columns)
         if len(self.storage.state) == names:  # written in place, into what `state` and the views show
             return views
         self.refresh()

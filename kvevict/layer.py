@@ -39,7 +39,7 @@ from transformers.cache_utils import DynamicLayer
 from kvevict.attention import mark_pending
 from kvevict.driver import PolicyDriver
 from kvevict.passes import PassBookkeeping, PendingPass, SteadyRecord
-from kvevict.rows import RowState, RowView, SequenceState, uniform
+from kvevict.rows import RowState, RowView, SequenceState, phase_of, uniform
 from kvevict.signals import Signals
 from kvevict.storage import ColumnBytes, Columns, LayerStorage
 
@@ -65,6 +65,8 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
     """
 
     is_croppable = False
+    new_columns = None
+    """A layer seen as a view (a batch of one row) holds a pass's entries in its last columns."""
 
     def __init__(self, owner: Any, layer_idx: int, window: int | None = None):
         # not DynamicLayer.__init__: it assigns keys and values, which are read-only views here
@@ -298,18 +300,29 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         """What the policy's hooks run on in this pass: one view of every row at once when the
         rows are in lockstep and the policy is :attr:`~kvevict.policies.Policy.batched` (its
         stages treat rows independently, so each row still gets what it gets alone), else a
-        view per row. Lockstep: every row holds the same storage columns, all real (no
-        padding, no head-wise ragged rows), under the same budget and interval, on a full
-        layer (a sliding window drops per row), has as many real tokens in this pass, passes
-        and tokens after its prompt, and keeps the same policy data (``memo`` and ``shared``
-        keys, read stacked: :class:`~kvevict.rows.StackedRows`); prompt lengths may differ."""
+        view per row. Lockstep: every row holds the same storage columns (from column 0 to
+        :attr:`n`: no left padding), under the same budget and interval, on a full layer (a
+        sliding window drops per row), has as many real tokens in this pass, passes and tokens
+        after its prompt, and keeps the same policy data (``memo`` and ``shared`` keys, read
+        stacked: :class:`~kvevict.rows.StackedRows`); prompt lengths may differ. Heads that
+        hold different numbers of entries (head-wise budgets) may be in lockstep: the view
+        then carries the rows' validity mask ``[B, Hkv, n]``, which every stage honours per
+        row as it does for one row alone. In a decode pass such rows may even end at
+        different columns (each row's longest head): the columns past a row's end are not
+        valid, and the view says where each row's new entries lie
+        (:attr:`~kvevict.rows.RowView.new_columns`), as long as every row is over its budget
+        or none is (whether an eviction is due reads the view's length); during the prompt
+        every row ends at ``n``."""
         rows, first = self.rows, self.rows[0]
-        if len(rows) > 1 and self.policy.batched and self.window is None and self.valid is None:
+        if len(rows) > 1 and self.policy.batched and self.window is None:
             step = first.seen - first.prompt_length
             shared = self.owner.row_shared
+            ends_apart = self.valid is not None and phase_of(first.passes, self.prompt_pass) == "decode"
+            budget = first.budget
+            over = budget is not None and self.n > budget  # the view's eviction is due as each row's alone
             lockstep = all(
                 row.start == 0
-                and row.width == self.n
+                and (row.width == self.n or (ends_apart and (budget is None or (row.width > budget) == over)))
                 and (row.budget, row.interval, row.new, row.passes)
                 == (first.budget, first.interval, first.new, first.passes)
                 and row.seen - row.prompt_length == step

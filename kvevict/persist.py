@@ -74,8 +74,6 @@ class _Encoder:
             return value
         if isinstance(value, torch.Tensor):
             return {"tensor": self._tensor(value), "device": str(value.device)}
-        if isinstance(value, torch.Generator):
-            return {"generator": self._tensor(value.get_state()), "device": str(value.device)}
         if isinstance(value, torch.device):
             return {"torch_device": str(value)}
         if isinstance(value, list | tuple):
@@ -97,10 +95,6 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
         return tensors[value["tensor"]].to(value["device"])
     if "torch_device" in value:
         return torch.device(value["torch_device"])
-    if "generator" in value:
-        generator = torch.Generator(value["device"])
-        generator.set_state(tensors[value["generator"]])
-        return generator
     if "list" in value:
         return [_decode(x, tensors) for x in value["list"]]
     if "tuple" in value:

@@ -173,11 +173,12 @@ class RowView:
         info = layer.rows[row]
         stop = row + 1 if stop is None else stop
         self.layer, self.row, self.info = layer, row, info
-        columns = slice(info.start, info.start + info.width)
+        lockstep = stop - row > 1  # every row, from column 0 (rows may end apart: head-wise budgets)
+        columns = slice(0, layer.n) if lockstep else slice(info.start, info.start + info.width)
         rows = slice(row, stop)
         self.rows = rows
         """The batch rows this view holds: one, or (:meth:`~kvevict.layer.EvictionLayer.views`) every row in lockstep."""
-        if row == 0 and stop == len(layer.rows) and info.start == 0 and info.width == layer.n:
+        if row == 0 and stop == len(layer.rows) and columns == slice(0, layer.n):
             cut = _whole  # the usual case, one row or rows in lockstep: the layer's own views
         else:
             cut = _narrowing(rows, columns)
@@ -206,6 +207,11 @@ class RowView:
         )
         self.num_new = info.new
         self.columns = columns
+        self.new_columns: torch.Tensor | None = None
+        ends = [r.width for r in layer.rows[rows]]
+        if lockstep and ends.count(layer.n) != len(ends):  # see :attr:`~kvevict.views.EntryView.new_columns`
+            first = torch.tensor(ends, device=layer.device)[:, None] - info.new
+            self.new_columns = first + torch.arange(info.new, device=layer.device)
 
     @property
     def memo(self) -> MutableMapping[str, object]:
@@ -288,6 +294,7 @@ class LayerStack:
     layer at once."""
 
     valid = None
+    new_columns = None
 
     def __init__(self, views: Sequence[RowView], arena: LayerArena):
         first = views[0]

@@ -24,6 +24,8 @@ from typing import Literal, Protocol
 
 import torch
 
+from kvevict.appended import new_entries
+
 Phase = Literal["prefill", "decode"]
 Regime = Literal["prefill", "decode", "both"]
 GroupReduce = Literal["mean", "max"]
@@ -141,6 +143,8 @@ class RetainedEntries(Protocol):
     keys: torch.Tensor
     values: torch.Tensor
     valid: torch.Tensor | None
+    new_columns: torch.Tensor | None
+    """Each row's columns of the pass's entries, or None: the last ones (:mod:`kvevict.appended`)."""
     positions: torch.Tensor
     """Absolute position of each entry, ``[B, Hkv, n]``."""
     seen: int
@@ -360,6 +364,6 @@ def compute_signals(
     if requirements.value_norms:
         if module is None or not hasattr(module, "o_proj"):
             raise ValueError("value norms need the attention module's output projection (o_proj)")
-        new_values = layer.values[:, :, -num_new:]
+        new_values = new_entries(layer.values, num_new, layer.new_columns)
         signals.value_norms = projected_value_norms(new_values, module.o_proj.weight, query.shape[1])
     return signals

@@ -61,7 +61,11 @@ class EntryView(Protocol):
     prompt_length: int | torch.Tensor
     budget: int | None | torch.Tensor
     num_new: int
-    """Entries the current pass appended (the last ``num_new`` columns)."""
+    """Entries the current pass appended (the last ``num_new`` columns, unless :attr:`new_columns`)."""
+    new_columns: torch.Tensor | None
+    """``[B, num_new]``: each row's columns of the appended entries, in a view of rows in
+    lockstep whose rows end at different columns (head-wise budgets); None: the last
+    ``num_new`` columns. Read and write them with :mod:`kvevict.appended`."""
     passes: int
     window: int | None
     """The layer's sliding window, or None for full attention."""

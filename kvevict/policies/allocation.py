@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvevict.appended import row_lengths
 from kvevict.budgets import adakv_counts, global_counts, headkv_capacities, load_head_profile, pyramid_budgets
 from kvevict.policies.base import Allocator, Assembly
 from kvevict.policies.params import Param, declare, integer, number
@@ -79,9 +80,10 @@ class PyramidKV(Allocator):
         self, layer: EntryView, scores: torch.Tensor | None, protected: torch.Tensor, budget: int
     ) -> torch.Tensor:
         windows = protected.sum(dim=-1).amax(dim=-1).tolist()  # entries a head of each row must keep
+        lengths = row_lengths(layer.length, len(windows), layer.new_columns)
         kept = [
-            max(pyramid_budgets(budget, window, layer.length, self._num_layers, self.beta)[layer.layer_idx], 0)
-            for window in windows
+            max(pyramid_budgets(budget, window, length, self._num_layers, self.beta)[layer.layer_idx], 0)
+            for window, length in zip(windows, lengths, strict=True)
         ]
         return layer.head_lengths().clamp(max=torch.tensor(kept, device=protected.device)[:, None])
 

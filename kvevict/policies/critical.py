@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvevict.appended import write_new_entries
 from kvevict.policies.base import Assembly, Ranking, Selector, keep_top
 from kvevict.policies.params import declare, number
 from kvevict.signals import Phase, Regime, Requirements, Signals
@@ -79,7 +80,7 @@ class Critical(Selector):
 
     def observe(self, layer: EntryView, signals: Signals) -> None:
         if signals.value_norms is not None:
-            self.state(layer)[VALUE_NORM][..., -signals.num_new :] = signals.value_norms
+            write_new_entries(self.state(layer)[VALUE_NORM], signals.value_norms, layer.new_columns)
 
     def keep(self, layer: EntryView, signals: Signals, ranking: Ranking) -> torch.Tensor:
         return critical_keep(ranking.scores, self.state(layer)[VALUE_NORM], ranking.counts, self.alpha, self.eps)

@@ -26,21 +26,37 @@ class Full(Method):
     evicts = False
 
 
+GENERATOR = "generator"
+"""Shared data key of :class:`Random`: each row's generator state, ``[1, S]`` uint8."""
+
+
 class Random(Method):
     """Keeps a uniformly random subset, reproducible: every sequence draws from its own
     generator seeded with ``seed`` (the same choices on every new cache, and a row of a
-    batch draws what it draws alone)."""
+    batch draws what it draws alone). A row keeps its generator's state as a ``[1, S]``
+    byte tensor in its shared data, so rows in lockstep read them stacked and each row
+    draws from its own, in turn."""
 
     name = "random"
     summary = "keep a seeded random subset of the entries"
+    batched = True
     regimes = ("prefill", "decode", "both")
     PARAMS = declare(**SINKS_AND_WINDOW, seed=integer(0))
 
     def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         shared = self.shared(layer.owner)
-        if "generator" not in shared:
-            shared["generator"] = torch.Generator().manual_seed(self.seed)
-        return torch.rand(layer.positions.shape, generator=shared["generator"]).to(layer.positions.device)
+        rows, *shape = layer.positions.shape
+        generator = torch.Generator().manual_seed(self.seed)
+        states = shared.get(GENERATOR)
+        if states is None:
+            states = generator.get_state()[None].expand(rows, -1)
+        draws, after = [], []
+        for state in states:
+            generator.set_state(state.clone())  # set_state reads a tensor from its storage's start
+            draws.append(torch.rand([1, *shape], generator=generator))
+            after.append(generator.get_state())
+        shared[GENERATOR] = torch.stack(after)
+        return torch.cat(draws).to(layer.positions.device)
 
 
 def knorm_scores(keys: torch.Tensor) -> torch.Tensor:

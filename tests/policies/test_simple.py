@@ -63,3 +63,22 @@ def test_regime_decides_when_knorm_evicts(regime: str) -> None:
     # prefill: compressed once then grows; decode: prompt kept whole, then cut at the first step
     expected = {"prefill": 43, "decode": 40, "both": 40}[regime]
     assert cache.layer_lengths() == [expected, expected]
+
+
+def test_random_rows_in_lockstep_draw_what_each_draws_alone() -> None:
+    """Rows of one length run in lockstep from the prompt on (under inference mode, as the
+    benchmarks run), each drawing from its own generator state."""
+    model = tiny_model()
+    ids = torch.cat([prompt(60, seed=seed) for seed in range(3)])
+    cache = kvevict.EvictionCache(model, "random", budget=24)
+    with torch.inference_mode():
+        for pass_ids in (ids, ids[:, -1:], ids[:, -1:]):
+            model(input_ids=pass_ids, past_key_values=cache, use_cache=True)
+    assert [view.rows for view in cache.eviction_layers[0].views()] == [slice(0, 3)]
+    for row in range(3):
+        alone = kvevict.EvictionCache(model, "random", budget=24)
+        with torch.inference_mode():
+            for pass_ids in (ids[row : row + 1], ids[row : row + 1, -1:], ids[row : row + 1, -1:]):
+                model(input_ids=pass_ids, past_key_values=alone, use_cache=True)
+        for layer, alone_layer in zip(cache.eviction_layers, alone.eviction_layers, strict=True):
+            assert torch.equal(layer.positions[row].sort(dim=-1).values, alone_layer.positions[0].sort(dim=-1).values)

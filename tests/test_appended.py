@@ -1,0 +1,27 @@
+"""Reading and writing the entries a pass appended (kvevict/appended.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvevict.appended import new_entries, row_lengths, write_new_entries
+
+
+def test_the_last_columns_unless_each_row_says_where_its_own_lie() -> None:
+    x = torch.arange(2 * 3 * 5, dtype=torch.float32).view(2, 3, 5)
+    assert torch.equal(new_entries(x, 2), x[:, :, 3:])
+    columns = torch.tensor([[2], [4]])  # row 0 ends at column 3, row 1 at 5
+    assert torch.equal(new_entries(x, 1, columns), torch.stack([x[0, :, 2:3], x[1, :, 4:5]]))
+    assert row_lengths(5, 2) == [5, 5]
+    assert row_lengths(5, 2, columns) == [3, 5]
+
+
+def test_writes_land_in_each_rows_columns_and_nowhere_else() -> None:
+    x = torch.zeros(2, 3, 5, 4)
+    value = torch.ones(2, 3, 1, 4)
+    write_new_entries(x, value, torch.tensor([[2], [4]]))
+    assert bool((x[0, :, 2] == 1).all()) and bool((x[1, :, 4] == 1).all())
+    assert int(x.sum()) == 2 * 3 * 4
+    last = torch.zeros(2, 3, 5)
+    write_new_entries(last, torch.ones(2, 3, 2))
+    assert bool((last[:, :, 3:] == 1).all()) and int(last.sum()) == 2 * 3 * 2

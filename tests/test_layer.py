@@ -1,0 +1,60 @@
+"""The layer's views (issue 37): rows in lockstep, head-wise ragged ones included, run a
+batched policy's hooks at once and keep exactly what each row keeps alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvevict
+from kvevict.layer import EvictionLayer
+from kvevict.rows import RowView
+from tests.conftest import build_policy, greedy, greedy_batch, left_padded, prompt, tiny_model
+
+LENGTHS = (30, 50, 41)
+BUDGET = 20
+HEAD_WISE = ("headkv", "adakv+snapkv", "critical+adakv+snapkv", "momentkv")
+"""Heads keep different numbers of entries: HeadKV the same per row, AdaKV's differ by row."""
+
+
+def kept_positions(layer: EvictionLayer, row: int) -> list[list[int]]:
+    """Each KV head's retained positions of ``row``, sorted."""
+    positions = layer.positions[row]
+    valid = torch.ones_like(positions, dtype=torch.bool) if layer.valid is None else layer.valid[row]
+    return [sorted(positions[head][valid[head]].tolist()) for head in range(positions.shape[0])]
+
+
+@pytest.mark.parametrize("policy", [*HEAD_WISE, "pyramidkv", "random"])
+def test_rows_in_lockstep_keep_what_each_keeps_alone(policy: str, monkeypatch) -> None:
+    """After the first eviction the rows of a left-padded batch (prompts of different lengths)
+    start at column 0, so every later decode step runs in one view, also when their heads
+    keep different numbers of entries (the view carries the validity mask) and when the rows'
+    longest heads differ (AdaKV: each row's new entry in its own column); ``random`` draws
+    each row from its own generator. Each row keeps, head by head, the positions it keeps
+    alone, and generates the same tokens."""
+    model = tiny_model()
+    prompts = [prompt(length, seed=seed) for seed, length in enumerate(LENGTHS)]
+    ids, mask = left_padded(prompts)
+    made: list[list[RowView]] = []
+    views = EvictionLayer.views
+
+    def recorded(layer: EvictionLayer) -> list[RowView]:
+        made.append(views(layer))
+        return made[-1]
+
+    monkeypatch.setattr(EvictionLayer, "views", recorded)
+    cache = kvevict.EvictionCache(model, build_policy(policy, window=8), budget=BUDGET)
+    tokens, _ = greedy_batch(model, ids, mask, cache, 6)
+    monkeypatch.undo()
+    together = [pass_views[0] for pass_views in made if len(pass_views) == 1]
+    assert together  # the decode steps after the first eviction ran in lockstep
+    if policy in HEAD_WISE:
+        assert any(view.valid is not None for view in together)
+    if "adakv" in policy or policy == "momentkv":
+        assert any(view.new_columns is not None for view in together)
+    for row, alone_ids in enumerate(prompts):
+        alone = kvevict.EvictionCache(model, build_policy(policy, window=8), budget=BUDGET)
+        expected, _ = greedy(model, alone_ids, alone, new_tokens=6)
+        assert torch.equal(tokens[row], expected[0, alone_ids.shape[1] :])
+        for layer, alone_layer in zip(cache.eviction_layers, alone.eviction_layers, strict=True):
+            assert kept_positions(layer, row) == kept_positions(alone_layer, 0)
