@@ -92,15 +92,33 @@ class PackedEntries:
     held: torch.Tensor
     entries: dict[str, torch.Tensor]
 
-    def spread(self, name: str, columns: int, free: torch.Tensor) -> torch.Tensor:
+    def spread(self, name: str, columns: int, free: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
         """Entry ``name`` in the padded layout ``[B, Hkv, columns, ...]`` (``columns`` ≥ the
-        packed width): zeros, and free slots of row ``b`` at position ``free[b]``."""
-        held, entries = self.held, self.entries[name]
-        dense = entries.new_zeros((*held.shape[:2], columns, *entries.shape[1:]))
+        packed width): zeros, and free slots of row ``b`` at position ``free[b]``. ``slots``:
+        :meth:`slots` of ``columns`` (given, it is not recomputed per entry)."""
+        entries = self.entries[name]
+        dense = entries.new_zeros((*self.held.shape[:2], columns, *entries.shape[1:]))
         if name == "positions":
             dense[:] = free.view(-1, 1, 1)
-        dense.narrow(2, 0, held.shape[-1])[held] = entries
+        flat = dense.view(-1, *entries.shape[1:])
+        flat.index_copy_(0, self.slots(columns) if slots is None else slots, entries)
         return dense
+
+    def slots(self, columns: int) -> torch.Tensor:
+        """Where each packed entry goes in a padded layout of ``columns`` columns, as an index
+        into its ``[B·Hkv·columns]`` flattening (storage order: one ``nonzero`` for every entry)."""
+        return held_slots(self.held, columns)
+
+
+def held_slots(held: torch.Tensor, columns: int) -> torch.Tensor:
+    """The ``[B·Hkv·columns]`` flat indices of the true slots of ``held`` ``[B, Hkv, n]`` (``n`` ≤
+    ``columns``), in storage order: index ``x.view(B·Hkv·columns, ...)`` with them to pick the
+    entries ``x[:, :, :n][held]`` picks, without a boolean mask per tensor."""
+    b, h, n = held.shape
+    if n == columns:
+        return held.flatten().nonzero().squeeze(1)
+    head, column = held.view(b * h, n).nonzero().unbind(1)
+    return head * columns + column
 
 
 class Columns:
@@ -240,7 +258,8 @@ class LayerStorage:
         only the real ones (:class:`PackedEntries`): nothing is padded to the longest."""
         assert self.valid is not None and self.packed is None
         held = self.valid.narrow(2, 0, n).clone()
-        entries = {name: x.narrow(2, 0, n)[held] for name, x in self.entries().items()}
+        slots = held_slots(held, self.keys.shape[2])  # one index for every entry, not a boolean mask per tensor
+        entries = {name: x.reshape(-1, *x.shape[3:]).index_select(0, slots) for name, x in self.entries().items()}
         self.packed = PackedEntries(held, entries)
         self.keys, self.values, self.positions = (
             x.new_empty(*x.shape[:2], 0, *x.shape[3:]) for x in self.kv_positions()
@@ -261,7 +280,8 @@ class LayerStorage:
         held, n = packed.held, packed.held.shape[-1]
         self.capacity = n + room
 
-        spread = lambda name: packed.spread(name, self.capacity, free)
+        slots = packed.slots(self.capacity)
+        spread = lambda name: packed.spread(name, self.capacity, free, slots)
         self.keys, self.values, self.positions = spread("keys"), spread("values"), spread("positions")
         self.state = {name: spread(name) for name in self.state}
         self.valid = torch.zeros(*held.shape[:2], self.capacity, dtype=torch.bool, device=held.device)
