@@ -16,9 +16,8 @@ from typing import Any
 
 import torch
 
-from kvevict.appended import write_new_entries
 from kvevict.rows import RowState, RowView
-from kvevict.signals import LogitSpec, Signals, attention_logits, compute_signals, softmax_rows
+from kvevict.signals import LogitSpec, Signals, attention_logits, compute_signals, softmax_rows, write_new_entries
 from kvevict.storage import LayerStorage
 
 

@@ -65,7 +65,8 @@ class EntryView(Protocol):
     new_columns: torch.Tensor | None
     """``[B, num_new]``: each row's columns of the appended entries, in a view of rows in
     lockstep whose rows end at different columns (head-wise budgets); None: the last
-    ``num_new`` columns. Read and write them with :mod:`kvevict.appended`."""
+    ``num_new`` columns. Read and write them with :func:`kvevict.signals.new_entries` and
+    :func:`~kvevict.signals.write_new_entries`."""
     passes: int
     window: int | None
     """The layer's sliding window, or None for full attention."""

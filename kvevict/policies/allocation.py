@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.appended import row_lengths
 from kvevict.budgets import adakv_counts, global_counts, headkv_capacities, load_head_profile, pyramid_budgets
 from kvevict.policies.base import Allocator, Assembly
 from kvevict.policies.params import Param, declare, integer, number
+from kvevict.signals import row_lengths
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

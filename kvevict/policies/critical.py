@@ -7,10 +7,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.appended import write_new_entries
 from kvevict.policies.base import Assembly, Ranking, Selector, keep_top
 from kvevict.policies.params import declare, number
-from kvevict.signals import Phase, Regime, Requirements, Signals
+from kvevict.signals import Phase, Regime, Requirements, Signals, write_new_entries
 
 if TYPE_CHECKING:
     from kvevict.views import EntryView

@@ -1,10 +1,10 @@
-"""Reading and writing the entries a pass appended (kvevict/appended.py)."""
+"""kvevict/signals.py: reading and writing the entries a pass appended."""
 
 from __future__ import annotations
 
 import torch
 
-from kvevict.appended import new_entries, row_lengths, write_new_entries
+from kvevict.signals import new_entries, row_lengths, write_new_entries
 
 
 def test_the_last_columns_unless_each_row_says_where_its_own_lie() -> None:
