@@ -89,7 +89,11 @@ class FastKVzip(Method):
             replaceable=frozenset({"allocator"}),
         )
 
-    def default_interval(self, budget: int) -> int:
+    def default_interval(self, budget: int) -> int | None:
+        """Every ``interval`` tokens while decoding; None (every step: no room reserved past the
+        budget) when only the prompt is compressed."""
+        if self.regime == "prefill":
+            return None
         return max(1, capped_share(budget, divisor=2)) if self.interval is None else self.interval
 
     def bind(self, config: PretrainedConfig) -> None:

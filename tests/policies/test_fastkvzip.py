@@ -117,8 +117,9 @@ def test_the_prompt_is_compressed_at_prefill_under_any_allocator(name: str, one_
 def test_decode_regimes_evict_while_decoding_every_interval(regime: str, one_thread) -> None:
     """Batched decode-time gating (the paper's every 128 tokens): the cache grows by up to an
     interval past its budget, then is evicted back to it."""
-    assert build_policy("fastkvzip").default_interval(512) == 128  # the paper's
-    assert build_policy("fastkvzip").default_interval(40) == 20  # min(128, budget // 2)
+    assert build_policy("fastkvzip[regime=both]").default_interval(512) == 128  # the paper's
+    assert build_policy("fastkvzip[regime=decode]").default_interval(40) == 20  # min(128, budget // 2)
+    assert build_policy("fastkvzip").default_interval(512) is None  # prefill only: no room kept past the budget
     model = tiny_model()
     cache = kvevict.EvictionCache(model, build_policy(f"fastkvzip[regime={regime},interval=8]"), budget=40)
     lengths = []
