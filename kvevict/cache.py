@@ -91,7 +91,7 @@ class EvictionCache(PassEnds, Cache):
             ``quant_group`` tokens, values per token in groups of ``quant_group`` channels, each
             row's most recent entries at full precision until ``residual`` (whole groups, at
             least one) are there, then quantized whole: fewer than ``max(residual, quant_group)``
-            (``quant_group`` None: 32, or the head dimension where smaller).
+            (``quant_group`` None: 32, or the head dimension where smaller; ``residual`` None: 32).
             Each pass attends (and its policy reads) the entries as dequantized, one layer at a
             time. None (default): every entry at the model's dtype, as without the option.
 
@@ -118,7 +118,7 @@ class EvictionCache(PassEnds, Cache):
         prompt_length: int | None = None,
         quant: str | None = None,
         quant_group: int | None = None,
-        residual: int = 32,
+        residual: int | None = None,
     ):
         check_supported(model)
         policy = make_policy(policy) if isinstance(policy, str) else policy

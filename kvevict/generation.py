@@ -241,9 +241,10 @@ def answer(
         raise ValueError(
             f"give as many contexts as questions (or one of either), got {len(contexts)} and {len(questions)}"
         )
-    storage = {"quant_group": quant_group} | ({} if residual is None else {"residual": residual})
     if cache is None:
-        cache = EvictionCache(model, policy, budget=budget, keep=keep, quant=quant, **storage)
+        cache = EvictionCache(
+            model, policy, budget=budget, keep=keep, quant=quant, quant_group=quant_group, residual=residual
+        )
     elif policy != "full" or any(x is not None for x in (budget, keep, quant, quant_group, residual)):
         raise ValueError(
             "give either cache= or policy=/budget=/keep=/quant=/quant_group=/residual= (the cache already has "

@@ -67,13 +67,14 @@ class QuantConfig:
         return {"quant": f"int{self.bits}", "quant_group": self.group, "residual": self.residual}
 
     @classmethod
-    def make(cls, quant: str | None, group: int | None, residual: int, head_dim: int) -> QuantConfig | None:
+    def make(cls, quant: str | None, group: int | None, residual: int | None, head_dim: int) -> QuantConfig | None:
         """The options of ``EvictionCache(quant=..., quant_group=..., residual=...)`` checked
         against the model's head dimension (None: no quantization; ``group`` None: 32, or the
-        head dimension where smaller)."""
+        head dimension where smaller; ``residual`` None: 32)."""
         if quant is None:
             return None
         group = min(DEFAULT_GROUP, head_dim) if group is None else group
+        residual = cls.residual if residual is None else residual
         if quant not in BITS:
             raise ValueError(f"quant must be one of {', '.join(map(repr, BITS))} or None, got {quant!r}")
         if isinstance(group, bool) or not isinstance(group, int) or group < 1 or head_dim % group:

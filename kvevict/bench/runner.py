@@ -448,9 +448,8 @@ class UnitRunner:
             keep=setting.keep,
             interval=self.config.interval,
             quant=setting.quant,
-            **{
-                name: value for name in ("quant_group", "residual") if (value := getattr(self.config, name)) is not None
-            },
+            quant_group=self.config.quant_group,
+            residual=self.config.residual,
         )
 
     def _fidelity(self, unit: Unit, sample: Sample, prompt: PromptIds, cache: EvictionCache) -> dict[str, float]:

@@ -129,7 +129,7 @@ def estimate_column_bytes(model: PreTrainedModel, quant: str | None = None) -> l
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     layers = config.num_hidden_layers
     dense = token_bytes(model) // layers + heads * (8 + 1)
-    quantized = QuantConfig.make(quant, None, QuantConfig.residual, head_dim)
+    quantized = QuantConfig.make(quant, None, None, head_dim)
     return [ColumnBytes.of(dense, heads, head_dim, model.dtype.itemsize, quantized)] * layers
 
 

@@ -95,12 +95,10 @@ def quant_args(parser: argparse.ArgumentParser, *, several: bool = False) -> Non
 
 
 def quant_options(args: argparse.Namespace) -> dict[str, object]:
-    """The ``EvictionCache`` keywords of the options :func:`quant_args` added (unset ones left to its defaults)."""
+    """The ``EvictionCache`` keywords of the options :func:`quant_args` added (None: its defaults)."""
     if args.quant is None and (args.quant_group is not None or args.residual is not None):
         raise ValueError("--quant-group and --residual need --quant (int8, int4 or int2)")
-    return {"quant": args.quant, "quant_group": args.quant_group} | (
-        {} if args.residual is None else {"residual": args.residual}
-    )
+    return {"quant": args.quant, "quant_group": args.quant_group, "residual": args.residual}
 
 
 def model_args(parser: argparse.ArgumentParser) -> None:
