@@ -115,8 +115,6 @@ def held_slots(held: torch.Tensor, columns: int) -> torch.Tensor:
     ``columns``), in storage order: index ``x.view(B·Hkv·columns, ...)`` with them to pick the
     entries ``x[:, :, :n][held]`` picks, without a boolean mask per tensor."""
     b, h, n = held.shape
-    if n == columns:
-        return held.flatten().nonzero().squeeze(1)
     head, column = held.view(b * h, n).nonzero().unbind(1)
     return head * columns + column
 
