@@ -7,7 +7,7 @@ votes) — is timed against a plain prefill of the same prompt into transformers
 taken in pairs, a plain one right before each policy's, in turns over the policies (round
 robin, ``repeats`` times): on a shared machine the load drifts over seconds, so each policy is
 compared with plain prefills taken under the same load, and the ratio reported is the median
-of its pairs' ratios. The prompts are essay text (the packaged haystack) of each length.
+of its pairs' ratios (:func:`~kvevict.bench.speed.paired_ratio`). The prompts are essay text (the packaged haystack) of each length.
 A benchmark, never a test: timings depend on the machine.
 """
 
@@ -22,6 +22,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kvevict.bench.options import comma_separated
+from kvevict.bench.speed import paired_ratio
 from kvevict.budgets import Budget
 from kvevict.cache import EvictionCache
 from kvevict.compat import with_cache
@@ -75,14 +76,13 @@ def measure(
                     cache.close()
                     bar.update()
             for name in policies:
-                ratios = [mine / plain for mine, plain in zip(times[name], plain_times[name])]
                 rows.append(
                     {
                         "length": length,
                         "policy": name,
                         "seconds": statistics.median(times[name]),
                         "plain_seconds": statistics.median(plain_times[name]),
-                        "ratio": statistics.median(ratios),
+                        "ratio": paired_ratio(times[name], plain_times[name]),
                         "kept": kept[name],
                     }
                 )
