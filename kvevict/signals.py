@@ -142,7 +142,7 @@ class RetainedEntries(Protocol):
     values: torch.Tensor
     valid: torch.Tensor | None
     new_columns: torch.Tensor | None
-    """Each row's columns of the pass's entries, or None: the last ones (:mod:`kvevict.appended`)."""
+    """Each row's columns of the pass's entries, or None: the last ones (read with :func:`new_entries`)."""
     positions: torch.Tensor
     """Absolute position of each entry, ``[B, Hkv, n]``."""
     seen: int
