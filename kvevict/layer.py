@@ -43,6 +43,10 @@ from kvevict.rows import RowState, RowView, SequenceState, phase_of, uniform
 from kvevict.signals import Signals
 from kvevict.storage import ColumnBytes, Columns, LayerStorage
 
+NOTHING_EXPOSED = Columns(LayerStorage(), 0)
+"""What a layer exposes between passes, when its storage is packed or quantized (its properties
+read the storage then): views of no tensor of its own, made once."""
+
 
 class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
     """One attention layer of an eviction cache: full attention, or a sliding window of
@@ -195,7 +199,7 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         elif self.is_initialized and self.storage.valid is not None and self.storage.packed is None:
             self.storage.pack(self.n)
             self._steady = self._pass_views = None
-            self._exposed, self._state_views = self.storage.columns(0), {}  # no view of the old tensors
+            self._exposed, self._state_views = NOTHING_EXPOSED, {}  # no view of the old tensors
 
     def quantize(self) -> None:
         """A quantized cache's layer holds its keys and values as codes until its next pass
@@ -205,7 +209,7 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
             spans = [(row.start, row.width) for row in self.rows]
             self.storage.quantize(self.n, spans, self.owner.quant)
             self._steady = self._pass_views = None
-            self._exposed, self._state_views = self.storage.columns(0), {}  # no view of the old tensors
+            self._exposed, self._state_views = NOTHING_EXPOSED, {}  # no view of the old tensors
 
     def attended(self) -> None:
         """Called by the attention path once this layer's pass attended and its policy ran: a
@@ -229,7 +233,10 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
             self.refresh(self.storage.unpack(room, self._free_positions(before_pass)))
         elif self.storage.quantized is not None:
             self.storage.dequantize()
-            self.refresh()
+            if before_pass:  # the pass exposes its columns once it appended (_appended): not twice
+                self._steady = None
+            else:
+                self.refresh()
 
     @property
     def policy(self) -> Any:
@@ -379,7 +386,7 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         if ends.count(n) == len(ends):  # rows end together: one slice
             seen = uniform([row.sequence.start_seen for row in self.rows], self.device)
             if isinstance(seen, int) and num_new == 1:  # a decode step: into the kept views of column n
-                storage.columns(n).append(key_states, value_states, seen)
+                storage.append(n, key_states, value_states, seen)
             else:
                 storage.keys[:, :, n : n + num_new] = key_states
                 storage.values[:, :, n : n + num_new] = value_states

@@ -10,7 +10,7 @@ quantized together (whole groups). Each group is quantized asymmetrically to ``b
     z = min X,   s = (max X − min X) / (2^b − 1),   Q(X) = round((X − z) / s),   X̂ = Q(X)·s + z
 
 so every dequantized element is within ``s / 2`` of the original (:func:`quantize_groups`).
-Codes are packed ``8 / b`` to a byte along the channels (:func:`pack`).
+Codes are packed ``8 / b`` to a byte along the channels, in planes (:func:`pack`).
 
 Owns: the options (:class:`QuantConfig`), the pure quantize/dequantize/pack functions, and a
 layer's quantized entries between passes (:class:`QuantizedEntries`: codes, scales and zero
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -94,24 +95,34 @@ class QuantConfig:
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """``codes`` ``[..., d]`` (uint8, each < 2^bits) packed ``8 / bits`` to a byte: ``[..., d·bits/8]``
-    (code ``i`` of a byte in bits ``i·bits .. (i+1)·bits``)."""
+    """``codes`` ``[..., d]`` (uint8, each < 2^bits) packed ``8 / bits`` to a byte: ``[..., w]``,
+    ``w = d·bits/8``, in planes: byte ``j`` holds the codes of channels ``j, j + w, j + 2w, ...``,
+    channel ``j + i·w`` in bits ``i·bits .. (i+1)·bits``. Planes, not neighbouring channels, share a
+    byte so that :func:`unpack_into` writes each plane as one contiguous block of channels."""
     per = 8 // bits
     if per == 1:
         return codes
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return (codes.view(*codes.shape[:-1], codes.shape[-1] // per, per) << shifts).sum(dim=-1, dtype=torch.uint8)
+    planes = codes.unflatten(-1, (per, codes.shape[-1] // per))
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device).view(per, 1)
+    return (planes << shifts).sum(dim=-2, dtype=torch.uint8)
 
 
-def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """The codes :func:`pack` packed, ``[..., d]`` uint8 (one shift and mask by a scalar per code of
-    a byte: a broadcast shift of uint8 is several times slower on a CPU)."""
+def unpack_into(packed: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:
+    """The codes :func:`pack` packed, written into ``out`` ``[..., d]`` (any dtype holding them):
+    a shift and a mask by a scalar per plane."""
     per = 8 // bits
     if per == 1:
-        return packed
-    mask = 2**bits - 1
-    parts = [packed & mask, *((packed >> shift) & mask for shift in range(bits, 8 - bits, bits)), packed >> 8 - bits]
-    return torch.stack(parts, dim=-1).flatten(-2)
+        return out.copy_(packed)
+    width, mask = packed.shape[-1], 2**bits - 1
+    for plane in range(per):  # each plane's last operation writes it into place, cast to out's dtype
+        block = out[..., plane * width : (plane + 1) * width]
+        if plane == 0:
+            torch.bitwise_and(packed, mask, out=block)
+        elif plane == per - 1:
+            torch.bitwise_right_shift(packed, plane * bits, out=block)
+        else:
+            torch.bitwise_and(packed >> plane * bits, mask, out=block)
+    return out
 
 
 def quantize_groups(
@@ -119,7 +130,7 @@ def quantize_groups(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric ``bits``-bit quantization of ``x`` in groups along ``dim`` (each slice along
     ``dim`` is one group): ``(codes, scale, zero)``, the codes uint8 shaped as ``x``, ``scale``
-    and ``zero`` with ``dim`` reduced, in ``dtype`` (default ``x``'s). Elements where ``held``
+    and ``zero`` with ``dim`` reduced to size 1 (broadcasting over their group), in ``dtype`` (default ``x``'s). Elements where ``held``
     (broadcastable to ``x``) is false take no part in their group's range (their codes are
     clamped); a group holding none gets scale 0 and zero point 0. Each held element
     dequantizes to within ``scale / 2`` of itself (KIVI eq. 1; the scale and zero point as
@@ -137,7 +148,7 @@ def quantize_groups(
     scale = ((top - zero.float()) / levels).to(dtype)
     safe = torch.where(scale > 0, scale.float(), 1.0)
     codes = ((x32 - zero.float()) / safe).round_().clamp_(0, levels).to(torch.uint8)
-    return codes, scale.squeeze(dim), zero.squeeze(dim)
+    return codes, scale, zero
 
 
 @dataclass
@@ -154,7 +165,7 @@ class QuantizedTensor:
 
 def quantize_keys(keys: torch.Tensor, bits: int, group: int, held: torch.Tensor | None) -> QuantizedTensor:
     """Keys ``[B, H, q, d]`` (``q`` a multiple of ``group``) per channel, in groups of ``group``
-    tokens: scale and zero ``[B, H, q / group, d]``; ``held`` ``[B, H, q]`` the real entries."""
+    tokens: scale and zero ``[B, H, q / group, 1, d]``; ``held`` ``[B, H, q]`` the real entries."""
     b, h, q, d = keys.shape
     grouped = keys.view(b, h, q // group, group, d)
     mask = None if held is None else held.view(b, h, q // group, group, 1)
@@ -166,36 +177,38 @@ def dequantize_keys(
     quantized: QuantizedTensor, bits: int, group: int, dtype: torch.dtype, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The keys :func:`quantize_keys` quantized, ``[B, H, q, d]`` in ``dtype`` (into ``out`` when given)."""
-    codes = unpack(quantized.codes, bits)
-    b, h, q, d = codes.shape
-    return _affine(codes, quantized, (b, h, q // group, group, d), 3, dtype, out)
+    b, h, q, w = quantized.codes.shape
+    d = w * 8 // bits
+    return _affine(quantized, bits, (b, h, q // group, group, d), dtype, out)
 
 
 def _affine(
-    codes: torch.Tensor,
     quantized: QuantizedTensor,
+    bits: int,
     groups: tuple[int, ...],
-    dim: int,
     dtype: torch.dtype,
     out: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``codes · scale + zero`` (KIVI eq. 1) of ``codes`` ``[B, H, q, d]`` viewed as ``groups``
-    (``[B, H, q / G, G, d]`` for keys, ``[B, H, q, d / G, G]`` for values: the scale and zero
-    point broadcast along the group's dimension ``dim``), into ``out`` (new when None): in place where
-    ``dtype`` is float32, else computed in float32 and rounded once."""
-    out = codes.new_empty(codes.shape, dtype=dtype) if out is None else out
-    scale, zero = quantized.scale.unsqueeze(dim), quantized.zero.unsqueeze(dim)
-    grouped = out.view(groups)
+    """``codes · scale + zero`` (KIVI eq. 1) of ``quantized``'s codes ``[B, H, q, d]`` viewed as
+    ``groups`` (``[B, H, q / G, G, d]`` for keys, ``[B, H, q, d / G, G]`` for values: the scale
+    and zero point, held with that dimension of size 1, broadcast along it), into ``out`` (new when None):
+    unpacked straight into ``out`` and scaled in place where ``dtype`` is float32, else
+    computed in float32 and rounded once."""
+    b, h, q, w = quantized.codes.shape
+    shape = (b, h, q, w * 8 // bits)
+    out = quantized.codes.new_empty(shape, dtype=dtype) if out is None else out
+    codes = out if dtype == torch.float32 else torch.empty(shape, device=out.device)
+    grouped = unpack_into(quantized.codes, bits, codes).view(groups)
+    scale, zero = quantized.scale, quantized.zero
     if dtype == torch.float32:
-        grouped.copy_(codes.view(groups))
-        grouped.mul_(scale).add_(zero)
+        torch.addcmul(zero, grouped, scale, out=grouped)
     else:
-        grouped.copy_(torch.addcmul(zero.float(), codes.view(groups).float(), scale.float()))
+        out.view(groups).copy_(torch.addcmul(zero.float(), grouped, scale.float()))
     return out
 
 
 def quantize_values(values: torch.Tensor, bits: int, group: int) -> QuantizedTensor:
-    """Values ``[B, H, q, d]`` per token, in groups of ``group`` channels: scale and zero ``[B, H, q, d / group]``."""
+    """Values ``[B, H, q, d]`` per token, in groups of ``group`` channels: scale and zero ``[B, H, q, d / group, 1]``."""
     b, h, q, d = values.shape
     codes, scale, zero = quantize_groups(values.view(b, h, q, d // group, group), 4, bits)
     return QuantizedTensor(pack(codes.view(b, h, q, d), bits), scale, zero)
@@ -205,9 +218,9 @@ def dequantize_values(
     quantized: QuantizedTensor, bits: int, group: int, dtype: torch.dtype, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The values :func:`quantize_values` quantized, ``[B, H, q, d]`` in ``dtype`` (into ``out`` when given)."""
-    codes = unpack(quantized.codes, bits)
-    b, h, q, d = codes.shape
-    return _affine(codes, quantized, (b, h, q, d // group, group), 4, dtype, out)
+    b, h, q, w = quantized.codes.shape
+    d = w * 8 // bits
+    return _affine(quantized, bits, (b, h, q, d // group, group), dtype, out)
 
 
 def quantized_columns(width: int, config: QuantConfig) -> int:
@@ -234,12 +247,16 @@ class CompactPositions:
     table: torch.Tensor | None
 
     @classmethod
-    def of(cls, positions: torch.Tensor) -> CompactPositions:
+    def of(cls, positions: torch.Tensor, guess: list[int] | None = None) -> CompactPositions:
+        """``positions`` held compactly; ``guess``: the rows' first positions if they are likely
+        consecutive (a layer's last ``first``: checked, and read from ``positions`` if wrong)."""
         b, h, n = positions.shape
         shape, device = (b, h, n), positions.device
-        first = positions[:, 0, 0]
-        if bool((positions == first.view(b, 1, 1) + torch.arange(n, device=device)).all()):
-            return cls(shape, device, first.tolist(), None)
+        if guess is not None and len(guess) == b and torch.equal(positions, _consecutive(guess, h, n, device)):
+            return cls(shape, device, guess, None)
+        first = positions[:, 0, 0].tolist()
+        if first != guess and torch.equal(positions, _consecutive(first, h, n, device)):
+            return cls(shape, device, first, None)
         low, high = (int(x) for x in positions.aminmax())
         for dtype in (torch.int16, torch.int32):
             if torch.iinfo(dtype).min <= low and high <= torch.iinfo(dtype).max:
@@ -250,15 +267,32 @@ class CompactPositions:
         return [] if self.table is None else [self.table]
 
     def restore(self, columns: int) -> torch.Tensor:
-        """The positions ``[B, H, columns]`` int64 (``columns`` ≥ ``n``; zeros past it)."""
+        """The positions ``[B, H, columns]`` int64 (``columns`` ≥ ``n``; past ``n``, room a pass
+        writes its new entries' positions into: what it holds there is unspecified, as in dense storage)."""
         b, h, n = self.shape
-        out = torch.zeros(b, h, columns, dtype=torch.long, device=self.device)
         if self.first is not None:
-            first = torch.tensor(self.first, device=self.device)
-            out[:, :, :n] = first.view(b, 1, 1) + torch.arange(n, device=self.device)
-        else:
-            out[:, :, :n] = self.table
+            return _consecutive(self.first, h, columns, self.device).clone(memory_format=torch.contiguous_format)
+        out = torch.empty(b, h, columns, dtype=torch.long, device=self.device)
+        out[:, :, :n] = self.table
         return out
+
+
+_CONSECUTIVE: dict[tuple[tuple[int, ...], int, int, torch.device], torch.Tensor] = {}
+"""The last few :func:`_consecutive` tables: every layer of a decode step holds the same positions
+(the same first positions, heads and columns), so one table serves them all. Read only."""
+
+
+def _consecutive(first: list[int], heads: int, columns: int, device: torch.device) -> torch.Tensor:
+    """``[B, heads, columns]`` (expanded over heads; read only): row ``b``'s column ``c`` holds ``first[b] + c``."""
+    key = (tuple(first), heads, columns, device)
+    table = _CONSECUTIVE.get(key)
+    if table is None:
+        lines = torch.arange(columns, device=device) + torch.tensor(first, device=device).view(-1, 1)
+        table = lines.view(len(first), 1, columns).expand(len(first), heads, columns)
+        if len(_CONSECUTIVE) == 4:  # a decode step uses two (its entries before and after it appends)
+            del _CONSECUTIVE[next(iter(_CONSECUTIVE))]
+        _CONSECUTIVE[key] = table
+    return table
 
 
 @dataclass
@@ -301,27 +335,38 @@ class QuantizedEntries:
             held = _row_relative(real, self.starts, self.counts, False)
         return ReusableCodes(self, held)
 
-    def restore(self, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values ``[B, H, columns, d]`` (``columns`` ≥ :attr:`n`): the quantized entries
-        dequantized, the residual as held, zeros in every column outside the rows' entries (a
-        left-padded row's padding, columns past a row's end, past ``n``)."""
-        bits, group, dtype = self.config.bits, self.config.group, self.residual_keys.dtype
+    @cached_property
+    def _layout(self) -> tuple[bool, list[int], list[int], bool]:
+        """Whether every row's codes fill the same columns; where each row's full-precision
+        residual starts and how long it is; whether codes and residuals fill every column before
+        :attr:`n` (no left padding, no row ending early)."""
+        aligned = _aligned(self.starts, self.counts)
         tails = [start + count for start, count in zip(self.starts, self.counts)]
         lengths = [width - count for width, count in zip(self.widths, self.counts)]
-        covered = _aligned(self.starts, self.counts) and self.starts[0] == 0 and _aligned(tails, lengths)
-        covered = covered and tails[0] + lengths[0] == self.n  # every column before n is written below
+        covered = aligned and self.starts[0] == 0 and _aligned(tails, lengths) and tails[0] + lengths[0] == self.n
+        return aligned, tails, lengths, covered
+
+    def restore(self, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values ``[B, H, columns, d]`` (``columns`` ≥ :attr:`n`): the quantized entries
+        dequantized, the residual as held, zeros in every column before :attr:`n` outside the
+        rows' entries (a left-padded row's padding, columns past a row's end: masked out of
+        attention, so they must be finite). Past :attr:`n`: room a pass appends into, unspecified."""
+        bits, group, dtype = self.config.bits, self.config.group, self.residual_keys.dtype
+        aligned, tails, lengths, covered = self._layout
         dense = []
         for residual, codes, dequantize in (
             (self.residual_keys, self.keys, dequantize_keys),
             (self.residual_values, self.values, dequantize_values),
         ):
             out = residual.new_empty(*residual.shape[:2], columns, residual.shape[-1])
-            (out[:, :, self.n :] if covered else out).zero_()
-            if _aligned(self.starts, self.counts):  # straight into place
+            if not covered:  # some column before n holds no entry
+                out.zero_()
+            if aligned:  # straight into place
                 dequantize(codes, bits, group, dtype, out.narrow(2, self.starts[0], self.counts[0]))
             else:
                 _place(out, dequantize(codes, bits, group, dtype), self.starts, self.counts)
-            _place(out, residual, tails, lengths)
+            if residual.shape[2]:
+                _place(out, residual, tails, lengths)
             dense.append(out)
         return dense[0], dense[1]
 
@@ -422,7 +467,7 @@ def compress(
     if valid is not None or not _aligned(starts, counts):
         real = torch.ones(positions.shape, dtype=torch.bool, device=keys.device) if valid is None else valid
         mask = _row_relative(real, starts, counts, False)
-    compact = CompactPositions.of(positions)
+    compact = CompactPositions.of(positions, None if previous is None else previous.entries.positions.first)
     before = None if previous is None else previous.entries
     if before is not None and _unmoved(previous, compact, starts, counts, mask is not None):
         quantized_keys, quantized_values = before.keys, before.values

@@ -171,6 +171,8 @@ class LayerStorage:
         """Between passes, the keys and values of a quantized layer (:meth:`quantize`)."""
         self.previous: ReusableCodes | None = None
         """During a pass, what :attr:`quantized` was: its codes still in place are kept at the pass's end."""
+        self._aside: tuple[tuple[object, ...], tuple[torch.Tensor, ...]] | None = None
+        """The empty keys, values and positions a layer set aside holds (:meth:`_set_aside`), with their layout."""
         self.replaced()
 
     def replaced(self) -> None:
@@ -205,6 +207,17 @@ class LayerStorage:
                 del self._views[next(iter(self._views))]
             columns = self._views[n] = Columns(self, n)
         return columns
+
+    def append(self, n: int, keys: torch.Tensor, values: torch.Tensor, position: int) -> None:
+        """Write one decode step's entry ``[B, Hkv, 1, ...]`` of every row, at ``position``, into column ``n``:
+        through the kept views of column ``n`` (:meth:`columns`: the next step of a dense layer
+        reuses them), but directly in a quantized layer's pass, whose storage is new every pass."""
+        if self.previous is None:
+            self.columns(n).append(keys, values, position)
+            return
+        self.keys[:, :, n : n + 1] = keys
+        self.values[:, :, n : n + 1] = values
+        self.positions[:, :, n : n + 1] = position
 
     def initialize(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Empty storage for ``keys``/``values`` ``[B, Hkv, *, d]``'s batch, heads, dtype and device."""
@@ -259,9 +272,7 @@ class LayerStorage:
         slots = held_slots(held, self.keys.shape[2])  # one index for every entry, not a boolean mask per tensor
         entries = {name: x.reshape(-1, *x.shape[3:]).index_select(0, slots) for name, x in self.entries().items()}
         self.packed = PackedEntries(held, entries)
-        self.keys, self.values, self.positions = (
-            x.new_empty(*x.shape[:2], 0, *x.shape[3:]) for x in self.kv_positions()
-        )
+        self._set_aside()
         self.state = {
             name: value.new_empty(*value.shape[:2], 0, *value.shape[3:]) for name, value in self.state.items()
         }
@@ -296,10 +307,18 @@ class LayerStorage:
         keys, values, positions = (x.narrow(2, 0, n) for x in self.kv_positions())
         self.quantized = compress(keys, values, valid, positions, spans, config, self.previous)
         self.previous = None
-        self.keys, self.values, self.positions = (
-            x.new_empty(*x.shape[:2], 0, *x.shape[3:]) for x in self.kv_positions()
-        )
+        self._set_aside()
         self.replaced()
+
+    def _set_aside(self) -> None:
+        """Between passes (packed or quantized) the keys, values and positions are held elsewhere:
+        the storage keeps empty tensors of their batch, heads, dtype and device, made once for
+        as long as those stay (a layer is set aside at the end of every pass)."""
+        keys, values = self.keys, self.values
+        layout = (keys.shape[:2], keys.shape[3], values.shape[3], keys.dtype, keys.device)
+        if self._aside is None or self._aside[0] != layout:
+            self._aside = layout, tuple(x.new_empty(*x.shape[:2], 0, *x.shape[3:]) for x in self.kv_positions())
+        self.keys, self.values, self.positions = self._aside[1]
 
     def dequantize(self) -> None:
         """The quantized keys and values (dequantized) and the positions back in padded storage before a pass."""

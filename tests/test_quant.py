@@ -19,7 +19,7 @@ from kvevict.quant import (
     quantize_keys,
     quantize_values,
     quantized_columns,
-    unpack,
+    unpack_into,
 )
 from tests.conftest import (
     assert_next_logits_match_reference,
@@ -51,7 +51,7 @@ def test_entries_not_held_take_no_part_in_their_group_and_an_empty_group_is_zero
     x = torch.tensor([[1.0, 100.0, 2.0, 3.0], [5.0, 6.0, 7.0, 8.0]])
     held = torch.tensor([[True, False, True, True], [False] * 4])
     codes, scale, zero = quantize_groups(x, 1, bits=2, held=held)
-    assert zero.tolist() == [1.0, 0.0] and scale.tolist() == pytest.approx([2 / 3, 0.0])
+    assert zero.tolist() == [[1.0], [0.0]] and scale.flatten().tolist() == pytest.approx([2 / 3, 0.0])
     assert codes[0, [0, 2, 3]].tolist() == [0, 2, 3]  # round(1.5) = 2 (half to even)
 
 
@@ -61,27 +61,31 @@ def test_every_element_dequantizes_within_half_a_step_of_its_group(bits: int) ->
     keys, values = torch.randn(2, 3, 16, 8) * 3, torch.randn(2, 3, 16, 8)
     quantized = quantize_keys(keys, bits, 4, None)
     assert quantized.codes.shape == (2, 3, 16, 8 * bits // 8)  # packed along the channels
-    assert quantized.scale.shape == (2, 3, 4, 8)  # per channel, per group of 4 tokens
-    step = quantized.scale.repeat_interleave(4, dim=2)
+    assert quantized.scale.shape == (2, 3, 4, 1, 8)  # per channel, per group of 4 tokens
+    step = quantized.scale.squeeze(3).repeat_interleave(4, dim=2)
     error = (dequantize_keys(quantized, bits, 4, torch.float32) - keys).abs()
     assert bool((error <= step / 2 + 1e-6).all())
     assert torch.equal(
-        quantized.scale, (keys.view(2, 3, 4, 4, 8).amax(3) - keys.view(2, 3, 4, 4, 8).amin(3)) / (2**bits - 1)
+        quantized.scale.squeeze(3),
+        (keys.view(2, 3, 4, 4, 8).amax(3) - keys.view(2, 3, 4, 4, 8).amin(3)) / (2**bits - 1),
     )
     quantized = quantize_values(values, bits, 4)
-    assert quantized.scale.shape == (2, 3, 16, 2)  # per token, per group of 4 channels
-    step = quantized.scale.repeat_interleave(4, dim=3)
+    assert quantized.scale.shape == (2, 3, 16, 2, 1)  # per token, per group of 4 channels
+    step = quantized.scale.squeeze(4).repeat_interleave(4, dim=3)
     error = (dequantize_values(quantized, bits, 4, torch.float32) - values).abs()
     assert bool((error <= step / 2 + 1e-6).all())
 
 
-def test_codes_are_packed_low_bits_first() -> None:
+def test_codes_are_packed_in_planes_low_bits_first() -> None:
+    """Byte ``j`` holds channels ``j, j + w, ...`` (``w`` bytes a row), the first plane in the low bits."""
     codes = torch.tensor([[1, 2, 3, 0, 3, 3, 3, 3]], dtype=torch.uint8)
     packed = pack(codes, 2)
-    assert packed.tolist() == [[1 + (2 << 2) + (3 << 4), 255]]
-    assert torch.equal(unpack(packed, 2), codes)
+    assert packed.tolist() == [[1 + (3 << 2) + (3 << 4) + (3 << 6), 2 + (0 << 2) + (3 << 4) + (3 << 6)]]
+    assert torch.equal(unpack_into(packed, 2, torch.empty(1, 8)), codes.float())
     four = torch.tensor([[15, 1]], dtype=torch.uint8)
-    assert pack(four, 4).tolist() == [[15 + (1 << 4)]] and torch.equal(unpack(pack(four, 4), 4), four)
+    assert pack(four, 4).tolist() == [[15 + (1 << 4)]]
+    assert torch.equal(unpack_into(pack(four, 4), 4, torch.empty(1, 2, dtype=torch.uint8)), four)
+    assert torch.equal(pack(four, 8), four) and torch.equal(unpack_into(four, 8, torch.empty(1, 2)), four.float())
 
 
 def test_the_residual_is_flushed_whole_in_groups_as_kivi_and_quanto_do() -> None:
@@ -112,7 +116,7 @@ def test_positions_are_held_in_the_fewest_bytes_that_hold_them_exactly() -> None
         assert (compact.table.dtype if compact.table is not None else None) == table
         restored = compact.restore(15)
         assert restored.dtype == torch.long and torch.equal(restored[:, :, :12], positions)
-        assert not bool(restored[:, :, 12:].any())
+        assert restored.is_contiguous()  # written in place by the pass
     assert CompactPositions.of(consecutive).first == [-3, 2] and CompactPositions.of(consecutive).tensors() == []
 
 

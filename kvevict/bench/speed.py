@@ -5,7 +5,8 @@ A decode step under an eviction policy is timed against a step of a full transfo
 cache is prefilled with a longer prompt and evicts to ``entries``, then every step appends
 one entry and evicts at the policy's own default interval (R-KV: its buffer; most policies:
 every step), or every ``interval`` steps when given; the full cache is prefilled with ``entries`` tokens
-and cropped back after every step. Steps are measured in pairs, a full-cache step right
+and cropped back after every step (a policy that evicts nothing, such as ``full``, is paired with a full
+cache given the same prompt, both growing a step at a time: the same entries at every step). Steps are measured in pairs, a full-cache step right
 before each policy step, ``steps`` pairs per policy in turns (round robin, ``repeats``
 times): on a shared machine the load of other processes drifts over seconds, so each
 policy is compared with full-cache steps taken under the same load.
@@ -42,6 +43,18 @@ def _step_seconds(model: PreTrainedModel, cache: object, token: torch.Tensor) ->
     start = time.perf_counter()
     model(input_ids=token, **with_cache(cache), use_cache=True)
     return time.perf_counter() - start
+
+
+def _evicts(cache: EvictionCache) -> bool:
+    """Whether ``cache``'s prefill left it holding fewer entries than it was given."""
+    return cache.layers[0].n < cache.get_seq_length()
+
+
+def _grown_alongside(model: PreTrainedModel, ids: torch.Tensor) -> DynamicCache:
+    """A full cache holding ``ids``, as a policy that evicts nothing holds them (both then grow a step at a time)."""
+    cache = DynamicCache()
+    model(input_ids=ids, **with_cache(cache), use_cache=True)
+    return cache
 
 
 def blocks(times: Sequence[float], block: int) -> list[float]:
@@ -93,14 +106,16 @@ def measure(
                 bar.update()
             full = DynamicCache()
             model(input_ids=ids[:, :entries], **with_cache(full), use_cache=True)
+            paired = {name: full if _evicts(caches[name]) else _grown_alongside(model, ids) for name in policies}
             every = {name: caches[name].sequences[0].interval for name in policies}
             times: dict[str, list[float]] = {name: [] for name in policies}
             full_times: dict[str, list[float]] = {name: [] for name in policies}
             for _ in range(repeats):
                 for name in policies:
                     for _ in range(-(-steps // every[name]) * every[name]):
-                        full_times[name].append(_step_seconds(model, full, token))
-                        full.crop(-1)  # back to `entries`
+                        full_times[name].append(_step_seconds(model, paired[name], token))
+                        if paired[name] is full:
+                            full.crop(-1)  # back to `entries`
                         times[name].append(_step_seconds(model, caches[name], token))
                     bar.update()
         for name in policies:
