@@ -27,6 +27,24 @@ def test_measure_runs_quantized_caches() -> None:
     assert [row["policy"] for row in rows] == ["h2o (int4)"] and rows[0]["ratio"] > 0
 
 
+def test_each_step_is_paired_with_a_full_cache_holding_as_many_entries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An evicting policy against the full cache at ``entries``; ``full`` (evicts nothing) against a full
+    cache that got the same prompt and grows with it."""
+    held: list[int] = []
+    timed = speed._step_seconds
+
+    def record(model, cache, token):  # entries attended in this step: those held plus the new one
+        held.append(cache.layers[0].n if hasattr(cache.layers[0], "n") else cache.get_seq_length())
+        return timed(model, cache, token)
+
+    monkeypatch.setattr(speed, "_step_seconds", record)
+    speed.measure(tiny_model(), ["full", "h2o"], entries=16, batch_sizes=(1,), steps=2, repeats=1, progress=False)
+    full_pairs, h2o_pairs = held[:4], held[4:]
+    assert full_pairs == [16 + 64, 16 + 64, 16 + 65, 16 + 65]  # both hold the prompt, then one more entry a step
+    assert h2o_pairs[0::2] == [16, 16]  # the full cache cropped back to `entries`, h2o evicted to its budget
+    assert all(n <= 17 for n in h2o_pairs[1::2])
+
+
 def test_the_ratio_is_the_median_of_each_pairs_ratio() -> None:
     # pairs 2/1, 3/2, 10/4: ratios 2, 1.5, 2.5 (the ratio of the medians would be 3/2)
     assert speed.paired_ratio([2.0, 3.0, 10.0], [1.0, 2.0, 4.0]) == 2.0
