@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import os
 import re
 import shutil
@@ -300,21 +301,32 @@ def check_policy_fits(model: PreTrainedModel, corrects_output: bool, budget: int
 
 
 class RotaryTable:
-    """The model's rotary position embedding at any positions: ``table(positions)`` →
-    ``(cos, sin)``, each ``[n, d]`` fp32, exactly as the model rotates queries and keys
-    (``q·cos + rotate_half(q)·sin``; scaled RoPE variants included). Reads the decoder's
-    ``rotary_emb`` module (Llama-style decoders)."""
+    """The model's rotary position embedding at any positions: ``table(positions, layer_idx)``
+    → ``(cos, sin)``, each ``[n, d]`` fp32, exactly as the model rotates that layer's queries and
+    keys (``q·cos + rotate_half(q)·sin``; scaled RoPE variants included). Reads the decoder's
+    ``rotary_emb`` module (Llama-style decoders); where it rotates by layer type (Gemma 3: its
+    sliding layers use another base than its full ones), the layer's type from the config;
+    where it returns one angle per pair of channels (gpt-oss rotates ``x₁·cos − x₂·sin,
+    x₂·cos + x₁·sin`` over the two halves: the same rotation), each table repeated for both halves."""
 
     def __init__(self, model: PreTrainedModel):
         decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
         self._rotary = getattr(decoder, "rotary_emb", None)
+        self._layer_types: list[str] | None = None
+        if self._rotary is not None and "layer_type" in inspect.signature(self._rotary.forward).parameters:
+            self._layer_types = list(get_layer_types_and_kwargs(model.config)[0])
+        text = model.config.get_text_config(decoder=True)
+        self._head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, positions: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._rotary is None:
             raise ValueError(
                 "this model has no rotary embedding at model.get_decoder().rotary_emb; policies that rotate queries "
                 "(expected-attention) need a RoPE model (llama, mistral, qwen2, qwen3)"
             )
         probe = torch.zeros(1, dtype=torch.float32, device=positions.device)
-        cos, sin = self._rotary(probe, positions.reshape(1, -1))
+        by_type = () if self._layer_types is None else (self._layer_types[layer_idx],)
+        cos, sin = self._rotary(probe, positions.reshape(1, -1), *by_type)
+        if cos.shape[-1] * 2 == self._head_dim:  # one angle per pair of channels (gpt-oss)
+            cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
         return cos[0].float(), sin[0].float()

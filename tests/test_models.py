@@ -18,7 +18,7 @@ from transformers import (
 import kvevict
 from kvevict import models
 from kvevict.cli import main
-from kvevict.models import TESTED_MODEL_TYPES, check_supported, resolve_dtype, smollm2_gguf
+from kvevict.models import TESTED_MODEL_TYPES, RotaryTable, check_supported, resolve_dtype, smollm2_gguf
 from tests.conftest import COMMON, greedy, prompt, reference_logits, tiny_model
 
 REFUSED = {
@@ -206,3 +206,35 @@ def test_generate_on_the_embedded_gemma3(gemma3, capsys) -> None:
     assert main(["generate", "--model", "gemma3", "--policy", "snapkv", "--budget", "128", text]) == 0
     captured = capsys.readouterr()
     assert captured.out.strip() and "retained 192 per KV head" in captured.err  # 128 + 64 decoded (prefill policy)
+
+
+def test_the_rotary_table_rotates_each_layer_as_the_model_does() -> None:
+    """Gemma 3 rotates its sliding layers with another base than its full ones: each layer's
+    table is the model's own rotation for that layer's type (Llama: one table for all)."""
+    model = tiny_model("gemma3")
+    table, positions = RotaryTable(model), torch.arange(5, 12)
+    probe = torch.zeros(1)
+    for layer_idx, layer_type in enumerate(model.config.layer_types):
+        cos, sin = model.model.rotary_emb(probe, positions[None], layer_type)
+        got = table(positions, layer_idx)
+        assert torch.equal(got[0], cos[0].float()) and torch.equal(got[1], sin[0].float())
+    assert not torch.equal(table(positions, 0)[0], table(positions, 1)[0])  # sliding ≠ full
+    llama = tiny_model()
+    cos, sin = llama.model.rotary_emb(probe, positions[None])
+    assert torch.equal(RotaryTable(llama)(positions, 1)[0], cos[0].float())
+
+
+def test_the_rotary_table_of_gpt_oss_repeats_its_angles_for_both_halves() -> None:
+    """gpt-oss returns one angle per pair of channels and rotates the two halves by it: the same
+    rotation as the Llama form with the table repeated (checked on a query rotated by the model's own function)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb
+
+    from kvevict.policies.expected_attention import rope_inverse
+
+    model = tiny_model("gpt_oss", "eager")
+    positions, q = torch.arange(3, 9), torch.randn(1, 4, 6, 16)
+    cos, sin = model.model.rotary_emb(q, positions[None])
+    rotated, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    full_cos, full_sin = RotaryTable(model)(positions, 0)
+    assert full_cos.shape == (6, 16)
+    torch.testing.assert_close(rope_inverse(rotated, full_cos, full_sin), q, rtol=0, atol=1e-5)

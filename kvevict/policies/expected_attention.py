@@ -125,7 +125,7 @@ class ExpectedAttention(Method):
     def pre_rope_queries(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         """The pass's queries before RoPE ``[B, Hq, q, d]`` fp32, from their absolute positions."""
         positions = torch.arange(layer.seen - signals.num_new, layer.seen, device=signals.query.device)
-        cos, sin = layer.owner.rotary(positions)
+        cos, sin = layer.owner.rotary(positions, layer.layer_idx)
         return rope_inverse(signals.query, cos, sin)
 
     def observe(self, layer: EntryView, signals: Signals) -> None:
@@ -145,7 +145,8 @@ class ExpectedAttention(Method):
         if queries.shape[2] == 0:
             raise ValueError(f"expected-attention: no query after the {self.sinks} sinks to estimate statistics")
         mean, cov = query_statistics(queries)
-        cos, sin = layer.owner.rotary(torch.arange(layer.seen, layer.seen + self.n_future, device=queries.device))
+        future = torch.arange(layer.seen, layer.seen + self.n_future, device=queries.device)
+        cos, sin = layer.owner.rotary(future, layer.layer_idx)
         logits = expected_logits(
             layer.keys, mean, cov if self.covariance else None, average_rotation(cos, sin), signals.scaling
         )
