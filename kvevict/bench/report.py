@@ -179,6 +179,12 @@ def text_table(header: list[str], rows: list[list[str]]) -> list[str]:
     return [render(header), render(["-" * width for width in widths]), *map(render, rows)]
 
 
+def markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table: the header, its rule, then the rows (cells as given)."""
+    render = lambda cells: "| " + " | ".join(cells) + " |"
+    return "\n".join([render(header), "|" + "---|" * len(header), *map(render, rows)])
+
+
 def plot_report(rows: list[ReportRow], path: str | Path) -> Path:
     """Score vs budget, one line per policy and one panel per task (``full`` dashed)."""
     plt = pyplot()

@@ -4,12 +4,12 @@ A decode step under an eviction policy is timed against a step of a full transfo
 ``DynamicCache`` holding the same number of entries (``entries`` per KV head): the eviction
 cache is prefilled with a longer prompt and evicts to ``entries``, then every step appends
 one entry and evicts at the policy's own default interval (R-KV: its buffer; most policies:
-every step), or every ``interval`` steps when given; the full cache is prefilled with ``entries`` tokens
-and cropped back after every step (a policy that evicts nothing, such as ``full``, is paired with a full
-cache given the same prompt, both growing a step at a time: the same entries at every step). Steps are measured in pairs, a full-cache step right
-before each policy step, ``steps`` pairs per policy in turns (round robin, ``repeats``
-times): on a shared machine the load of other processes drifts over seconds, so each
-policy is compared with full-cache steps taken under the same load.
+every step), or every ``interval`` steps when given; the full cache is prefilled with ``entries``
+tokens and cropped back after every step (a policy that evicts nothing, such as ``full``, is
+paired with a full cache given the same prompt, both growing a step at a time: the same entries
+at every step). Steps are measured in pairs, a full-cache step right before each policy step,
+``steps`` pairs per policy in turns (round robin, ``repeats`` times): on a shared machine the
+load of other processes drifts over seconds, so each policy is compared with full-cache steps taken under the same load.
 
 A policy that evicts every ``W`` steps pays for an eviction once per ``W`` steps, so its
 steps are taken in whole intervals (a turn is at least one interval long, a multiple of it)
@@ -31,6 +31,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kvevict.bench.options import comma_separated
+from kvevict.bench.report import markdown_table
 from kvevict.cache import EvictionCache
 from kvevict.compat import with_cache
 from kvevict.policies import split_names
@@ -135,16 +136,21 @@ def measure(
 
 
 def format_table(rows: list[dict[str, object]]) -> str:
-    lines = [
-        "| policy | batch | interval | ms / step | full DynamicCache ms / step | ratio |",
-        "|---|---|---|---|---|---|",
-    ]
-    for row in rows:
-        lines.append(
-            f"| {row['policy']} | {row['batch']} | {row['interval']} | {row['ms']:.1f} | {row['full_ms']:.1f} "
-            f"| {row['ratio']:.2f}x |"
-        )
-    return "\n".join(lines)
+    header = ["policy", "batch", "interval", "ms / step", "full DynamicCache ms / step", "ratio"]
+    return markdown_table(
+        header,
+        [
+            [
+                str(r["policy"]),
+                str(r["batch"]),
+                str(r["interval"]),
+                f"{r['ms']:.1f}",
+                f"{r['full_ms']:.1f}",
+                f"{r['ratio']:.2f}x",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
