@@ -22,6 +22,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from kvevict.rows import real_columns
 from kvevict.signals import LogitSpec, heads_mask, window_mask
 
 
@@ -35,6 +36,7 @@ class AttendedLayer(Protocol):
     valid: torch.Tensor | None
     compacted: bool
     window: int | None
+    packed_pass: bool
 
     @property
     def policy(self) -> Any: ...
@@ -51,6 +53,8 @@ class AttendedLayer(Protocol):
         self, query: torch.Tensor, scaling: LogitSpec, module: torch.nn.Module, row: torch.Tensor | None
     ) -> None: ...
     def attended(self) -> None: ...
+    def leave_packed_pass(self) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def attend_packed(self, query: torch.Tensor, scaling: float) -> torch.Tensor: ...
 
 
 PREFIX = "kvevict_"
@@ -125,8 +129,12 @@ def _make_attention(base: str) -> Callable:
         layer = _take_pending(module, key)
         if layer is None:  # not an eviction cache: pure pass-through
             return base_kernel(base, module)(module, query, key, value, attention_mask, **kwargs)
-        layer.begin_pass(attention_mask)
         spec = kernel_spec(query, kwargs)
+        if layer.packed_pass and not _attends_packed(base, module, spec, attention_mask, query.shape[0]):
+            key, value = layer.leave_packed_pass()
+        layer.begin_pass(attention_mask)
+        if layer.packed_pass:  # nothing for the policy to do in this decode step: the entries as they lie
+            return layer.attend_packed(query, spec.scaling), None
         row = None if base not in ROW_KERNELS or module.training else layer.decode_row(query, spec)
         side = layer.side_attention(query, spec, module)  # a policy's own scoring pass (KVzip's) may attend itself
         if side is not None:
@@ -144,6 +152,20 @@ def _make_attention(base: str) -> Callable:
 
     kvevict_attention.__name__ = f"{PREFIX}{base}"
     return kvevict_attention
+
+
+def _attends_packed(base: str, module: torch.nn.Module, spec: LogitSpec, mask: torch.Tensor | None, batch: int) -> bool:
+    """Whether a decode step that left its layer packed may attend the packed entries
+    (:meth:`~kvevict.layer.EvictionLayer.attend_packed`): a kernel kvevict may stand in for,
+    not training (no dropout), plain scaled logits (no soft cap, no learned sinks), and a real
+    token in every row (a row whose step is padding sees only its own column)."""
+    return (
+        base in ROW_KERNELS
+        and not module.training
+        and spec.softcap is None
+        and spec.sinks is None
+        and real_columns(mask, 1, batch) is None
+    )
 
 
 def check_flash(base: str, ragged: bool) -> None:

@@ -124,6 +124,8 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         """A decode step's eviction left for the end of the pass (:meth:`evict_pending`)."""
         self._steady_pass = False
         """Whether the pass under way appended by the steady path (:meth:`settle`)."""
+        self.packed_pass = False
+        """Whether the pass under way is a decode step that leaves the layer packed (:meth:`_stays_packed`)."""
         self.refresh(0)
 
     _steady: SteadyRecord | None
@@ -193,11 +195,11 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         replaced); a quantized cache's layer goes back to codes (:meth:`quantize`), and otherwise
         a layer whose rows or heads hold different numbers of entries keeps only its real
         entries until the next pass (its storage bytes follow them)."""
-        self._pass_views = None
+        self._pass_views, self.packed_pass = None, False
         if self.owner.quant is not None:
             self.quantize()
         elif self.is_initialized and self.storage.valid is not None and self.storage.packed is None:
-            self.storage.pack(self.n)
+            self.storage.pack(self.n, [row.start + row.width for row in self.rows])
             self._steady = self._pass_views = None
             self._exposed, self._state_views = NOTHING_EXPOSED, {}  # no view of the old tensors
 
@@ -366,9 +368,19 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
             owner.advance(self.passes + 1, 1)
             steady.columns.append(key_states, value_states, self.rows[0].sequence.start_seen)
             return self._appended(1, storage.columns(self.n + 1))
+        self.packed_pass = False
         if self.pending_pass is not None or self.pending_eviction is not None:  # a pass that raised
             self.observe_pending()
             self.evict_pending()
+        if self._stays_packed(key_states):  # appended where its entries lie, attended there (attend_packed)
+            positions = torch.tensor([row.sequence.start_seen for row in self.rows], device=self.device)
+            storage.append_packed(key_states, value_states, positions)
+            self.prompt_pass = False
+            self.n = max(row.start + row.width for row in self.rows) + 1
+            self._count_appended(1)
+            self.packed_pass = True
+            mark_pending(self, key_states)
+            return key_states, value_states
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, num_new = key_states.shape[0], key_states.shape[2]
@@ -405,6 +417,12 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
 
     def _appended(self, num_new: int, columns: Columns) -> tuple[torch.Tensor, torch.Tensor]:
         """Count the ``num_new`` columns every row just appended and expose ``columns``."""
+        self._count_appended(num_new)
+        self._expose(columns)
+        mark_pending(self, self.keys)
+        return self.keys, self.values
+
+    def _count_appended(self, num_new: int) -> None:
         for row in self.rows:
             row.width += num_new
         self.tokens += num_new
@@ -412,9 +430,43 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         self._num_new = num_new
         self._pass_views = None
         self._steady = None
-        self._expose(columns)
-        mark_pending(self, self.keys)
+
+    def _stays_packed(self, key_states: torch.Tensor) -> bool:
+        """Whether this pass is a decode step that may leave the layer packed: one token per row
+        into a packed (ragged) full-attention layer, on a CPU, under a policy that has nothing
+        to do while decoding (it evicts only at prefill and corrects no output: its state of
+        decode tokens would never be read), every row past its prompt. Then the step appends
+        each head's entry where its entries lie and attends them there (:meth:`attend_packed`),
+        instead of spreading the layer into padded storage and packing it again."""
+        owner, policy = self.owner, self.policy
+        if not (
+            self.storage.packed is not None
+            and key_states.shape[2] == 1
+            and key_states.shape[0] == len(self.rows)
+            and key_states.is_cpu  # (on a GPU the padded layout costs little and a product per head a launch)
+            and self.window is None
+            and owner.side_pass is None
+            and owner.hidden is None
+            and not policy.evicts_in("decode")
+            and not policy.corrects_output
+        ):
+            return False
+        owner.advance(self.passes + 1, 1)  # (once per pass: the padded path's call is then a no-op)
+        return all(row.sequence.start_passes for row in self.rows) and not self._is_prompt_pass(1)
+
+    def leave_packed_pass(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step :meth:`_stays_packed` let append into packed entries cannot attend them there
+        (padding in the model's mask, a kernel or logit recipe :meth:`attend_packed` does not
+        follow): spread them, its entries included, into padded storage as :meth:`update` would
+        have, and return the keys and values to attend."""
+        self.packed_pass = False
+        self.refresh(self.storage.unpack(max(row.interval for row in self.rows), self._free_positions(True)))
         return self.keys, self.values
+
+    def attend_packed(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The output ``[B, 1, Hq, d]`` of this step's query ``[B, Hq, 1, d]`` over the packed entries."""
+        assert self.storage.packed is not None
+        return self.storage.packed.attend(query, scaling)
 
     def get_seq_length(self) -> int:
         return self.tokens
@@ -492,10 +544,11 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         if storage.packed is None:
             share = self.kv_bytes() // len(self.rows)
             return [(share, held * kv_entry) for held in real]
-        held = storage.packed.held
-        per_entry = sum(x[:1].numel() * x.element_size() for x in storage.packed.entries.values())
-        mask = held[0].numel() * held.element_size()
-        return [(count * per_entry + mask, count * kv_entry) for count in real]
+        packed = storage.packed
+        per_entry = sum(x[:1].numel() * x.element_size() for x in packed.entries.values())
+        mask = packed.held[0].numel() * packed.held.element_size()
+        held = packed.row_capacities(len(self.rows))  # each row's entries and their room to grow
+        return [(slots * per_entry + mask, count * kv_entry) for slots, count in zip(held, real)]
 
     def column_bytes(self) -> int:
         """Bytes one column of one row takes in padded storage: a key and a value per KV head,

@@ -107,6 +107,7 @@ class PassBookkeeping:
     _num_new: int
     _steady: SteadyRecord | None
     _steady_pass: bool
+    packed_pass: bool
     _exposed: Columns
     _pass_views: list[RowView] | None
 
@@ -186,6 +187,17 @@ class PassBookkeeping:
                     self._start_row(sequence)
                 elif self.prompt_pass and self.owner.side_pass is None:
                     self._continue_prompt(sequence)
+        if self.packed_pass:  # a decode step with nothing for the policy to do (EvictionLayer._stays_packed)
+            self._pass_views = None
+        else:
+            self._begin_views(steady)
+        for row in self.rows:
+            row.peak = max(row.peak, row.width)
+            if row.passes > 1 and not self.prompt_pass:
+                row.decode_peak = max(row.decode_peak, row.width)
+
+    def _begin_views(self, steady: bool) -> None:
+        """The views of this pass, and the new entries' state now or at the end of the pass."""
         views = [RowView(self, 0, len(self.rows))] if steady else self.views()
         if steady or self._ends_with_pass(views):  # its state, observation and eviction wait for the end of the pass
             self.pending_pass = PendingPass(views[0])
@@ -193,10 +205,6 @@ class PassBookkeeping:
             self._pass_views = views
         else:
             self._pass_views = self._start_tokens(views)
-        for row in self.rows:
-            row.peak = max(row.peak, row.width)
-            if row.passes > 1 and not self.prompt_pass:
-                row.decode_peak = max(row.decode_peak, row.width)
 
     def _ends_with_pass(self, views: list[RowView]) -> bool:
         """Whether this pass is a decode step of one view holding the whole storage on a full

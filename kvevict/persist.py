@@ -124,7 +124,7 @@ def save_file(cache: Any, path: str | Path, model: PreTrainedModel) -> Path:
         n, packed, quantized = layer.n, layer.storage.packed, layer.storage.quantized
         if packed is not None:  # heads or rows of different lengths: the real entries only, as held
             entries = {"valid": packed.held}
-            entries.update({_entry_name(name, layer.state): x for name, x in packed.entries.items()})
+            entries.update({_entry_name(name, layer.state): x for name, x in packed.real().items()})
         elif quantized is not None:  # codes, scales and zero points as held (encoded below), the rest dense
             entries = {f"state.{name}": value for name, value in layer.state.items()}
             if layer.valid is not None:

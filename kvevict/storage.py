@@ -24,6 +24,7 @@ from typing import Protocol
 
 import torch
 
+from kvevict.packed import PackedEntries, held_slots
 from kvevict.quant import QuantConfig, QuantizedEntries, ReusableCodes, compress
 
 SLACK = 16
@@ -83,40 +84,17 @@ class ColumnBytes:
         return ColumnBytes(*(max(mine, theirs) for mine, theirs in zip(astuple(self), astuple(other))))
 
 
-@dataclass
-class PackedEntries:
-    """A ragged layer's real entries between passes: ``held`` ``[B, Hkv, n]`` says which slots of
-    the padded layout were real, and each entry ``[real entries, ...]`` lists them in storage
-    order (so unpacking gives back the same layout)."""
-
-    held: torch.Tensor
-    entries: dict[str, torch.Tensor]
-
-    def spread(self, name: str, columns: int, free: torch.Tensor, slots: torch.Tensor | None = None) -> torch.Tensor:
-        """Entry ``name`` in the padded layout ``[B, Hkv, columns, ...]`` (``columns`` ≥ the
-        packed width): zeros, and free slots of row ``b`` at position ``free[b]``. ``slots``:
-        :meth:`slots` of ``columns`` (given, it is not recomputed per entry)."""
-        entries = self.entries[name]
-        dense = entries.new_zeros((*self.held.shape[:2], columns, *entries.shape[1:]))
-        if name == "positions":
-            dense[:] = free.view(-1, 1, 1)
-        flat = dense.view(-1, *entries.shape[1:])
-        flat.index_copy_(0, self.slots(columns) if slots is None else slots, entries)
-        return dense
-
-    def slots(self, columns: int) -> torch.Tensor:
-        """Where each packed entry goes in a padded layout of ``columns`` columns, as an index
-        into its ``[B·Hkv·columns]`` flattening (storage order: one ``nonzero`` for every entry)."""
-        return held_slots(self.held, columns)
-
-
-def held_slots(held: torch.Tensor, columns: int) -> torch.Tensor:
-    """The ``[B·Hkv·columns]`` flat indices of the true slots of ``held`` ``[B, Hkv, n]`` (``n`` ≤
-    ``columns``), in storage order: index ``x.view(B·Hkv·columns, ...)`` with them to pick the
-    entries ``x[:, :, :n][held]`` picks, without a boolean mask per tensor."""
-    b, h, n = held.shape
-    head, column = held.view(b * h, n).nonzero().unbind(1)
-    return head * columns + column
+def spread(
+    entries: torch.Tensor, held: torch.Tensor, columns: int, slots: torch.Tensor, free: torch.Tensor | None
+) -> torch.Tensor:
+    """Real ``entries`` ``[real entries, ...]`` (storage order) in the padded layout ``[B, Hkv, columns, ...]``
+    of ``held`` ``[B, Hkv, n]`` (``slots``: :func:`~kvevict.packed.held_slots` of ``columns``): zeros
+    elsewhere, and for positions (``free`` given) row ``b``'s free slots at position ``free[b]``."""
+    dense = entries.new_zeros((*held.shape[:2], columns, *entries.shape[1:]))
+    if free is not None:
+        dense[:] = free.view(-1, 1, 1)
+    dense.view(-1, *entries.shape[1:]).index_copy_(0, slots, entries)
+    return dense
 
 
 class Columns:
@@ -193,7 +171,7 @@ class LayerStorage:
         if self.valid is not None:
             held.append(self.valid)
         if self.packed is not None:
-            held += [self.packed.held, *self.packed.entries.values()]
+            held += self.packed.tensors()
         for quantized in (self.quantized, self.previous):
             held += [] if quantized is None else quantized.tensors()
         return held
@@ -264,20 +242,31 @@ class LayerStorage:
             self._map(shrink)
             self.capacity = capacity
 
-    def pack(self, n: int) -> None:
+    def pack(self, n: int, ends: list[int]) -> None:
         """Between passes, a layer whose rows or heads hold different numbers of entries keeps
-        only the real ones (:class:`PackedEntries`): nothing is padded to the longest."""
+        only the real ones (:class:`~kvevict.packed.PackedEntries`): nothing is padded to the
+        longest. ``ends[b]``: the column row ``b`` appends at next."""
         assert self.valid is not None and self.packed is None
         held = self.valid.narrow(2, 0, n).clone()
         slots = held_slots(held, self.keys.shape[2])  # one index for every entry, not a boolean mask per tensor
         entries = {name: x.reshape(-1, *x.shape[3:]).index_select(0, slots) for name, x in self.entries().items()}
-        self.packed = PackedEntries(held, entries)
+        self.packed = PackedEntries(held, entries, ends)
         self._set_aside()
         self.state = {
             name: value.new_empty(*value.shape[:2], 0, *value.shape[3:]) for name, value in self.state.items()
         }
         self.valid, self.capacity = None, 0
         self.replaced()
+
+    def append_packed(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
+        """A decode step into packed entries, left packed: keys and values ``[B, Hkv, 1, d]``, each
+        row's position ``[B]``; per-token state entries start at zero, as in padded storage."""
+        packed = self.packed
+        assert packed is not None
+        new = {"keys": keys, "values": values, "positions": positions.view(-1, 1, 1).expand(*keys.shape[:3])}
+        for name, value in self.state.items():
+            new[name] = value.new_zeros(*keys.shape[:3], *value.shape[3:])
+        packed.append(new, lambda length: capacity_bound(length, 0))
 
     def unpack(self, room: int, free: torch.Tensor) -> int:
         """The packed entries back in padded storage with ``room`` columns to grow, before a
@@ -286,13 +275,13 @@ class LayerStorage:
         packed = self.packed
         assert packed is not None
         self.packed = None
-        held, n = packed.held, packed.held.shape[-1]
+        held = packed.held
+        n = held.shape[-1]
         self.capacity = n + room
-
-        slots = packed.slots(self.capacity)
-        spread = lambda name: packed.spread(name, self.capacity, free, slots)
-        self.keys, self.values, self.positions = spread("keys"), spread("values"), spread("positions")
-        self.state = {name: spread(name) for name in self.state}
+        slots, real = held_slots(held, self.capacity), packed.real()
+        self.keys, self.values = (spread(real[name], held, self.capacity, slots, None) for name in ("keys", "values"))
+        self.positions = spread(real["positions"], held, self.capacity, slots, free)
+        self.state = {name: spread(real[name], held, self.capacity, slots, None) for name in self.state}
         self.valid = torch.zeros(*held.shape[:2], self.capacity, dtype=torch.bool, device=held.device)
         self.valid[:, :, :n] = held
         self.replaced()
@@ -345,7 +334,11 @@ class LayerStorage:
             return None if value is None else value.narrow(2, 0, quantized.n)
         packed = self.packed
         assert packed is not None
-        return packed.held if name == "valid" else packed.spread(name, packed.held.shape[-1], free)
+        held = packed.held
+        if name == "valid":
+            return held
+        slots = held_slots(held, held.shape[-1])
+        return spread(packed.real()[name], held, held.shape[-1], slots, free if name == "positions" else None)
 
     def leave_inference_mode(self) -> None:
         """Storage is written in place, which torch forbids on tensors made under ``inference_mode``

@@ -24,34 +24,43 @@ def kept_positions(layer: EvictionLayer, row: int) -> list[list[int]]:
     return [sorted(positions[head][valid[head]].tolist()) for head in range(positions.shape[0])]
 
 
-@pytest.mark.parametrize("policy", [*HEAD_WISE, "pyramidkv", "random"])
+@pytest.mark.parametrize("policy", [*HEAD_WISE, "pyramidkv", "random", "random[regime=both]"])
 def test_rows_in_lockstep_keep_what_each_keeps_alone(policy: str, monkeypatch) -> None:
     """After the first eviction the rows of a left-padded batch (prompts of different lengths)
     start at column 0, so every later decode step runs in one view, also when their heads
     keep different numbers of entries (the view carries the validity mask) and when the rows'
     longest heads differ (AdaKV: each row's new entry in its own column); ``random`` draws
-    each row from its own generator. Each row keeps, head by head, the positions it keeps
-    alone, and generates the same tokens."""
+    each row from its own generator. A policy with nothing to do while decoding makes no
+    view then: its steps leave the ragged layers packed (:mod:`kvevict.packed`). Each row
+    keeps, head by head, the positions it keeps alone, and generates the same tokens."""
     model = tiny_model()
     prompts = [prompt(length, seed=seed) for seed, length in enumerate(LENGTHS)]
     ids, mask = left_padded(prompts)
     made: list[list[RowView]] = []
     views = EvictionLayer.views
 
+    passes: list[int] = []
+
     def recorded(layer: EvictionLayer) -> list[RowView]:
         made.append(views(layer))
+        passes.append(layer.passes)
         return made[-1]
 
     monkeypatch.setattr(EvictionLayer, "views", recorded)
     cache = kvevict.EvictionCache(model, build_policy(policy, window=8), budget=BUDGET)
     tokens, _ = greedy_batch(model, ids, mask, cache, 6)
     monkeypatch.undo()
-    together = [pass_views[0] for pass_views in made if len(pass_views) == 1]
-    assert together  # the decode steps after the first eviction ran in lockstep
-    if policy in HEAD_WISE:
-        assert any(view.valid is not None for view in together)
-    if "adakv" in policy or policy == "momentkv":
-        assert any(view.new_columns is not None for view in together)
+    ragged = all(layer.storage.packed is not None for layer in cache.eviction_layers)
+    if ragged and not (cache.policy.evicts_in("decode") or cache.policy.corrects_output):
+        assert set(passes) == {1}  # views in the prompt only
+        assert all(layer.storage.packed.appended == 5 for layer in cache.eviction_layers)
+    else:
+        together = [pass_views[0] for pass_views in made if len(pass_views) == 1]
+        assert together  # the decode steps after the first eviction ran in lockstep
+        if policy in HEAD_WISE:
+            assert any(view.valid is not None for view in together)
+        if "adakv" in policy or policy == "momentkv":
+            assert any(view.new_columns is not None for view in together)
     for row, alone_ids in enumerate(prompts):
         alone = kvevict.EvictionCache(model, build_policy(policy, window=8), budget=BUDGET)
         expected, _ = greedy(model, alone_ids, alone, new_tokens=6)

@@ -1,0 +1,139 @@
+"""A ragged layer's real entries between passes, and the decode steps that attend them as they lie.
+
+Owns: :class:`PackedEntries`, the entries of a layer whose rows or heads hold different
+numbers of entries (head-wise budgets, ``keep=`` over prompts of different lengths) once a
+pass is over: no padding to the longest head, every entry of one head (one *segment*) next to
+the others in storage order, and each segment with a little room to grow, so that a decode
+step appends in place (:meth:`PackedEntries.append`) and attends each head's segment where it
+lies (:meth:`PackedEntries.attend`) instead of spreading the layer into padded storage and
+packing it again, which cost more than the model's own step on ragged layers.
+
+Must not touch: which entries a layer holds, its rows or its passes: the layer decides when a
+step may stay packed (:mod:`kvevict.layer`) and the storage when to unpack (:mod:`kvevict.storage`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from itertools import accumulate
+
+import torch
+
+
+def held_slots(held: torch.Tensor, columns: int) -> torch.Tensor:
+    """The ``[B·Hkv·columns]`` flat indices of the true slots of ``held`` ``[B, Hkv, n]`` (``n`` ≤
+    ``columns``), in storage order: index ``x.view(B·Hkv·columns, ...)`` with them to pick the
+    entries ``x[:, :, :n][held]`` picks, without a boolean mask per tensor."""
+    b, h, n = held.shape
+    head, column = held.view(b * h, n).nonzero().unbind(1)
+    return head * columns + column
+
+
+class PackedEntries:
+    """A ragged layer's real entries: each entry ``[capacity, ...]`` lists them head after head
+    (row-major over ``[B, Hkv]``), each head's in column order, followed by its room to grow.
+
+    Made tight from the padded layout at the end of a pass (``held`` ``[B, Hkv, n]``: which
+    slots were real; ``ends[b]``: the column row ``b`` appends at next). A decode step then
+    appends one entry per head at the end of its segment; in the padded layout that entry sits
+    at column ``ends[b]`` of its row, the next at ``ends[b] + 1``, ..., which is where the
+    padded storage puts a step's entries, so :attr:`held` and :meth:`real` give back exactly
+    the padded layout a pass would have left (:meth:`~kvevict.storage.LayerStorage.unpack`)."""
+
+    def __init__(self, held: torch.Tensor, entries: dict[str, torch.Tensor], ends: list[int]):
+        self._held, self.entries, self._ends = held, entries, ends
+        self.appended = 0
+        """Entries each head gained since it was packed (one per decode step)."""
+        self.lengths: list[int] = held.flatten(0, 1).sum(dim=-1).tolist()
+        """Real entries of each head (segment), row-major over ``[B, Hkv]``."""
+        self.starts = [0, *accumulate(self.lengths)][:-1]
+        """Where each segment begins in the entries."""
+        self._room = 0
+        """Entries the fullest segment can still take."""
+        self._next: torch.Tensor | None = None
+        """``[B·Hkv]``: where each segment's next entry goes (made at the first append)."""
+
+    @property
+    def held(self) -> torch.Tensor:
+        """``[B, Hkv, n]``: which slots of the padded layout hold a real entry."""
+        if not self.appended:
+            return self._held
+        b, h, n = self._held.shape
+        width = max(n, max(self._ends) + self.appended)
+        held = self._held.new_zeros(b, h, width)
+        held[..., :n] = self._held
+        for row, end in enumerate(self._ends):
+            held[row, :, end : end + self.appended] = True
+        return held
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor held: the entries with their room, and which slots were real at packing."""
+        return [self._held, *self.entries.values()]
+
+    def row_capacities(self, rows: int) -> list[int]:
+        """Entries each row's segments hold room for (its real ones while packed tight)."""
+        ends = [*self.starts[1:], next(iter(self.entries.values())).shape[0]]
+        heads = len(self.starts) // rows
+        return [ends[(row + 1) * heads - 1] - self.starts[row * heads] for row in range(rows)]
+
+    def real(self) -> dict[str, torch.Tensor]:
+        """The real entries only, in storage order (the entries themselves while no segment has room)."""
+        total = sum(self.lengths)
+        if next(iter(self.entries.values())).shape[0] == total:
+            return self.entries
+        index = self._real_index(self.starts)
+        return {name: x.index_select(0, index) for name, x in self.entries.items()}
+
+    def _real_index(self, starts: list[int]) -> torch.Tensor:
+        """Where the real entries lie when segment ``s`` begins at ``starts[s]``, in storage order."""
+        device = self._held.device
+        lengths = torch.tensor(self.lengths, device=device)
+        tight = [0, *accumulate(self.lengths)][:-1]
+        shift = torch.tensor(starts, device=device) - torch.tensor(tight, device=device)
+        return torch.repeat_interleave(shift, lengths) + torch.arange(sum(self.lengths), device=device)
+
+    def append(self, new: dict[str, torch.Tensor], capacity: Callable[[int], int]) -> None:
+        """One decode step: entry ``new[name]`` ``[B, Hkv, 1, ...]`` of every head at the end of its
+        segment (every entry of the layer is given). A full segment makes every segment move
+        into new tensors, each with room up to ``capacity(its length)``: O(1) amortised per
+        step, within the storage's bounded slack (:func:`~kvevict.storage.capacity_bound`)."""
+        if (
+            self._next is None
+            or (self._next.is_inference() and not torch.is_inference_mode_enabled())
+            or not self._room
+        ):
+            self._grow(capacity)  # (new tensors, also for entries made under inference_mode: written in place here)
+        assert self._next is not None
+        for name, x in self.entries.items():
+            x.index_copy_(0, self._next, new[name].reshape(self._next.shape[0], *x.shape[1:]))
+        self._next += 1
+        self._room -= 1
+        self.lengths = [length + 1 for length in self.lengths]
+        self.appended += 1
+
+    def _grow(self, capacity: Callable[[int], int]) -> None:
+        extra = [capacity(length) - length for length in self.lengths]
+        starts = [0, *accumulate(length + more for length, more in zip(self.lengths, extra))]
+        real, index = self.real(), self._real_index(starts[:-1])
+        self.entries = {
+            name: x.new_zeros(starts[-1], *x.shape[1:]).index_copy_(0, index, x) for name, x in real.items()
+        }
+        self.starts, self._room = starts[:-1], min(extra)
+        self._next = torch.tensor(self.starts, device=self._held.device) + torch.tensor(
+            self.lengths, device=self._held.device
+        )
+
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The attention output ``[B, 1, Hq, d]`` (the kernel's layout, the values' dtype) of one
+        query per row, ``query`` ``[B, Hq, 1, d]`` (query head ``h`` reads KV head ``h // (Hq / Hkv)``),
+        over every real entry: per head, one product over its segment as it lies, in fp32.
+        Why a loop over heads: the segments differ in length, and one product per segment over
+        a few hundred entries costs microseconds, while padding them would copy the layer."""
+        b, hq, _, d = query.shape
+        keys, values = self.entries["keys"], self.entries["values"]
+        grouped = query.float().reshape(len(self.lengths), -1, d)
+        output = torch.empty(*grouped.shape[:2], values.shape[-1], dtype=torch.float32, device=query.device)
+        for segment, (start, length) in enumerate(zip(self.starts, self.lengths)):
+            logits = torch.mm(grouped[segment], keys.narrow(0, start, length).float().t()).mul_(scaling)
+            torch.mm(logits.softmax(dim=-1), values.narrow(0, start, length).float(), out=output[segment])
+        return output.view(b, 1, hq, -1).to(values.dtype)

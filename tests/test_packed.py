@@ -1,0 +1,112 @@
+"""Packed entries (kvevict.packed): a ragged layer's decode steps append and attend where its
+entries lie, and leave exactly the layout, entries and logits the padded path gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvevict
+from kvevict.attention import attend
+from kvevict.packed import PackedEntries, held_slots
+from kvevict.signals import attention_rows
+from tests.conftest import build_policy, left_padded, padded_positions, prompt, tiny_model
+
+
+def ragged(batch: int = 2, heads: int = 3, n: int = 9, dim: int = 4, seed: int = 0):
+    """A padded layout ``[B, Hkv, n, d]`` whose heads hold different numbers of entries, and its packing."""
+    generator = torch.Generator().manual_seed(seed)
+    held = torch.rand(batch, heads, n, generator=generator) < 0.6
+    held[0, :, -1] = True  # row 0 ends at column n, row 1 earlier
+    held[1, :, n - 3 :] = False
+    held[1, 0, 0] = True
+    keys, values = torch.randn(2, batch, heads, n, dim, generator=generator)
+    positions = torch.arange(n).expand(batch, heads, n)
+    slots = held_slots(held, n)
+    entries = {
+        name: x.reshape(batch * heads * n, *x.shape[3:]).index_select(0, slots)
+        for name, x in (("keys", keys), ("values", values), ("positions", positions))
+    }
+    return held, {"keys": keys, "values": values, "positions": positions}, PackedEntries(held, entries, [n, n - 3])
+
+
+def test_appended_entries_lie_where_the_padded_layout_puts_a_decode_step() -> None:
+    """Row ``b``'s step ``j`` lands at column ``ends[b] + j``; segments that run out of room move
+    (here every other step) and keep every entry, in storage order."""
+    held, dense, packed = ragged()
+    batch, heads, n, dim = dense["keys"].shape
+    grown = torch.zeros(batch, heads, n + 5, dtype=torch.bool)
+    grown[..., :n] = held
+    expected = {name: torch.cat([x, x.new_zeros(batch, heads, 5, *x.shape[3:])], dim=2) for name, x in dense.items()}
+    for step in range(5):
+        new = {"keys": torch.randn(batch, heads, 1, dim), "values": torch.randn(batch, heads, 1, dim)}
+        new["positions"] = torch.full((batch, heads, 1), 100 + step)
+        packed.append(new, lambda length: length + 2)
+        for row, end in enumerate((n, n - 3)):
+            grown[row, :, end + step] = True
+            for name, x in new.items():
+                expected[name][row, :, end + step] = x[row, :, 0]
+    width = grown.shape[-1]
+    assert torch.equal(packed.held, grown)
+    assert packed.lengths == grown.flatten(0, 1).sum(-1).tolist()
+    slots = held_slots(grown, width)
+    for name, x in packed.real().items():
+        assert torch.equal(x, expected[name].reshape(-1, *x.shape[1:]).index_select(0, slots))
+    capacity = packed.entries["keys"].shape[0]
+    assert sum(packed.row_capacities(batch)) == capacity > sum(packed.lengths)  # each segment's room, no more
+
+
+def test_a_packed_step_attends_as_the_padded_layout_with_its_mask() -> None:
+    held, dense, packed = ragged(heads=2, dim=8)
+    query = torch.randn(2, 6, 1, 8)  # three query heads per KV head
+    rows = attention_rows(query, dense["keys"], 0.3, held)
+    expected = attend(rows, dense["values"])
+    torch.testing.assert_close(packed.attend(query, 0.3), expected, rtol=1e-6, atol=1e-6)
+
+
+def decode(model, cache, ids, mask, steps: int, padded_path: bool, padding_step: int | None = None):
+    """``steps`` greedy decode steps after the prompt; with ``padded_path`` every ragged layer is
+    unpacked before each step (so the step takes the padded path); ``padding_step``: that step
+    is padding for row 1. Returns the per-step logits ``[B, steps, V]``."""
+    logits = []
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=padded_positions(mask), past_key_values=cache)
+        for step in range(steps):
+            token = out.logits[:, -1:].argmax(-1)
+            column = torch.ones(mask.shape[0], 1, dtype=mask.dtype)
+            if step == padding_step:
+                column[1] = 0
+            mask = torch.cat([mask, column], dim=1)
+            if padded_path:
+                for layer in cache.eviction_layers:
+                    layer.unpack()
+            positions = cache.next_positions()
+            out = model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache)
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits, dim=1)
+
+
+@pytest.mark.parametrize("policy", ["adakv+snapkv[window=8]", "kvzip", "headkv[window=8]", "fastkvzip[window=8]"])
+@pytest.mark.parametrize("padding_step", [None, 2])
+def test_packed_decode_steps_leave_what_the_padded_path_leaves(policy: str, padding_step: int | None) -> None:
+    """The same decode steps of a left-padded batch, left packed or taken through padded storage:
+    the same entries in the same layout (positions bit for bit), the same logits; a step that is padding
+    for a row is spread into padded storage first (``leave_packed_pass``), as the padded path."""
+    model = tiny_model()
+    ids, mask = left_padded([prompt(length, seed=seed) for seed, length in enumerate((30, 50, 41))])
+    results = []
+    for padded_path in (False, True):
+        cache = kvevict.EvictionCache(model, build_policy(policy), keep=0.5)
+        logits = decode(model, cache, ids, mask, 6, padded_path, padding_step)
+        layers = cache.eviction_layers
+        appended = [layer.storage.packed.appended for layer in layers]
+        assert appended == [0 if padded_path else 6 - 3 * (padding_step is not None)] * len(layers)
+        results.append((logits, [(layer.keys, layer.values, layer.positions, layer.valid) for layer in layers]))
+    (packed_logits, packed_layers), (padded_logits, padded_layers) = results
+    torch.testing.assert_close(packed_logits, padded_logits, rtol=0, atol=1e-5)
+    for (*packed_kv, positions, valid), (*padded_kv, expected_positions, expected_valid) in zip(
+        packed_layers, padded_layers, strict=True
+    ):
+        assert torch.equal(positions, expected_positions) and torch.equal(valid, expected_valid)
+        for mine, theirs in zip(packed_kv, padded_kv, strict=True):  # (from the hidden states of either path)
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
