@@ -123,9 +123,13 @@ class PolicyDriver:
             if not (requirements.last_query_attention or requirements.column_sums):
                 return None
         logits = attention_logits(query, view.keys, spec, view.valid)
-        if self.policy.corrects_output and spec.softcap is None:  # the logits the correction reads
-            self._row_log_partition = logits.logsumexp(dim=-1)
-        return softmax_rows(logits, spec)
+        row = softmax_rows(logits, spec)
+        if self.policy.corrects_output and spec.softcap is None:  # log Z of the logits the correction reads
+            if spec.sinks is None:  # from the softmax: the largest probability is exp(max logit − log Z)
+                self._row_log_partition = logits.amax(dim=-1).sub_(row.amax(dim=-1).log_())
+            else:
+                self._row_log_partition = logits.logsumexp(dim=-1)
+        return row
 
     def side_attention(
         self, query: torch.Tensor, spec: LogitSpec, module: torch.nn.Module | None = None
