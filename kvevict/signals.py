@@ -31,7 +31,7 @@ GroupReduce = Literal["mean", "max"]
 COLUMN_SUM_CHUNK = 256
 """Queries per chunk when summing attention columns: memory is ``chunk × n`` per head."""
 VALUE_NORM_CHUNK = 4096
-"""Values per chunk when projecting by W_O: memory ``chunk × hidden`` for one query head."""
+"""Values times query heads per chunk when projecting by W_O: memory ``chunk × hidden``."""
 
 
 @dataclass(frozen=True)
@@ -311,17 +311,23 @@ def projected_value_norms(
     ``[hidden, Hq·d]``. Query head ``h`` projects its KV head's values by its own slice
     ``W_O[:, h·d:(h+1)·d]``; the norm (``ord``: 1 for CriticalKV, 2 for KVzip+) is over the
     hidden dimension. By default the result is averaged over the query heads of each KV
-    head; ``per_query_head`` keeps one row per query head. One query head and
-    ``VALUE_NORM_CHUNK`` values at a time, never ``m × hidden`` for all heads at once.
+    head; ``per_query_head`` keeps one row per query head. Every query head at once, by one
+    batched product over the heads' slices as they lie in the weight (no copy of it), for
+    ``VALUE_NORM_CHUNK / Hq`` values at a time: never more than ``VALUE_NORM_CHUNK × hidden``
+    products held (a decode step's few values: one product, not one per head).
     """
     b, hkv, m, d = values.shape
     group = num_query_heads // hkv
-    norms = values.new_zeros(b, num_query_heads, m, dtype=torch.float32)
-    for head in range(num_query_heads):
-        slice_t = o_proj[:, head * d : (head + 1) * d].float().T  # [d, hidden]
-        for start in range(0, m, VALUE_NORM_CHUNK):
-            chunk = values[:, head // group, start : start + VALUE_NORM_CHUNK].float()
-            norms[:, head, start : start + VALUE_NORM_CHUNK] = (chunk @ slice_t).norm(p=ord, dim=-1)
+    hidden = o_proj.shape[0]
+    heads = o_proj.float().view(hidden, num_query_heads, d).permute(1, 2, 0)  # [Hq, d, hidden]: head h's W_Oᵀ
+    rows = values.float().transpose(0, 1).reshape(hkv, 1, b * m, d)
+    rows = rows.expand(hkv, group, b * m, d).reshape(num_query_heads, b * m, d)  # each query head's KV head
+    norms = values.new_empty(num_query_heads, b * m, dtype=torch.float32)
+    chunk = max(1, VALUE_NORM_CHUNK // num_query_heads)
+    for start in range(0, b * m, chunk):
+        products = torch.bmm(rows[:, start : start + chunk], heads)
+        norms[:, start : start + chunk] = torch.linalg.vector_norm(products, ord=ord, dim=-1)
+    norms = norms.view(num_query_heads, b, m).transpose(0, 1)
     return norms if per_query_head else group_reduce(norms, hkv)
 
 
