@@ -110,21 +110,18 @@ def mi_residual_norms(keys: torch.Tensor, values: torch.Tensor, stats: MomentSta
     """``‖r_j‖`` of every entry, ``r_j = v_j − v̄ − S̃ k_j·c / n_e`` (Eq. 10), ``[B, Hkv, n]``.
 
     With nothing evicted yet ``v̄ = 0`` and ``S̃ = 0`` (Algorithm 1, line 7): ``r_j = v_j``.
+    ``S̃ = S − s_v s_kᵀ / n_e`` is formed (``d_v × d_k`` per head) and scaled by ``c / n_e``
+    first, so every entry's residual takes one batched product and one subtraction: the
+    ``n × d`` work is three passes, not one per term of the expansion.
     """
     k, v = keys.float(), values.float()
-    _, v_mean = stats.means()
-    residual = v - v_mean[..., None, :]
-    if stats.outer is not None:
-        residual = residual - _centered_outer_times(stats, k) * (scaling / stats.count.clamp(min=1)[..., None, None])
-    return residual.norm(dim=-1)
-
-
-def _centered_outer_times(stats: MomentStats, x: torch.Tensor) -> torch.Tensor:
-    """``S̃ x`` for rows ``x`` ``[B, Hkv, m, d_k]`` without forming ``S̃``:
-    ``S x − s_v (s_k·x) / n_e`` → ``[B, Hkv, m, d_v]``."""
-    n = stats.count.clamp(min=1)[..., None, None]
-    key_dot = x @ stats.key_sum[..., None]  # [B, Hkv, m, 1]
-    return x @ stats.outer.transpose(-1, -2) - key_dot * stats.value_sum[..., None, :] / n
+    count = stats.count.clamp(min=1)[..., None, None]
+    v_mean = (stats.value_sum / count[..., 0])[..., None, :]
+    if stats.outer is None:
+        return (v - v_mean).norm(dim=-1)
+    centered = (stats.outer - stats.value_sum[..., :, None] * stats.key_sum[..., None, :] / count) * (scaling / count)
+    residual = torch.baddbmm(v.flatten(0, 1), k.flatten(0, 1), centered.transpose(-1, -2).flatten(0, 1), alpha=-1)
+    return residual.view_as(v).sub_(v_mean).norm(dim=-1)
 
 
 def mi_evict(
