@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kvevict.rows import RowState, RowView
+from kvevict.rows import PackedRows, RowState, RowView
 from kvevict.signals import LogitSpec, Signals, attention_logits, compute_signals, softmax_rows, write_new_entries
 from kvevict.storage import LayerStorage
 
@@ -30,6 +30,7 @@ class PolicyDriver:
     n: int
     window: int | None
     compacted: bool
+    packed_pass: bool
     pending_pass: Any
     pending_eviction: tuple[RowView, Signals] | None
     _pass_views: list[RowView] | None
@@ -80,7 +81,7 @@ class PolicyDriver:
         """The policy's correction of the kernel's output ``[B, q, Hq, d]``, row by row."""
         rows = []
         log_partition, self._row_log_partition = self._row_log_partition, None
-        for view in self._views_of_pass():
+        for view in PackedRows.of(self.rows) if self.packed_pass else self._views_of_pass():
             if not view.num_new:
                 rows.append(output[view.rows])
                 continue

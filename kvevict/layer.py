@@ -434,8 +434,8 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
     def _stays_packed(self, key_states: torch.Tensor) -> bool:
         """Whether this pass is a decode step that may leave the layer packed: one token per row
         into a packed (ragged) full-attention layer, on a CPU, under a policy that has nothing
-        to do while decoding (it evicts only at prefill and corrects no output: its state of
-        decode tokens would never be read), every row past its prompt. Then the step appends
+        to do while decoding but, maybe, correct the output from its own data (it evicts only
+        at prefill: its state of decode tokens would never be read), every row past its prompt. Then the step appends
         each head's entry where its entries lie and attends them there (:meth:`attend_packed`),
         instead of spreading the layer into padded storage and packing it again."""
         owner, policy = self.owner, self.policy
@@ -448,7 +448,6 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
             and owner.side_pass is None
             and owner.hidden is None
             and not policy.evicts_in("decode")
-            and not policy.corrects_output
         ):
             return False
         owner.advance(self.passes + 1, 1)  # (once per pass: the padded path's call is then a no-op)
@@ -464,9 +463,12 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         return self.keys, self.values
 
     def attend_packed(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """The output ``[B, 1, Hq, d]`` of this step's query ``[B, Hq, 1, d]`` over the packed entries."""
+        """The output ``[B, 1, Hq, d]`` of this step's query ``[B, Hq, 1, d]`` over the packed
+        entries, corrected by the policy (MomentKV's NC) from the ``log Z`` computed with it."""
         assert self.storage.packed is not None
-        return self.storage.packed.attend(query, scaling)
+        corrects = self.policy.corrects_output
+        output, self._row_log_partition = self.storage.packed.attend(query, scaling, corrects)
+        return self.correct_output(query, output, scaling) if corrects else output
 
     def get_seq_length(self) -> int:
         return self.tokens

@@ -123,17 +123,23 @@ class PackedEntries:
             self.lengths, device=self._held.device
         )
 
-    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    def attend(
+        self, query: torch.Tensor, scaling: float, log_partition: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The attention output ``[B, 1, Hq, d]`` (the kernel's layout, the values' dtype) of one
         query per row, ``query`` ``[B, Hq, 1, d]`` (query head ``h`` reads KV head ``h // (Hq / Hkv)``),
-        over every real entry: per head, one product over its segment as it lies, in fp32.
+        over every real entry: per head, one product over its segment as it lies, in fp32; and
+        with ``log_partition``, each query's ``log Z`` ``[B, Hq, 1]`` over them (else None).
         Why a loop over heads: the segments differ in length, and one product per segment over
         a few hundred entries costs microseconds, while padding them would copy the layer."""
         b, hq, _, d = query.shape
         keys, values = self.entries["keys"], self.entries["values"]
         grouped = query.float().reshape(len(self.lengths), -1, d)
         output = torch.empty(*grouped.shape[:2], values.shape[-1], dtype=torch.float32, device=query.device)
+        log_z = torch.empty(grouped.shape[:2], dtype=torch.float32, device=query.device) if log_partition else None
         for segment, (start, length) in enumerate(zip(self.starts, self.lengths)):
             logits = torch.mm(grouped[segment], keys.narrow(0, start, length).float().t()).mul_(scaling)
             torch.mm(logits.softmax(dim=-1), values.narrow(0, start, length).float(), out=output[segment])
-        return output.view(b, 1, hq, -1).to(values.dtype)
+            if log_z is not None:
+                torch.logsumexp(logits, dim=-1, out=log_z[segment])
+        return output.view(b, 1, hq, -1).to(values.dtype), None if log_z is None else log_z.view(b, hq, 1)

@@ -218,9 +218,7 @@ class RowView:
         """Per-layer policy data of this row; of rows in lockstep, every row's data stacked
         along dim 0 (:class:`StackedRows`: what a :attr:`~kvevict.policies.Policy.batched`
         policy keeps is rows of tensors)."""
-        if self.rows.stop - self.rows.start == 1:
-            return self.info.memo
-        return StackedRows([row.memo for row in self.layer.rows[self.rows]])
+        return rows_memo(self.layer.rows, self.rows)
 
     policy = property(lambda self: self.layer.policy)
     num_kv_heads = property(lambda self: self.keys.shape[1])
@@ -443,6 +441,37 @@ class SpanOwner:
     def hidden(self) -> HiddenStateRecorder | None:
         """The recorder itself: its rows are the view's (a lockstep view holds every row)."""
         return self.cache.hidden
+
+
+def rows_memo(rows: list[RowState], span: slice) -> MutableMapping[str, object]:
+    """The per-layer policy data of ``rows[span]``: a row's own, or the rows' stacked (:class:`StackedRows`)."""
+    if span.stop - span.start == 1:
+        return rows[span.start].memo
+    return StackedRows([row.memo for row in rows[span]])
+
+
+class PackedRows:
+    """Rows of a decode step that left its layer packed (:meth:`~kvevict.layer.EvictionLayer.attend_packed`)
+    as an output corrector reads them: one row, or every row when their policy data agree, each
+    with one new token, and their ``memo``. No entries: a packed step exposes none, so the
+    step hands the corrector the queries' ``log Z`` it computed (MomentKV's NC reads only that
+    and its statistics)."""
+
+    num_new = 1
+
+    def __init__(self, rows: list[RowState], span: slice):
+        self._rows, self.rows = rows, span
+
+    @property
+    def memo(self) -> MutableMapping[str, object]:
+        return rows_memo(self._rows, self.rows)
+
+    @staticmethod
+    def of(rows: list[RowState]) -> list[PackedRows]:
+        """Every row at once when their policy data hold the same keys (they stack), else one by one."""
+        if all(row.memo.keys() == rows[0].memo.keys() for row in rows):
+            return [PackedRows(rows, slice(0, len(rows)))]
+        return [PackedRows(rows, slice(row, row + 1)) for row in range(len(rows))]
 
 
 class StackedRows(MutableMapping):

@@ -9,7 +9,7 @@ import torch
 import kvevict
 from kvevict.attention import attend
 from kvevict.packed import PackedEntries, held_slots
-from kvevict.signals import attention_rows
+from kvevict.signals import attention_logits, attention_rows
 from tests.conftest import build_policy, left_padded, padded_positions, prompt, tiny_model
 
 
@@ -60,8 +60,11 @@ def test_a_packed_step_attends_as_the_padded_layout_with_its_mask() -> None:
     held, dense, packed = ragged(heads=2, dim=8)
     query = torch.randn(2, 6, 1, 8)  # three query heads per KV head
     rows = attention_rows(query, dense["keys"], 0.3, held)
-    expected = attend(rows, dense["values"])
-    torch.testing.assert_close(packed.attend(query, 0.3), expected, rtol=1e-6, atol=1e-6)
+    output, log_z = packed.attend(query, 0.3, log_partition=True)
+    torch.testing.assert_close(output, attend(rows, dense["values"]), rtol=1e-6, atol=1e-6)
+    expected_log_z = attention_logits(query, dense["keys"], 0.3, held).logsumexp(dim=-1)  # what NC reads
+    torch.testing.assert_close(log_z, expected_log_z, rtol=1e-6, atol=1e-6)
+    assert packed.attend(query, 0.3)[1] is None
 
 
 def decode(model, cache, ids, mask, steps: int, padded_path: bool, padding_step: int | None = None):
@@ -86,11 +89,14 @@ def decode(model, cache, ids, mask, steps: int, padded_path: bool, padding_step:
     return torch.stack(logits, dim=1)
 
 
-@pytest.mark.parametrize("policy", ["adakv+snapkv[window=8]", "kvzip", "headkv[window=8]", "fastkvzip[window=8]"])
+@pytest.mark.parametrize(
+    "policy", ["adakv+snapkv[window=8]", "kvzip", "headkv[window=8]", "fastkvzip[window=8]", "momentkv[window=8]"]
+)
 @pytest.mark.parametrize("padding_step", [None, 2])
 def test_packed_decode_steps_leave_what_the_padded_path_leaves(policy: str, padding_step: int | None) -> None:
     """The same decode steps of a left-padded batch, left packed or taken through padded storage:
-    the same entries in the same layout (positions bit for bit), the same logits; a step that is padding
+    the same entries in the same layout (positions bit for bit), the same logits (MomentKV's
+    NC correcting the output from the ``log Z`` the packed step computes); a step that is padding
     for a row is spread into padded storage first (``leave_packed_pass``), as the padded path."""
     model = tiny_model()
     ids, mask = left_padded([prompt(length, seed=seed) for seed, length in enumerate((30, 50, 41))])
