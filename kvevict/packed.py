@@ -15,7 +15,7 @@ step may stay packed (:mod:`kvevict.layer`) and the storage when to unpack (:mod
 from __future__ import annotations
 
 from collections.abc import Callable
-from itertools import accumulate
+from itertools import accumulate, pairwise
 
 import torch
 
@@ -52,6 +52,11 @@ class PackedEntries:
         """Entries the fullest segment can still take."""
         self._next: torch.Tensor | None = None
         """``[B·Hkv]``: where each segment's next entry goes (made at the first append)."""
+        self._heads: torch.Tensor | None = None
+        """``[capacity]`` int16: the KV head of the entry in each slot, −1 for room not filled yet
+        (made at the first append: a decode step attends a row's slots at once by it)."""
+        self._segment_heads: torch.Tensor | None = None
+        """``[B·Hkv]`` int16: the KV head of each segment (made with :attr:`_heads`)."""
 
     @property
     def held(self) -> torch.Tensor:
@@ -67,8 +72,9 @@ class PackedEntries:
         return held
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor held: the entries with their room, and which slots were real at packing."""
-        return [self._held, *self.entries.values()]
+        """Every tensor held: the entries with their room, which slots were real at packing, and
+        (once appended to) the head of every slot."""
+        return [self._held, *self.entries.values(), *([] if self._heads is None else [self._heads])]
 
     def row_capacities(self, rows: int) -> list[int]:
         """Entries each row's segments hold room for (its real ones while packed tight)."""
@@ -103,9 +109,10 @@ class PackedEntries:
             or not self._room
         ):
             self._grow(capacity)  # (new tensors, also for entries made under inference_mode: written in place here)
-        assert self._next is not None
+        assert self._next is not None and self._heads is not None and self._segment_heads is not None
         for name, x in self.entries.items():
             x.index_copy_(0, self._next, new[name].reshape(self._next.shape[0], *x.shape[1:]))
+        self._heads.index_copy_(0, self._next, self._segment_heads)
         self._next += 1
         self._room -= 1
         self.lengths = [length + 1 for length in self.lengths]
@@ -119,27 +126,37 @@ class PackedEntries:
             name: x.new_zeros(starts[-1], *x.shape[1:]).index_copy_(0, index, x) for name, x in real.items()
         }
         self.starts, self._room = starts[:-1], min(extra)
-        self._next = torch.tensor(self.starts, device=self._held.device) + torch.tensor(
-            self.lengths, device=self._held.device
-        )
+        device = self._held.device
+        lengths = torch.tensor(self.lengths, device=device)
+        self._next = torch.tensor(self.starts, device=device) + lengths
+        self._segment_heads = torch.arange(len(lengths), device=device).remainder_(self._held.shape[1]).to(torch.int16)
+        held_heads = torch.repeat_interleave(self._segment_heads, lengths)
+        self._heads = torch.full((starts[-1],), -1, dtype=torch.int16, device=device).index_copy_(0, index, held_heads)
 
     def attend(
         self, query: torch.Tensor, scaling: float, log_partition: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The attention output ``[B, 1, Hq, d]`` (the kernel's layout, the values' dtype) of one
         query per row, ``query`` ``[B, Hq, 1, d]`` (query head ``h`` reads KV head ``h // (Hq / Hkv)``),
-        over every real entry: per head, one product over its segment as it lies, in fp32; and
-        with ``log_partition``, each query's ``log Z`` ``[B, Hq, 1]`` over them (else None).
-        Why a loop over heads: the segments differ in length, and one product per segment over
-        a few hundred entries costs microseconds, while padding them would copy the layer."""
+        over every real entry (in fp32); and with ``log_partition``, each query's ``log Z``
+        ``[B, Hq, 1]`` over them (else None). Per row, one product of its queries with every slot
+        of its segments as they lie, each query masked to its own KV head's filled slots: the
+        segments differ in length, and padding them would copy the layer (a query's products
+        with other heads' entries are the price: ``Hkv``× a padded step's, at one query)."""
+        assert self._heads is not None, "attend after an append"
         b, hq, _, d = query.shape
-        keys, values = self.entries["keys"], self.entries["values"]
-        grouped = query.float().reshape(len(self.lengths), -1, d)
-        output = torch.empty(*grouped.shape[:2], values.shape[-1], dtype=torch.float32, device=query.device)
-        log_z = torch.empty(grouped.shape[:2], dtype=torch.float32, device=query.device) if log_partition else None
-        for segment, (start, length) in enumerate(zip(self.starts, self.lengths)):
-            logits = torch.mm(grouped[segment], keys.narrow(0, start, length).float().t()).mul_(scaling)
-            torch.mm(logits.softmax(dim=-1), values.narrow(0, start, length).float(), out=output[segment])
+        keys, values, heads = self.entries["keys"], self.entries["values"], self._heads
+        queries = query.float().view(b, hq, d) * scaling
+        fp32 = (lambda x: x) if keys.dtype == torch.float32 else torch.Tensor.float  # (no cast to dispatch per row)
+        own = torch.arange(hq, device=query.device).div_(hq // self._held.shape[1], rounding_mode="floor")[:, None]
+        per_row = len(self.lengths) // b
+        bounds = [*self.starts[::per_row], keys.shape[0]]
+        output = torch.empty(b, hq, values.shape[-1], dtype=torch.float32, device=query.device)
+        log_z = torch.empty(b, hq, dtype=torch.float32, device=query.device) if log_partition else None
+        for row, (start, stop) in enumerate(pairwise(bounds)):
+            logits = torch.mm(queries[row], fp32(keys[start:stop]).t())  # [Hq, the row's slots]
+            logits.masked_fill_(heads[start:stop] != own, float("-inf"))
+            torch.mm(logits.softmax(dim=-1), fp32(values[start:stop]), out=output[row])
             if log_z is not None:
-                torch.logsumexp(logits, dim=-1, out=log_z[segment])
+                torch.logsumexp(logits, dim=-1, out=log_z[row])
         return output.view(b, 1, hq, -1).to(values.dtype), None if log_z is None else log_z.view(b, hq, 1)

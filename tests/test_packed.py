@@ -30,15 +30,14 @@ def ragged(batch: int = 2, heads: int = 3, n: int = 9, dim: int = 4, seed: int =
     return held, {"keys": keys, "values": values, "positions": positions}, PackedEntries(held, entries, [n, n - 3])
 
 
-def test_appended_entries_lie_where_the_padded_layout_puts_a_decode_step() -> None:
-    """Row ``b``'s step ``j`` lands at column ``ends[b] + j``; segments that run out of room move
-    (here every other step) and keep every entry, in storage order."""
-    held, dense, packed = ragged()
+def decode_steps(held, dense, packed, steps: int):
+    """``steps`` decode steps appended to ``packed`` (segments with room for 2 more each time they
+    move); returns the padded layout they make: which slots hold entries, and the entries."""
     batch, heads, n, dim = dense["keys"].shape
-    grown = torch.zeros(batch, heads, n + 5, dtype=torch.bool)
+    grown = torch.zeros(batch, heads, n + steps, dtype=torch.bool)
     grown[..., :n] = held
-    expected = {name: torch.cat([x, x.new_zeros(batch, heads, 5, *x.shape[3:])], dim=2) for name, x in dense.items()}
-    for step in range(5):
+    expected = {name: torch.cat([x, x.new_zeros(batch, heads, steps, *x.shape[3:])], 2) for name, x in dense.items()}
+    for step in range(steps):
         new = {"keys": torch.randn(batch, heads, 1, dim), "values": torch.randn(batch, heads, 1, dim)}
         new["positions"] = torch.full((batch, heads, 1), 100 + step)
         packed.append(new, lambda length: length + 2)
@@ -46,23 +45,33 @@ def test_appended_entries_lie_where_the_padded_layout_puts_a_decode_step() -> No
             grown[row, :, end + step] = True
             for name, x in new.items():
                 expected[name][row, :, end + step] = x[row, :, 0]
-    width = grown.shape[-1]
+    return grown, expected
+
+
+def test_appended_entries_lie_where_the_padded_layout_puts_a_decode_step() -> None:
+    """Row ``b``'s step ``j`` lands at column ``ends[b] + j``; segments that run out of room move
+    (here every other step) and keep every entry, in storage order."""
+    held, dense, packed = ragged()
+    grown, expected = decode_steps(held, dense, packed, 5)
     assert torch.equal(packed.held, grown)
     assert packed.lengths == grown.flatten(0, 1).sum(-1).tolist()
-    slots = held_slots(grown, width)
+    slots = held_slots(grown, grown.shape[-1])
     for name, x in packed.real().items():
         assert torch.equal(x, expected[name].reshape(-1, *x.shape[1:]).index_select(0, slots))
     capacity = packed.entries["keys"].shape[0]
-    assert sum(packed.row_capacities(batch)) == capacity > sum(packed.lengths)  # each segment's room, no more
+    assert sum(packed.row_capacities(2)) == capacity > sum(packed.lengths)  # each segment's room, no more
 
 
-def test_a_packed_step_attends_as_the_padded_layout_with_its_mask() -> None:
+@pytest.mark.parametrize("steps", [1, 2])
+def test_a_packed_step_attends_as_the_padded_layout_with_its_mask(steps: int) -> None:
+    """Each query over its own KV head's filled slots only (room not filled yet after one step, none after two)."""
     held, dense, packed = ragged(heads=2, dim=8)
+    grown, expected = decode_steps(held, dense, packed, steps)
     query = torch.randn(2, 6, 1, 8)  # three query heads per KV head
-    rows = attention_rows(query, dense["keys"], 0.3, held)
+    rows = attention_rows(query, expected["keys"], 0.3, grown)
     output, log_z = packed.attend(query, 0.3, log_partition=True)
-    torch.testing.assert_close(output, attend(rows, dense["values"]), rtol=1e-6, atol=1e-6)
-    expected_log_z = attention_logits(query, dense["keys"], 0.3, held).logsumexp(dim=-1)  # what NC reads
+    torch.testing.assert_close(output, attend(rows, expected["values"]), rtol=1e-6, atol=1e-6)
+    expected_log_z = attention_logits(query, expected["keys"], 0.3, grown).logsumexp(dim=-1)  # what NC reads
     torch.testing.assert_close(log_z, expected_log_z, rtol=1e-6, atol=1e-6)
     assert packed.attend(query, 0.3)[1] is None
 
