@@ -134,7 +134,13 @@ class PassBookkeeping:
             self._steady = SteadyRecord(self._exposed, self.storage.version, self.storage.keys.is_inference())
 
     def _is_prompt_pass(self, num_new: int) -> bool:
-        """Whether a pass of ``num_new`` tokens (about to be appended) continues the prompt.
+        """Whether a pass of ``num_new`` tokens (about to be appended) continues the prompt
+        (:meth:`continues_prompt`); the first pass that does not closes it for good."""
+        self.prompt_open = self.continues_prompt(num_new)
+        return self.prompt_open
+
+    def continues_prompt(self, num_new: int) -> bool:
+        """Whether a pass of ``num_new`` tokens, before it is appended, will continue the prompt.
 
         The first pass is the prompt. Later ones are chunks of it (``generate(...,
         prefill_chunk_size=C)`` gives the cache no other sign) while the prompt is open: up to
@@ -143,10 +149,10 @@ class PassBookkeeping:
         token, or :meth:`EvictionCache.end_prompt`) closes the prompt for good."""
         if self.passes == 0:
             return True
-        if self.prompt_open:
-            whole = self.owner.prompt_length
-            self.prompt_open = self.tokens < whole if whole is not None else num_new > 1
-        return self.prompt_open
+        if not self.prompt_open:
+            return False
+        whole = self.owner.prompt_length
+        return self.tokens < whole if whole is not None else num_new > 1
 
     def _continue_prompt(self, row: SequenceState) -> None:
         """A later chunk of the prompt: its tokens are prompt tokens of ``row`` (``decode_step`` stays 0)."""

@@ -195,13 +195,17 @@ class GateHooks:
     def __init__(self, model: torch.nn.Module, gates: list[dict[str, torch.Tensor]], cache: object):
         self.model, self.gates = model, gates
         self._cache = weakref.ref(cache)
-        self.latest: dict[int, torch.Tensor] = {}
-        """Each layer's gate scores ``[B, Hkv, q]`` of the last pass through it."""
+        self.latest: dict[int, torch.Tensor | None] = {}
+        """Each layer's gate scores ``[B, Hkv, q]`` of the last pass through it (None: not computed,
+        for a decode step whose entries the policy never evicts)."""
         me = weakref.ref(self)
 
-        def receive(index: int, hidden: torch.Tensor, cache: object) -> None:
+        def receive(index: int, hidden: torch.Tensor, cache: Any) -> None:
             hooks = me()
             if hooks is not None and cache is not None and cache is hooks._cache():
+                if not (cache.policy.evicts_in("decode") or cache.layers[index].continues_prompt(hidden.shape[1])):
+                    hooks.latest[index] = None  # a decode step under a prefill-time policy: no score is ever read
+                    return
                 with torch.no_grad():
                     gate = {part: value.to(hidden.device) for part, value in hooks.gates[index].items()}
                     hooks.latest[index] = gate_scores(hidden, gate)
@@ -210,7 +214,10 @@ class GateHooks:
 
     def scores(self, layer_idx: int, rows: slice, num_new: int) -> torch.Tensor:
         """The gate scores ``[b, Hkv, num_new]`` of the last ``num_new`` tokens of the pass, of ``rows``."""
-        return self.latest[layer_idx][rows, :, -num_new:]
+        scores = self.latest[layer_idx]
+        if scores is None:  # (never read: zeros, as the state of entries nothing scored)
+            return torch.zeros(rows.stop - rows.start, self.gates[layer_idx]["sinks"].shape[0], num_new)
+        return scores[rows, :, -num_new:]
 
     def close(self) -> None:
         self._finalizer()
@@ -219,7 +226,7 @@ class GateHooks:
         """Hooks of its own for the copy of its cache (``copy.deepcopy`` of the cache maps it in ``memo``)."""
         cache = self._cache()
         twin = GateHooks(self.model, self.gates, memo.get(id(cache), cache))
-        twin.latest = {index: scores.clone() for index, scores in self.latest.items()}
+        twin.latest = {index: None if scores is None else scores.clone() for index, scores in self.latest.items()}
         return twin
 
 

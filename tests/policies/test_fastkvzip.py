@@ -189,3 +189,22 @@ def test_the_packaged_gemma3_gates_load_and_compress_a_context(gemma3) -> None:
     ) * model.config.get_text_config().num_key_value_heads * budget + len(layers)
     assert max(cache.layer_lengths()) < ids.shape[-1]
     cache.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "chunk"), [("fastkvzip", None), ("fastkvzip[per_layer=true]", 32), ("fastkvzip[regime=both]", None)]
+)
+def test_the_gates_score_only_what_may_be_evicted(name: str, chunk: int | None, one_thread) -> None:
+    """The prompt (each chunk of it too) is scored; a decode step only under a regime that evicts
+    while decoding: at prefill regime no decode token's score is ever read, so none is computed."""
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, build_policy(name), budget=200, prompt_length=None if chunk is None else 96)
+    hooks = cache.hooks
+    with torch.no_grad():
+        ids = prompt(96)
+        for start in range(0, 96, chunk or 96):
+            logits = model(input_ids=ids[:, start : start + (chunk or 96)], past_key_values=cache).logits
+            assert all(scores is not None for scores in hooks.latest.values())
+        model(input_ids=logits[:, -1:].argmax(-1), past_key_values=cache)
+    decoded = [scores is not None for scores in hooks.latest.values()]
+    assert decoded == ["regime=both" in name] * len(cache.eviction_layers)
