@@ -435,9 +435,10 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         """Whether this pass is a decode step that may leave the layer packed: one token per row
         into a packed (ragged) full-attention layer, on a CPU, under a policy that has nothing
         to do while decoding but, maybe, correct the output from its own data (it evicts only
-        at prefill: its state of decode tokens would never be read), every row past its prompt. Then the step appends
-        each head's entry where its entries lie and attends them there (:meth:`attend_packed`),
-        instead of spreading the layer into padded storage and packing it again."""
+        at prefill: its state of decode tokens would never be read), every row past its prompt.
+        Then the step appends each head's entry where its entries lie and attends them there
+        (:meth:`attend_packed`), instead of spreading the layer into padded storage and packing
+        it again."""
         owner, policy = self.owner, self.policy
         if not (
             self.storage.packed is not None
