@@ -442,6 +442,7 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         owner, policy = self.owner, self.policy
         if not (
             self.storage.packed is not None
+            and self.compacted  # (until an eviction the model's own kernel runs: bit-identical to no eviction)
             and key_states.shape[2] == 1
             and key_states.shape[0] == len(self.rows)
             and key_states.is_cpu  # (on a GPU the padded layout costs little and a product per head a launch)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 import kvevict
 from kvevict.attention import attend
@@ -92,7 +93,7 @@ def decode(model, cache, ids, mask, steps: int, padded_path: bool, padding_step:
             if padded_path:
                 for layer in cache.eviction_layers:
                     layer.unpack()
-            positions = cache.next_positions()
+            positions = mask.sum(dim=1, keepdim=True) - 1 if isinstance(cache, DynamicCache) else cache.next_positions()
             out = model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache)
             logits.append(out.logits[:, -1])
     return torch.stack(logits, dim=1)
@@ -125,3 +126,15 @@ def test_packed_decode_steps_leave_what_the_padded_path_leaves(policy: str, padd
         assert torch.equal(positions, expected_positions) and torch.equal(valid, expected_valid)
         for mine, theirs in zip(packed_kv, padded_kv, strict=True):  # (from the hidden states of either path)
             torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
+
+
+def test_a_ragged_layer_that_never_evicted_decodes_through_the_models_kernel() -> None:
+    """Rows of a left-padded batch hold different numbers of entries before any eviction too:
+    such a layer packs between passes, but decodes through the model's own kernel (ample
+    budget: bit for bit what no eviction gives)."""
+    model = tiny_model()
+    ids, mask = left_padded([prompt(length, seed=seed) for seed, length in enumerate((30, 50, 41))])
+    expected = decode(model, DynamicCache(), ids, mask, 4, padded_path=False)
+    cache = kvevict.EvictionCache(model, build_policy("snapkv"), budget=100)
+    assert torch.equal(decode(model, cache, ids, mask, 4, padded_path=False), expected)
+    assert all(layer.storage.packed.appended == 0 for layer in cache.eviction_layers)  # each step unpacked

@@ -204,13 +204,15 @@ def test_a_quantized_cache_filled_in_one_grad_mode_goes_on_in_the_other(policy: 
 
 @pytest.mark.parametrize("policy", ["full", "tova", "kvzip"])
 def test_entries_within_the_residual_stay_exact(policy: str) -> None:
-    """Rows of fewer than ``residual`` entries quantize nothing: the same logits as unquantized."""
+    """Rows of fewer than ``residual`` entries quantize nothing: the same logits as unquantized
+    (bit for bit where both attend alike; kvzip's unquantized layers, ragged, decode packed
+    (:mod:`kvevict.packed`), whose products sum in another order)."""
     model = tiny_model()
     ids = prompt(24)
     _, expected = greedy(model, ids, kvevict.EvictionCache(model, build_policy(policy), keep=0.5), new_tokens=4)
     cache = kvevict.EvictionCache(model, build_policy(policy), keep=0.5, quant="int2", residual=32)
     _, logits = greedy(model, ids, cache, new_tokens=4)
-    assert torch.equal(logits, expected)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5 if policy == "kvzip" else 0)
     assert all(layer.storage.quantized.counts == [0] for layer in cache.eviction_layers)
 
 
