@@ -61,13 +61,14 @@ def capped_share(budget: int, cap: int = 128, divisor: int = 4) -> int:
 # -- budget allocators: how a layer's budget is split over heads and layers (DESIGN §3) ------
 # Scores come in as a policy's selection scores ``[B, H, n]``: protected entries (sinks,
 # recent window) at +inf, padding at -inf. Counts include the protected entries.
-def adakv_counts(scores: torch.Tensor, budget: int, safeguard: float = 0.2) -> torch.Tensor:
+def adakv_counts(scores: torch.Tensor, budget: int | torch.Tensor, safeguard: float = 0.2) -> torch.Tensor:
     """AdaKV (Feng et al., 2024): entries each head of a layer keeps, ``[B, H]`` int64.
 
     Each head keeps its protected entries and has ``B'_h = budget − protected_h`` to
     spend; the layer's ``Σ B'_h`` slots go to the top scores of *all* its heads
     flattened, except that each head first keeps its own top ``⌊safeguard·B'_h⌋``.
-    The layer's total stays ``H × budget`` (or everything, when heads hold less).
+    The layer's total stays ``H × budget`` (or everything, when heads hold less). ``budget``
+    may be given per head, ``[B, H]``.
     """
     protected = torch.isposinf(scores)
     free = torch.isfinite(scores)
@@ -87,12 +88,17 @@ def global_counts(scores: Sequence[torch.Tensor], budget: int, safeguard: float 
     layer keeps, ``[B, H]`` int64 per layer.
 
     The layers' selection scores ``[B, H, n_l]`` are ranked together as if their heads were
-    the heads of one layer (:func:`adakv_counts`): the pool is ``L·H·budget``, each head
-    keeps its protected entries plus at least ``⌊safeguard·(budget − protected)⌋`` of its own.
+    the heads of one layer (:func:`adakv_counts`): the pool is what the heads would keep under
+    their own budgets, ``Σ min(budget, n_h)`` over every head's ``n_h`` entries (``L·H·budget``
+    when each holds more than the budget), and each head keeps its protected entries plus at
+    least ``⌊safeguard·(min(budget, n_h) − protected)⌋`` of its own. A sliding-window layer whose
+    window is shorter than the budget so brings only its window to the pool, not the budget: a
+    larger budget never leaves the other layers fewer entries (docs/fastkvzip.md, round 6).
     """
     width = max(layer.shape[-1] for layer in scores)
     padded = torch.cat([F.pad(layer, (0, width - layer.shape[-1]), value=float("-inf")) for layer in scores], dim=1)
-    counts = adakv_counts(padded, budget, safeguard)
+    own = (padded > float("-inf")).sum(dim=-1).clamp(max=budget)  # [B, H]: what each head keeps on its own
+    counts = adakv_counts(padded, own, safeguard)
     return list(counts.split([layer.shape[1] for layer in scores], dim=1))
 
 

@@ -315,13 +315,16 @@ class PassBookkeeping:
         as if the passes since then never ran: a side pass leaves no trace. Appends only
         ever write past each row's end, so restoring the rows' widths and the logical length
         removes them; a row shorter than the storage also gets its padding columns back
-        (hidden, at a position no query has), as it appended inside the shared length."""
+        (hidden, at a position no query has), as it appended inside the shared length. The room
+        the side pass grew is given back (a layer the pass's owner does not evict afterwards, such
+        as a sliding layer within its budget, would hold it until its next pass)."""
         self.n, self.tokens, self.passes, rows = snapshot
         for i, (row, (start, width, decode_peak)) in enumerate(zip(self.rows, rows)):
             row.start, row.width, row.decode_peak = start, width, decode_peak
             if self.storage.valid is not None:
                 self.storage.valid[i, :, row.start + row.width :] = False
                 self.storage.positions[i, :, row.start + row.width :] = -1
+        self.storage.fit(self.n, max(row.interval for row in self.rows))
         self.refresh()
 
 

@@ -261,11 +261,14 @@ class RowView:
 
     def eviction_due(self, phase: Phase, num_new: int) -> bool:
         """Over budget (counting, on a sliding layer, only the entries still in the window
-        after this pass), and (decode) the step counter crossed a multiple of ``interval``."""
+        after this pass, except under one budget pooled across layers, where every layer of a
+        prompt over budget joins the pool: :func:`~kvevict.budgets.global_counts`), and (decode)
+        the step counter crossed a multiple of ``interval``."""
         later_chunk = phase == "prefill" and self.passes > 1
+        pooled = phase == "prefill" and self.policy.allocator.across_layers
         if (
             self.budget is None
-            or self.held_after_pass() <= self.budget
+            or (int(self.head_lengths().max()) if pooled else self.held_after_pass()) <= self.budget
             or not self.policy.evicts_in(phase, later_chunk)
         ):
             return False

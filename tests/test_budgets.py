@@ -52,6 +52,19 @@ def test_adakv_budgets_sum_to_the_layers_total_and_skip_padding() -> None:
     assert adakv_counts(scores[..., :12], 20).tolist() == [[12, 12, 2]]
 
 
+def test_a_global_pool_counts_each_head_by_what_it_would_keep_on_its_own() -> None:
+    from kvevict.budgets import global_counts
+
+    # a full layer of 8 entries and a "sliding" one that holds 3 (its window), budget 4, 1 protected each:
+    # the pool is 4 + 3, not 2·4 (the short head's unused budget does not go to the other layer)
+    full = torch.tensor([[[INF, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]]])
+    sliding = torch.tensor([[[INF, 0.9, 0.8]]])
+    counts = global_counts([full, sliding], 4, safeguard=0.0)
+    assert [c.tolist() for c in counts] == [[[4]], [[3]]]  # .9, .8 and .7, .6, .5: 5 free slots
+    low = torch.tensor([[[INF, 0.01, 0.02]]])  # the short head's entries lose: the full layer takes its slots
+    assert [c.tolist() for c in global_counts([full, low], 4, safeguard=0.0)] == [[[6]], [[1]]]
+
+
 @pytest.mark.parametrize(
     ("budget", "window", "length", "layers", "expected"),
     [

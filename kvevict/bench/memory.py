@@ -21,6 +21,8 @@ scoring costs during the pass. Three more paths prefill in chunks with eviction 
   the context (only the token ids and the per-token scalars of the scores do).
   ``chunked-epikv`` holds the first chunk whole, as it would a whole prompt, so it takes
   ``--chunk`` ≤ ``--budget`` (:class:`~kvevict.policies.selection.PromptKeeping`).
+  ``chunked-fastkvzip`` (named only, not run by default: it needs the model's gates) is
+  ``fastkvzip[per_layer=true]``, each chunk scored by the gates as it passes (attention-free).
 
 Every pass computes the logits of the last token only (``logits_to_keep=1``, as ``generate``
 does at prefill), so the vocabulary-sized logits of every position do not mask the difference.
@@ -65,8 +67,22 @@ from kvevict.bench.report import text_table
 from kvevict.compat import with_cache
 from kvevict.figures import pyplot, save_figure
 
-PATHS = ("eager-attentions", "attention-free", "attention-requiring", "chunked-snapkv", "chunked-h2o", "chunked-epikv")
-CHUNKED = {"chunked-snapkv": "snapkv", "chunked-h2o": "h2o", "chunked-epikv": "epikv"}
+DEFAULT_PATHS = (
+    "eager-attentions",
+    "attention-free",
+    "attention-requiring",
+    "chunked-snapkv",
+    "chunked-h2o",
+    "chunked-epikv",
+)
+PATHS = (*DEFAULT_PATHS, "chunked-fastkvzip")
+"""Every path; ``chunked-fastkvzip`` only when named (it needs the model's gates)."""
+CHUNKED = {
+    "chunked-snapkv": "snapkv",
+    "chunked-h2o": "h2o",
+    "chunked-epikv": "epikv",
+    "chunked-fastkvzip": "fastkvzip[per_layer=true]",
+}
 """Chunked paths and the policy each evicts under."""
 BUDGET, CHUNK = 256, 256
 """Default budget (entries per KV head) and prefill chunk of the chunked paths."""
@@ -251,7 +267,7 @@ def run_memory(
     lengths: Sequence[int],
     out: str | Path,
     cap_bytes: int,
-    paths: Sequence[str] = PATHS,
+    paths: Sequence[str] = DEFAULT_PATHS,
     progress: bool = True,
     budget: int = BUDGET,
     chunk: int = CHUNK,
@@ -342,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvevict bench memory",
         description="Peak memory of one prefill pass per context length: eager with output_attentions against "
         "kvevict's attention-free (epikv) and attention-requiring (h2o column sums) paths (EpiKV, Fig. 1), and "
-        "chunked prefill with eviction (snapkv, h2o, epikv: at most budget + chunk entries per KV head). "
+        "chunked prefill with eviction (snapkv, h2o, epikv, fastkvzip: at most budget + chunk entries per KV head). "
         "Results in OUT/memory.jsonl (resumable), table printed, plot in OUT/memory.png.",
     )
     parser.add_argument(
@@ -354,7 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--lengths", type=comma_separated(int, low=2), default=(512, 1024, 2048, 4096), help="comma-separated lengths"
     )
     parser.add_argument("--memory-cap", type=float, default=4096, help="memory cap in MiB (default: 4096)")
-    parser.add_argument("--paths", type=_paths, default=PATHS, help=f"comma-separated subset of {', '.join(PATHS)}")
+    parser.add_argument(
+        "--paths",
+        type=_paths,
+        default=DEFAULT_PATHS,
+        help=f"comma-separated subset of {', '.join(PATHS)} (default: all but chunked-fastkvzip)",
+    )
     parser.add_argument("--budget", type=int, default=BUDGET, help=f"chunked paths: entries per KV head ({BUDGET})")
     parser.add_argument(
         "--chunk",

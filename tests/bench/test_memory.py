@@ -69,6 +69,17 @@ def test_chunked_prefill_peak_stops_growing_with_the_context(tmp_path) -> None:
     assert {r["budget"] for r in again["results"] if r["path"] != "eager-attentions"} == {48}  # measured anew
 
 
+def test_chunked_fastkvzip_peak_stops_growing_with_the_context_as_chunked_snapkv(tmp_path, smollm2) -> None:
+    model, _ = smollm2  # fastkvzip needs trained gates: SmolLM2's are packaged
+    paths = ("chunked-snapkv", "chunked-fastkvzip")
+    summary = run_memory(model, "smollm2", (64, 160), tmp_path, 2**34, paths, False, budget=40, chunk=32)
+    peak = {(r["path"], r["length"]): r["peak_bytes"] for r in summary["results"]}
+    growth = {path: peak[(path, 160)] - peak[(path, 64)] for path in paths}
+    assert growth["chunked-fastkvzip"] <= 1.05 * growth["chunked-snapkv"]  # budget + chunk entries, as SnapKV's
+    assert peak[("chunked-fastkvzip", 160)] < 1.25 * peak[("chunked-snapkv", 160)]  # + the gates' scores
+    assert "chunked-fastkvzip" not in memory.DEFAULT_PATHS  # named only: a model without gates is refused
+
+
 def test_bench_memory_command_line(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "memory", "--help"])

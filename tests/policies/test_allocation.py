@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -126,6 +128,28 @@ def test_global_budget_moves_entries_across_layers_and_memory_shrinks(policy: st
     assert sum(real) <= sum(allocated) < 2 * 16 * 4 * 2 * 2 * 163
     token = sequences[:, -1:]
     assert_next_logits_match_reference(model, cache, token)
+
+
+@pytest.mark.parametrize("policy", ["kvzip", "fastkvzip[window=8]"])
+def test_a_pooled_budget_meets_a_sliding_layer_the_same_below_and_above_its_window(policy: str) -> None:
+    """Gemma 3 (tiny: a sliding layer of window 48, then a full layer): the sliding layer joins the
+    pool whatever the budget, with the entries it would keep alone (its 47 or the budget), so the
+    pool is ``Σ min(held, B)`` and a larger budget never leaves the full layer fewer entries
+    (before, the sliding layer stayed out once its window fitted the budget, and the full layer
+    fell back to ``H·B``: fewer entries at budget 56 than at 40; docs/fastkvzip.md, round 6)."""
+    model = tiny_model("gemma3")
+    full_kept = []
+    for budget in (40, 56, 72):
+        cache = kvevict.EvictionCache(model, build_policy(policy), budget=budget)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # kvzip: no tokenizer for the tiny model, a bare repeat
+            model(prompt(160), past_key_values=cache, use_cache=True)
+        sliding, full = (int(layer.head_lengths()[0].sum()) for layer in cache.eviction_layers)
+        assert sliding + full == 2 * (min(47, budget) + budget)  # 2 KV heads per layer
+        assert sliding < 2 * 47  # evicted even where its window fits the budget
+        full_kept.append(full)
+        cache.close()
+    assert full_kept == sorted(full_kept) and full_kept[-1] > 2 * 72
 
 
 def test_scores_without_a_common_unit_are_standardised_per_layer() -> None:

@@ -111,6 +111,17 @@ def test_scores_match_the_models_attention_while_it_repeats_the_context(plus: bo
         assert torch.equal(layer.positions.sort(dim=-1).values, expected)  # slots are not in position order
 
 
+def test_a_layer_the_repeat_pass_grew_but_kvzip_does_not_evict_gives_the_room_back() -> None:
+    model = tiny_model("gemma3")  # a sliding layer of window 48, then a full layer
+    cache = kvevict.EvictionCache(model, kvevict.make_policy("kvzip", per_layer=True), budget=56)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(prompt(160), past_key_values=cache, use_cache=True)
+    assert cache.layer_lengths() == [47, 56]  # the sliding layer holds its window, within the budget: not evicted
+    for allocated, real in cache.layer_bytes():
+        assert allocated < 1.25 * real  # not the repeat's 160 + instruction entries (4.8x before)
+
+
 def test_the_repeat_pass_leaves_no_trace() -> None:
     model = tiny_model()
     ids = prompt(96)
