@@ -19,6 +19,8 @@ state, gathered with the entries); the history they need lives in the layer's ``
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,7 +30,7 @@ from kvevict.policies.epikv import EPSILON, ROLLING, rolling_mean
 from kvevict.policies.h2o import RECENT_WINDOW
 from kvevict.policies.params import declare, integer
 from kvevict.policies.selection import PromptKeeping, position_order, select_by_tiers, within_group_rank
-from kvevict.signals import Signals
+from kvevict.signals import Signals, new_entries
 
 if TYPE_CHECKING:
     from kvevict.views import EntryView
@@ -50,7 +52,14 @@ def min_max_normalize(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor) ->
 
 class RollingKVStatistic(PromptKeeping):
     """Base of the decode-time KV-vector policies: a raw per-token statistic of the new
-    entries, smoothed by a trailing rolling mean, frozen as per-token state."""
+    entries, smoothed by a trailing rolling mean, frozen as per-token state.
+
+    The history of the rolling mean is each row's last ``rolling − 1`` raw values, ``[B, H,
+    rolling − 1]`` in ``memo``, zeros standing in for values before the row's first token (a
+    row that has seen fewer tokens holds fewer real ones): every row keeps the same shape, so
+    rows in lockstep run at once (:attr:`~kvevict.policies.base.Stage.batched`), and the window
+    of a token counts only the real values, ``min(p + 1, rolling)`` at position ``p``
+    (:func:`~kvevict.policies.epikv.rolling_mean` with ``end``): the means of the row alone."""
 
     PARAMS = declare(rolling=integer(ROLLING, low=1), window=RECENT_WINDOW)
 
@@ -60,11 +69,14 @@ class RollingKVStatistic(PromptKeeping):
 
     def new_tokens(self, layer: EntryView, num_new: int) -> dict[str, torch.Tensor]:
         memo = self.memo(layer)
-        raw = self.raw(layer, layer.keys[:, :, -num_new:], layer.values[:, :, -num_new:])
+        keys, values = (new_entries(x, num_new, layer.new_columns) for x in (layer.keys, layer.values))
+        raw = self.raw(layer, keys, values)
         history = memo.get(HISTORY)
-        series = raw if history is None else torch.cat([history, raw], dim=-1)
-        memo[HISTORY] = series[..., series.shape[-1] - min(series.shape[-1], self.rolling - 1) :].clone()
-        return {SCORE: rolling_mean(series, self.rolling)[..., -num_new:]}
+        if history is None:
+            history = raw.new_zeros(*raw.shape[:2], self.rolling - 1)
+        series = torch.cat([history, raw], dim=-1)
+        memo[HISTORY] = series[..., num_new:].clone()
+        return {SCORE: rolling_mean(series, self.rolling, end=layer.seen)[..., -num_new:]}
 
     def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         return self.state(layer)[SCORE]
@@ -75,6 +87,7 @@ class KVKeyVariance(RollingKVStatistic):
 
     name = "kv-key-var"
     summary = "keep prompt + recent; rank decode tokens by rolling-mean key variance (EpiKV KV family)"
+    batched = True
 
     def raw(self, layer: EntryView, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         return head_variance(keys)
@@ -85,46 +98,98 @@ class KVValueVariance(RollingKVStatistic):
 
     name = "kv-val-var"
     summary = "keep prompt + recent; rank decode tokens by rolling-mean value variance (EpiKV KV family)"
+    batched = True
 
     def raw(self, layer: EntryView, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         return head_variance(values)
 
 
-def lag_normalize(x: torch.Tensor, first: int, lag: int, ranges: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Causal lag normalisation of the entries at positions ``first, first + 1, ...``
-    (``x`` ``[B, H, n, d]``): chunk ``c`` (positions ``c·lag ..``) is normalised per channel by
-    the min-max range of chunk ``c − 1``; chunk 0, which has no predecessor, by its own running
-    range up to the token. ``ranges`` carries ``previous_low/high`` (the last complete chunk)
-    and ``running_low/high`` (the current one) between calls and is updated in place."""
+@dataclass
+class LagRanges:
+    """What causal lag normalisation (:func:`lag_normalize`) carries from one pass to the next,
+    per channel, each ``[B, H, d]`` fp32: the range of the last complete chunk
+    (``previous_low/high``; read only once a chunk is complete) and of the current chunk so far
+    (``running_low/high``; ``+inf``/``−inf`` while it is empty, so taking the minimum or maximum
+    with them changes nothing). Tensors with the rows along dim 0: rows in lockstep read them
+    stacked (:class:`~kvevict.rows.StackedRows`)."""
+
+    previous_low: torch.Tensor
+    previous_high: torch.Tensor
+    running_low: torch.Tensor
+    running_high: torch.Tensor
+
+    @classmethod
+    def empty(cls, x: torch.Tensor) -> LagRanges:
+        """No chunk seen yet, for entries ``x`` ``[B, H, n, d]``."""
+        low = torch.full((*x.shape[:2], x.shape[3]), float("inf"), device=x.device)
+        return cls(low, -low, low, -low)
+
+
+def lag_segments(first: int | torch.Tensor, n: int, lag: int) -> list[tuple[int, int]]:
+    """The pass's entries ``0 .. n`` cut wherever a row's position (``first + i``; ``first``
+    an int or ``[B, 1, 1]`` per row) starts a chunk of ``lag``: within a segment every row's
+    entries lie in one chunk of its own."""
+    firsts = [first] if isinstance(first, int) else [] if n == 1 else first.flatten().tolist()
+    cuts = {0, n, *(cut for start in firsts for cut in range(-start % lag, n, lag))}
+    ordered = sorted(cuts)
+    return list(itertools.pairwise(ordered))
+
+
+def _either(condition: bool | torch.Tensor, if_true: torch.Tensor, if_false: torch.Tensor) -> torch.Tensor:
+    """``if_true`` where ``condition`` (a bool, or per row ``[B, 1, ...]``) holds, else ``if_false``."""
+    if isinstance(condition, bool):
+        return if_true if condition else if_false
+    return torch.where(condition, if_true, if_false)
+
+
+def _emptied(condition: bool | torch.Tensor, running: torch.Tensor, fill: float) -> torch.Tensor:
+    """``running`` with the rows where ``condition`` holds (a bool, or ``[B, 1, 1]``) set to ``fill``."""
+    if isinstance(condition, bool):
+        return torch.full_like(running, fill) if condition else running
+    return running.masked_fill(condition, fill)
+
+
+def lag_normalize(
+    x: torch.Tensor, first: int | torch.Tensor, lag: int, ranges: LagRanges | None = None
+) -> tuple[torch.Tensor, LagRanges]:
+    """Causal lag normalisation (seed 000 §3.3, LagKV made causal) of the entries at positions
+    ``first, first + 1, ...`` (``x`` ``[B, H, n, d]``; ``first`` an int, or ``[B, 1, 1]`` per
+    row): chunk ``c`` (positions ``c·lag ..``) is normalised per channel by the min-max range of
+    chunk ``c − 1``; chunk 0, which has no predecessor, by its own running range up to the
+    token. ``ranges``: what the previous call returned (None: the first call, at position 0).
+    Returns the normalised entries (fp32) and the ranges after them. Minima and maxima are
+    exact, so any cut of the entries into calls, or of a call into segments, gives the same
+    result bit for bit."""
     x = x.float()
+    ranges = LagRanges.empty(x) if ranges is None else ranges
+    previous_low, previous_high = ranges.previous_low, ranges.previous_high
+    running_low, running_high = ranges.running_low, ranges.running_high
     out = torch.empty_like(x)
-    start = 0
-    while start < x.shape[2]:
-        position = first + start
-        stop = min(x.shape[2], start + lag - position % lag)  # the end of this chunk in the pass
-        part = x[:, :, start:stop]
-        low, high = part.cummin(dim=2).values, part.cummax(dim=2).values
-        if "running_low" in ranges:
-            low = torch.minimum(low, ranges["running_low"][:, :, None])
-            high = torch.maximum(high, ranges["running_high"][:, :, None])
-        if "previous_low" in ranges:
-            out[:, :, start:stop] = min_max_normalize(
-                part, ranges["previous_low"][:, :, None], ranges["previous_high"][:, :, None]
-            )
-        else:
-            out[:, :, start:stop] = min_max_normalize(part, low, high)
-        # copies, not views: a view would keep the whole pass's cumulative extremes alive
-        ranges["running_low"], ranges["running_high"] = low[:, :, -1].clone(), high[:, :, -1].clone()
-        if (first + stop) % lag == 0:  # the chunk is complete: it becomes the reference
-            ranges["previous_low"], ranges["previous_high"] = ranges.pop("running_low"), ranges.pop("running_high")
-        start = stop
-    return out
+    for start, stop in lag_segments(first, x.shape[2], lag):
+        part, position = x[:, :, start:stop], first + start
+        one = stop - start == 1  # a decode step: the running extremes of one entry are itself
+        low = torch.minimum(part if one else part.cummin(dim=2).values, running_low[:, :, None])
+        high = torch.maximum(part if one else part.cummax(dim=2).values, running_high[:, :, None])
+        after = position >= lag  # a complete chunk precedes the segment: it is the reference
+        after = after if isinstance(after, bool) else after[..., None]  # [B, 1, 1, 1] per row
+        reference_low = _either(after, previous_low[:, :, None], low)
+        reference_high = _either(after, previous_high[:, :, None], high)
+        out[:, :, start:stop] = min_max_normalize(part, reference_low, reference_high)
+        # copies, not views: a view would keep the whole segment's cumulative extremes alive
+        running_low, running_high = low[:, :, -1].clone(), high[:, :, -1].clone()
+        complete = (position + stop - start) % lag == 0  # the chunk is complete: it becomes the reference
+        previous_low = _either(complete, running_low, previous_low)
+        previous_high = _either(complete, running_high, previous_high)
+        running_low = _emptied(complete, running_low, float("inf"))
+        running_high = _emptied(complete, running_high, float("-inf"))
+    return out, LagRanges(previous_low, previous_high, running_low, running_high)
 
 
 class LagKVDecode(RollingKVStatistic):
     """Lag-KV (decode, causal; seed 000 §3.3): keys and values normalised by the previous
     chunk's per-channel range (:func:`lag_normalize`), score = rolling mean (64) of
-    ``var(k̂) + var(v̂)``.
+    ``var(k̂) + var(v̂)``. The ranges of keys and values are kept per row in ``memo``
+    (:class:`LagRanges`).
 
     Args:
         lag: chunk length (128, as LagKV).
@@ -132,16 +197,17 @@ class LagKVDecode(RollingKVStatistic):
 
     name = "lag-kv"
     summary = "keep prompt + recent; rank by rolling variance of K,V normalised by the previous chunk's range"
+    batched = True
 
     PARAMS = declare(lag=integer(LAG, low=1), **RollingKVStatistic.PARAMS)
 
     def raw(self, layer: EntryView, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        first = layer.seen - keys.shape[2]
-        parts = [
-            head_variance(lag_normalize(x, first, self.lag, self.memo(layer).setdefault(name, {})))
-            for name, x in (("lag_keys", keys), ("lag_values", values))
-        ]
-        return parts[0] + parts[1]
+        first, memo = layer.seen - keys.shape[2], self.memo(layer)
+        variances = []
+        for name, x in (("lag_keys", keys), ("lag_values", values)):
+            normalized, memo[name] = lag_normalize(x, first, self.lag, memo.get(name))
+            variances.append(head_variance(normalized))
+        return variances[0] + variances[1]
 
 
 def lagkv_chunk_scores(x: torch.Tensor, lag: int) -> torch.Tensor:
