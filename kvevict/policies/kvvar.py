@@ -20,7 +20,6 @@ state, gathered with the entries); the history they need lives in the layer's ``
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +36,7 @@ if TYPE_CHECKING:
 
 SCORE = "score"
 HISTORY = "history"
+RANGES = "ranges"
 LAG = 128
 
 
@@ -75,7 +75,8 @@ class RollingKVStatistic(PromptKeeping):
         if history is None:
             history = raw.new_zeros(*raw.shape[:2], self.rolling - 1)
         series = torch.cat([history, raw], dim=-1)
-        memo[HISTORY] = series[..., num_new:].clone()
+        history = series[..., num_new:]
+        memo[HISTORY] = history.clone() if num_new > 1 else history  # a view would keep the whole pass alive
         return {SCORE: rolling_mean(series, self.rolling, end=layer.seen)[..., -num_new:]}
 
     def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
@@ -104,25 +105,10 @@ class KVValueVariance(RollingKVStatistic):
         return head_variance(values)
 
 
-@dataclass
-class LagRanges:
-    """What causal lag normalisation (:func:`lag_normalize`) carries from one pass to the next,
-    per channel, each ``[B, H, d]`` fp32: the range of the last complete chunk
-    (``previous_low/high``; read only once a chunk is complete) and of the current chunk so far
-    (``running_low/high``; ``+inf``/``−inf`` while it is empty, so taking the minimum or maximum
-    with them changes nothing). Tensors with the rows along dim 0: rows in lockstep read them
-    stacked (:class:`~kvevict.rows.StackedRows`)."""
-
-    previous_low: torch.Tensor
-    previous_high: torch.Tensor
-    running_low: torch.Tensor
-    running_high: torch.Tensor
-
-    @classmethod
-    def empty(cls, x: torch.Tensor) -> LagRanges:
-        """No chunk seen yet, for entries ``x`` ``[B, H, n, d]``."""
-        low = torch.full((*x.shape[:2], x.shape[3]), float("inf"), device=x.device)
-        return cls(low, -low, low, -low)
+def empty_ranges(x: torch.Tensor) -> torch.Tensor:
+    """The ranges :func:`lag_normalize` starts from, for entries ``x`` ``[B, H, n, d]``: no chunk seen yet."""
+    inf = torch.full((x.shape[0], 1, x.shape[1], x.shape[3]), float("inf"), device=x.device)
+    return torch.cat([inf, -inf, inf, -inf], dim=1)
 
 
 def lag_segments(first: int | torch.Tensor, n: int, lag: int) -> list[tuple[int, int]]:
@@ -131,8 +117,7 @@ def lag_segments(first: int | torch.Tensor, n: int, lag: int) -> list[tuple[int,
     entries lie in one chunk of its own."""
     firsts = [first] if isinstance(first, int) else [] if n == 1 else first.flatten().tolist()
     cuts = {0, n, *(cut for start in firsts for cut in range(-start % lag, n, lag))}
-    ordered = sorted(cuts)
-    return list(itertools.pairwise(ordered))
+    return list(itertools.pairwise(sorted(cuts)))
 
 
 def _either(condition: bool | torch.Tensor, if_true: torch.Tensor, if_false: torch.Tensor) -> torch.Tensor:
@@ -150,21 +135,27 @@ def _emptied(condition: bool | torch.Tensor, running: torch.Tensor, fill: float)
 
 
 def lag_normalize(
-    x: torch.Tensor, first: int | torch.Tensor, lag: int, ranges: LagRanges | None = None
-) -> tuple[torch.Tensor, LagRanges]:
+    x: torch.Tensor, first: int | torch.Tensor, lag: int, ranges: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal lag normalisation (seed 000 §3.3, LagKV made causal) of the entries at positions
     ``first, first + 1, ...`` (``x`` ``[B, H, n, d]``; ``first`` an int, or ``[B, 1, 1]`` per
     row): chunk ``c`` (positions ``c·lag ..``) is normalised per channel by the min-max range of
     chunk ``c − 1``; chunk 0, which has no predecessor, by its own running range up to the
-    token. ``ranges``: what the previous call returned (None: the first call, at position 0).
+    token.
+
+    ``ranges`` ``[B, 4, H, d]`` fp32, what the previous call returned (None: the first call, at
+    position 0): per channel, the range of the last complete chunk (low, high; read only once a
+    chunk is complete) and of the current chunk so far (low, high; ``+inf``, ``−inf`` while it
+    is empty, so taking the minimum or maximum with them changes nothing). One tensor with the
+    rows along dim 0, so rows in lockstep read them stacked
+    (:class:`~kvevict.rows.StackedRows`) at the cost of one concatenation.
+
     Returns the normalised entries (fp32) and the ranges after them. Minima and maxima are
     exact, so any cut of the entries into calls, or of a call into segments, gives the same
     result bit for bit."""
     x = x.float()
-    ranges = LagRanges.empty(x) if ranges is None else ranges
-    previous_low, previous_high = ranges.previous_low, ranges.previous_high
-    running_low, running_high = ranges.running_low, ranges.running_high
-    out = torch.empty_like(x)
+    previous_low, previous_high, running_low, running_high = (empty_ranges(x) if ranges is None else ranges).unbind(1)
+    parts = []
     for start, stop in lag_segments(first, x.shape[2], lag):
         part, position = x[:, :, start:stop], first + start
         one = stop - start == 1  # a decode step: the running extremes of one entry are itself
@@ -173,23 +164,23 @@ def lag_normalize(
         after = position >= lag  # a complete chunk precedes the segment: it is the reference
         after = after if isinstance(after, bool) else after[..., None]  # [B, 1, 1, 1] per row
         reference_low = _either(after, previous_low[:, :, None], low)
-        reference_high = _either(after, previous_high[:, :, None], high)
-        out[:, :, start:stop] = min_max_normalize(part, reference_low, reference_high)
-        # copies, not views: a view would keep the whole segment's cumulative extremes alive
-        running_low, running_high = low[:, :, -1].clone(), high[:, :, -1].clone()
+        parts.append(min_max_normalize(part, reference_low, _either(after, previous_high[:, :, None], high)))
+        running_low, running_high = low[:, :, -1], high[:, :, -1]
         complete = (position + stop - start) % lag == 0  # the chunk is complete: it becomes the reference
         previous_low = _either(complete, running_low, previous_low)
         previous_high = _either(complete, running_high, previous_high)
         running_low = _emptied(complete, running_low, float("inf"))
         running_high = _emptied(complete, running_high, float("-inf"))
-    return out, LagRanges(previous_low, previous_high, running_low, running_high)
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    # stacked: copies, where views would keep the segments' cumulative extremes alive
+    return out, torch.stack([previous_low, previous_high, running_low, running_high], dim=1)
 
 
 class LagKVDecode(RollingKVStatistic):
     """Lag-KV (decode, causal; seed 000 §3.3): keys and values normalised by the previous
-    chunk's per-channel range (:func:`lag_normalize`), score = rolling mean (64) of
-    ``var(k̂) + var(v̂)``. The ranges of keys and values are kept per row in ``memo``
-    (:class:`LagRanges`).
+    chunk's per-channel range (:func:`lag_normalize`, keys and values side by side as one
+    vector of channels), score = rolling mean (64) of ``var(k̂) + var(v̂)``. The ranges are kept
+    per row in ``memo``.
 
     Args:
         lag: chunk length (128, as LagKV).
@@ -202,12 +193,10 @@ class LagKVDecode(RollingKVStatistic):
     PARAMS = declare(lag=integer(LAG, low=1), **RollingKVStatistic.PARAMS)
 
     def raw(self, layer: EntryView, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        first, memo = layer.seen - keys.shape[2], self.memo(layer)
-        variances = []
-        for name, x in (("lag_keys", keys), ("lag_values", values)):
-            normalized, memo[name] = lag_normalize(x, first, self.lag, memo.get(name))
-            variances.append(head_variance(normalized))
-        return variances[0] + variances[1]
+        memo, head_dim = self.memo(layer), keys.shape[-1]
+        first = layer.seen - keys.shape[2]
+        normalized, memo[RANGES] = lag_normalize(torch.cat([keys, values], dim=-1), first, self.lag, memo.get(RANGES))
+        return head_variance(normalized[..., :head_dim]) + head_variance(normalized[..., head_dim:])
 
 
 def lagkv_chunk_scores(x: torch.Tensor, lag: int) -> torch.Tensor:
