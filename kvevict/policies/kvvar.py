@@ -193,10 +193,11 @@ class LagKVDecode(RollingKVStatistic):
     PARAMS = declare(lag=integer(LAG, low=1), **RollingKVStatistic.PARAMS)
 
     def raw(self, layer: EntryView, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        memo, head_dim = self.memo(layer), keys.shape[-1]
-        first = layer.seen - keys.shape[2]
-        normalized, memo[RANGES] = lag_normalize(torch.cat([keys, values], dim=-1), first, self.lag, memo.get(RANGES))
-        return head_variance(normalized[..., :head_dim]) + head_variance(normalized[..., head_dim:])
+        memo, (b, h, n, d) = self.memo(layer), keys.shape
+        normalized, memo[RANGES] = lag_normalize(
+            torch.cat([keys, values], dim=-1), layer.seen - n, self.lag, memo.get(RANGES)
+        )
+        return head_variance(normalized.view(b, h, n, 2, d)).sum(dim=-1)  # var(k̂) + var(v̂)
 
 
 def lagkv_chunk_scores(x: torch.Tensor, lag: int) -> torch.Tensor:
