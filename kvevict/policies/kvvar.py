@@ -14,7 +14,10 @@ post-RoPE statistics make no difference), never attention:
   dimension, keys plus values; the top fraction of every chunk is kept.
 
 Decode scores are computed once, when the token enters the cache, and frozen (per-token
-state, gathered with the entries); the history they need lives in the layer's ``memo``.
+state, gathered with the entries); the history they need lives in the layer's ``memo``, per
+row, as tensors of the same shape in every row (a fixed-length history, Lag-KV's ranges), so
+the rows of a batch in lockstep run each hook once over all of them, each row getting bit for
+bit what it gets alone (issue 37).
 """
 
 from __future__ import annotations
