@@ -180,29 +180,33 @@ def run_batch(name: str, new_tokens: int = 12) -> tuple[kvevict.EvictionCache, t
     return cache, tokens, logits
 
 
-def views_of_new_tokens(monkeypatch) -> list[tuple[str, int, int]]:
-    """Record, for every call of the family's ``new_tokens``: phase, decode step and rows held."""
-    calls: list[tuple[str, int, int]] = []
+def views_of_new_tokens(monkeypatch) -> list[tuple[str, int, int, bool]]:
+    """Record, for every call of the family's ``new_tokens``: phase, decode step, rows held and
+    whether the rows' new entries lie in different columns (:attr:`EntryView.new_columns`)."""
+    calls: list[tuple[str, int, int, bool]] = []
     hook = RollingKVStatistic.new_tokens
 
     def recorded(self, layer, num_new):
-        calls.append((layer.phase(), layer.decode_step, layer.rows.stop - layer.rows.start))
+        rows = layer.rows.stop - layer.rows.start
+        calls.append((layer.phase(), layer.decode_step, rows, layer.new_columns is not None))
         return hook(self, layer, num_new)
 
     monkeypatch.setattr(RollingKVStatistic, "new_tokens", recorded)
     return calls
 
 
-@pytest.mark.parametrize("name", FAMILY)
+@pytest.mark.parametrize("name", [*FAMILY, "adakv+lag-kv"])
 def test_a_left_padded_batch_runs_in_lockstep_and_keeps_per_head_what_each_row_keeps_alone(
     name: str, monkeypatch
 ) -> None:
     """After the first eviction every decode step runs the hooks once per layer, over one view
     of every row; each row keeps, head by head, the positions it keeps alone (prompts shorter
-    than the rolling window included), and generates the same tokens."""
+    than the rolling window included), and generates the same tokens. Under AdaKV's head-wise
+    budgets the rows end at different columns, each row's new entry read where it lies."""
     calls = views_of_new_tokens(monkeypatch)
     cache, tokens, logits = run_batch(name)
-    decode_steps = [(step, rows) for phase, step, rows in calls if phase == "decode"]
+    decode_steps = [(step, rows) for phase, step, rows, _ in calls if phase == "decode"]
+    assert any(apart for *_, apart in calls) == name.startswith("adakv")
     assert decode_steps and all(rows == len(LENGTHS) for step, rows in decode_steps if step > 1)
     # 2 layers × the decode passes (11 of 12 new tokens) but the first, which evicts the rows into lockstep
     assert sum(rows == len(LENGTHS) for _, rows in decode_steps) == 2 * 10
