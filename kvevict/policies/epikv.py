@@ -51,24 +51,38 @@ BAND_A, BAND_B = (7, 13), (18, 25)
 
 
 # -- rolling statistics (pure functions over the last dimension) ------------------------------
-def _rolling_moments(x: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Trailing-window means of ``x`` and of ``x²``, in float64 (the window of ``t`` holds
-    ``min(t + 1, window)`` values). A decode step scores one token from a window of 64 this
-    way, so the operation count, not their size, is the cost: one cumulative sum of ``x`` and
-    ``x²`` together, with ``window`` zeros in front so each window is one difference of slices."""
+def _rolling_means(x: torch.Tensor, window: int, end: int | torch.Tensor | None = None) -> torch.Tensor:
+    """Trailing-window means of ``x`` along its last dimension, in float64 (the window of ``t``
+    holds ``min(t + 1, window)`` values). A decode step scores one token from a window of 64
+    this way, so the operation count, not their size, is the cost: one cumulative sum, with
+    ``window`` zeros in front so each window is one difference of slices.
+
+    ``end``: ``x`` holds a sequence's values up to position ``end − 1`` (an int, or ``[B, 1, 1]``
+    per row), zeros standing in for any before position 0; a window then counts only the
+    values at positions ``≥ 0``, ``min(p + 1, window)`` for the value at ``p`` (a fixed-length
+    history of rows of different lengths, :mod:`kvevict.policies.kvvar`). The zeros add
+    nothing to the sums, so the means are those of the unpadded series bit for bit."""
     if window < 1:
         raise ValueError(f"rolling window must be >= 1, got {window}")
-    x = x.double()
     n = x.shape[-1]
-    cumulative = torch.nn.functional.pad(torch.stack([x, x * x]).cumsum(dim=-1), (window, 0))
-    count = torch.arange(1, n + 1, dtype=torch.float64, device=x.device).clamp_(max=window)
-    mean, square_mean = (cumulative[..., window:] - cumulative[..., :n]).div_(count)
+    cumulative = torch.nn.functional.pad(x.double().cumsum(dim=-1), (window, 0))
+    count = torch.arange(1, n + 1, dtype=torch.float64, device=x.device)
+    if end is not None:  # position + 1 of each value (at least 1 where a zero stands in)
+        count = (count + (end - n)).clamp_(min=1)
+    return (cumulative[..., window:] - cumulative[..., :n]).div_(count.clamp_(max=window))
+
+
+def _rolling_moments(x: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trailing-window means of ``x`` and of ``x²`` (float64), from one cumulative sum of both."""
+    x = x.double()
+    mean, square_mean = _rolling_means(torch.stack([x, x * x]), window)
     return mean, square_mean
 
 
-def rolling_mean(x: torch.Tensor, window: int = ROLLING) -> torch.Tensor:
-    """Mean of the trailing ``window`` values, the current one included (fewer at the start)."""
-    return _rolling_moments(x, window)[0].float()
+def rolling_mean(x: torch.Tensor, window: int = ROLLING, end: int | torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of the trailing ``window`` values, the current one included (fewer at the start;
+    ``end``: ``x`` ends at position ``end − 1`` behind zeros, see :func:`_rolling_means`)."""
+    return _rolling_means(x, window, end).float()
 
 
 def rolling_zscore(x: torch.Tensor, window: int = ROLLING, eps: float = EPSILON) -> torch.Tensor:

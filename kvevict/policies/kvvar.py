@@ -14,11 +14,15 @@ post-RoPE statistics make no difference), never attention:
   dimension, keys plus values; the top fraction of every chunk is kept.
 
 Decode scores are computed once, when the token enters the cache, and frozen (per-token
-state, gathered with the entries); the history they need lives in the layer's ``memo``.
+state, gathered with the entries); the history they need lives in the layer's ``memo``, per
+row, as tensors of the same shape in every row (a fixed-length history, Lag-KV's ranges), so
+the rows of a batch in lockstep run each hook once over all of them, each row getting bit for
+bit what it gets alone (issue 37).
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,13 +32,14 @@ from kvevict.policies.epikv import EPSILON, ROLLING, rolling_mean
 from kvevict.policies.h2o import RECENT_WINDOW
 from kvevict.policies.params import declare, integer
 from kvevict.policies.selection import PromptKeeping, position_order, select_by_tiers, within_group_rank
-from kvevict.signals import Signals
+from kvevict.signals import Signals, new_entries
 
 if TYPE_CHECKING:
     from kvevict.views import EntryView
 
 SCORE = "score"
 HISTORY = "history"
+RANGES = "ranges"
 LAG = 128
 
 
@@ -50,7 +55,14 @@ def min_max_normalize(x: torch.Tensor, low: torch.Tensor, high: torch.Tensor) ->
 
 class RollingKVStatistic(PromptKeeping):
     """Base of the decode-time KV-vector policies: a raw per-token statistic of the new
-    entries, smoothed by a trailing rolling mean, frozen as per-token state."""
+    entries, smoothed by a trailing rolling mean, frozen as per-token state.
+
+    The history of the rolling mean is each row's last ``rolling − 1`` raw values, ``[B, H,
+    rolling − 1]`` in ``memo``, zeros standing in for values before the row's first token (a
+    row that has seen fewer tokens holds fewer real ones): every row keeps the same shape, so
+    rows in lockstep run at once (:attr:`~kvevict.policies.base.Stage.batched`), and the window
+    of a token counts only the real values, ``min(p + 1, rolling)`` at position ``p``
+    (:func:`~kvevict.policies.epikv.rolling_mean` with ``end``): the means of the row alone."""
 
     PARAMS = declare(rolling=integer(ROLLING, low=1), window=RECENT_WINDOW)
 
@@ -60,11 +72,15 @@ class RollingKVStatistic(PromptKeeping):
 
     def new_tokens(self, layer: EntryView, num_new: int) -> dict[str, torch.Tensor]:
         memo = self.memo(layer)
-        raw = self.raw(layer, layer.keys[:, :, -num_new:], layer.values[:, :, -num_new:])
+        keys, values = (new_entries(x, num_new, layer.new_columns) for x in (layer.keys, layer.values))
+        raw = self.raw(layer, keys, values)
         history = memo.get(HISTORY)
-        series = raw if history is None else torch.cat([history, raw], dim=-1)
-        memo[HISTORY] = series[..., series.shape[-1] - min(series.shape[-1], self.rolling - 1) :].clone()
-        return {SCORE: rolling_mean(series, self.rolling)[..., -num_new:]}
+        if history is None:
+            history = raw.new_zeros(*raw.shape[:2], self.rolling - 1)
+        series = torch.cat([history, raw], dim=-1)
+        history = series[..., num_new:]
+        memo[HISTORY] = history.clone() if num_new > 1 else history  # a view would keep the whole pass alive
+        return {SCORE: rolling_mean(series, self.rolling, end=layer.seen)[..., -num_new:]}
 
     def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         return self.state(layer)[SCORE]
@@ -75,6 +91,7 @@ class KVKeyVariance(RollingKVStatistic):
 
     name = "kv-key-var"
     summary = "keep prompt + recent; rank decode tokens by rolling-mean key variance (EpiKV KV family)"
+    batched = True
 
     def raw(self, layer: EntryView, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         return head_variance(keys)
@@ -85,46 +102,88 @@ class KVValueVariance(RollingKVStatistic):
 
     name = "kv-val-var"
     summary = "keep prompt + recent; rank decode tokens by rolling-mean value variance (EpiKV KV family)"
+    batched = True
 
     def raw(self, layer: EntryView, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         return head_variance(values)
 
 
-def lag_normalize(x: torch.Tensor, first: int, lag: int, ranges: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Causal lag normalisation of the entries at positions ``first, first + 1, ...``
-    (``x`` ``[B, H, n, d]``): chunk ``c`` (positions ``c·lag ..``) is normalised per channel by
-    the min-max range of chunk ``c − 1``; chunk 0, which has no predecessor, by its own running
-    range up to the token. ``ranges`` carries ``previous_low/high`` (the last complete chunk)
-    and ``running_low/high`` (the current one) between calls and is updated in place."""
+def empty_ranges(x: torch.Tensor) -> torch.Tensor:
+    """The ranges :func:`lag_normalize` starts from, for entries ``x`` ``[B, H, n, d]``: no chunk seen yet."""
+    inf = torch.full((x.shape[0], 1, x.shape[1], x.shape[3]), float("inf"), device=x.device)
+    return torch.cat([inf, -inf, inf, -inf], dim=1)
+
+
+def lag_segments(first: int | torch.Tensor, n: int, lag: int) -> list[tuple[int, int]]:
+    """The pass's entries ``0 .. n`` cut wherever a row's position (``first + i``; ``first``
+    an int or ``[B, 1, 1]`` per row) starts a chunk of ``lag``: within a segment every row's
+    entries lie in one chunk of its own."""
+    firsts = [first] if isinstance(first, int) else [] if n == 1 else first.flatten().tolist()
+    cuts = {0, n, *(cut for start in firsts for cut in range(-start % lag, n, lag))}
+    return list(itertools.pairwise(sorted(cuts)))
+
+
+def _either(condition: bool | torch.Tensor, if_true: torch.Tensor, if_false: torch.Tensor) -> torch.Tensor:
+    """``if_true`` where ``condition`` (a bool, or per row ``[B, 1, ...]``) holds, else ``if_false``."""
+    if isinstance(condition, bool):
+        return if_true if condition else if_false
+    return torch.where(condition, if_true, if_false)
+
+
+def _emptied(condition: bool | torch.Tensor, running: torch.Tensor, fill: float) -> torch.Tensor:
+    """``running`` with the rows where ``condition`` holds (a bool, or ``[B, 1, 1]``) set to ``fill``."""
+    if isinstance(condition, bool):
+        return torch.full_like(running, fill) if condition else running
+    return running.masked_fill(condition, fill)
+
+
+def lag_normalize(
+    x: torch.Tensor, first: int | torch.Tensor, lag: int, ranges: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal lag normalisation (seed 000 §3.3, LagKV made causal) of the entries at positions
+    ``first, first + 1, ...`` (``x`` ``[B, H, n, d]``; ``first`` an int, or ``[B, 1, 1]`` per
+    row): chunk ``c`` (positions ``c·lag ..``) is normalised per channel by the min-max range of
+    chunk ``c − 1``; chunk 0, which has no predecessor, by its own running range up to the
+    token.
+
+    ``ranges`` ``[B, 4, H, d]`` fp32, what the previous call returned (None: the first call, at
+    position 0): per channel, the range of the last complete chunk (low, high; read only once a
+    chunk is complete) and of the current chunk so far (low, high; ``+inf``, ``−inf`` while it
+    is empty, so taking the minimum or maximum with them changes nothing). One tensor with the
+    rows along dim 0, so rows in lockstep read them stacked
+    (:class:`~kvevict.rows.StackedRows`) at the cost of one concatenation.
+
+    Returns the normalised entries (fp32) and the ranges after them. Minima and maxima are
+    exact, so any cut of the entries into calls, or of a call into segments, gives the same
+    result bit for bit."""
     x = x.float()
-    out = torch.empty_like(x)
-    start = 0
-    while start < x.shape[2]:
-        position = first + start
-        stop = min(x.shape[2], start + lag - position % lag)  # the end of this chunk in the pass
-        part = x[:, :, start:stop]
-        low, high = part.cummin(dim=2).values, part.cummax(dim=2).values
-        if "running_low" in ranges:
-            low = torch.minimum(low, ranges["running_low"][:, :, None])
-            high = torch.maximum(high, ranges["running_high"][:, :, None])
-        if "previous_low" in ranges:
-            out[:, :, start:stop] = min_max_normalize(
-                part, ranges["previous_low"][:, :, None], ranges["previous_high"][:, :, None]
-            )
-        else:
-            out[:, :, start:stop] = min_max_normalize(part, low, high)
-        # copies, not views: a view would keep the whole pass's cumulative extremes alive
-        ranges["running_low"], ranges["running_high"] = low[:, :, -1].clone(), high[:, :, -1].clone()
-        if (first + stop) % lag == 0:  # the chunk is complete: it becomes the reference
-            ranges["previous_low"], ranges["previous_high"] = ranges.pop("running_low"), ranges.pop("running_high")
-        start = stop
-    return out
+    previous_low, previous_high, running_low, running_high = (empty_ranges(x) if ranges is None else ranges).unbind(1)
+    parts = []
+    for start, stop in lag_segments(first, x.shape[2], lag):
+        part, position = x[:, :, start:stop], first + start
+        one = stop - start == 1  # a decode step: the running extremes of one entry are itself
+        low = torch.minimum(part if one else part.cummin(dim=2).values, running_low[:, :, None])
+        high = torch.maximum(part if one else part.cummax(dim=2).values, running_high[:, :, None])
+        after = position >= lag  # a complete chunk precedes the segment: it is the reference
+        after = after if isinstance(after, bool) else after[..., None]  # [B, 1, 1, 1] per row
+        reference_low = _either(after, previous_low[:, :, None], low)
+        parts.append(min_max_normalize(part, reference_low, _either(after, previous_high[:, :, None], high)))
+        running_low, running_high = low[:, :, -1], high[:, :, -1]
+        complete = (position + stop - start) % lag == 0  # the chunk is complete: it becomes the reference
+        previous_low = _either(complete, running_low, previous_low)
+        previous_high = _either(complete, running_high, previous_high)
+        running_low = _emptied(complete, running_low, float("inf"))
+        running_high = _emptied(complete, running_high, float("-inf"))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+    # stacked: copies, where views would keep the segments' cumulative extremes alive
+    return out, torch.stack([previous_low, previous_high, running_low, running_high], dim=1)
 
 
 class LagKVDecode(RollingKVStatistic):
     """Lag-KV (decode, causal; seed 000 §3.3): keys and values normalised by the previous
-    chunk's per-channel range (:func:`lag_normalize`), score = rolling mean (64) of
-    ``var(k̂) + var(v̂)``.
+    chunk's per-channel range (:func:`lag_normalize`, keys and values side by side as one
+    vector of channels), score = rolling mean (64) of ``var(k̂) + var(v̂)``. The ranges are kept
+    per row in ``memo``.
 
     Args:
         lag: chunk length (128, as LagKV).
@@ -132,16 +191,16 @@ class LagKVDecode(RollingKVStatistic):
 
     name = "lag-kv"
     summary = "keep prompt + recent; rank by rolling variance of K,V normalised by the previous chunk's range"
+    batched = True
 
     PARAMS = declare(lag=integer(LAG, low=1), **RollingKVStatistic.PARAMS)
 
     def raw(self, layer: EntryView, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        first = layer.seen - keys.shape[2]
-        parts = [
-            head_variance(lag_normalize(x, first, self.lag, self.memo(layer).setdefault(name, {})))
-            for name, x in (("lag_keys", keys), ("lag_values", values))
-        ]
-        return parts[0] + parts[1]
+        memo, (b, h, n, d) = self.memo(layer), keys.shape
+        normalized, memo[RANGES] = lag_normalize(
+            torch.cat([keys, values], dim=-1), layer.seen - n, self.lag, memo.get(RANGES)
+        )
+        return head_variance(normalized.view(b, h, n, 2, d)).sum(dim=-1)  # var(k̂) + var(v̂)
 
 
 def lagkv_chunk_scores(x: torch.Tensor, lag: int) -> torch.Tensor:

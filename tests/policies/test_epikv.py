@@ -36,6 +36,19 @@ def test_rolling_zscore_matches_a_direct_loop_over_64_values() -> None:
         assert z[0, t].item() == pytest.approx(expected.item(), abs=1e-5)
 
 
+def test_rolling_mean_behind_zeros_is_the_unpadded_series_bit_for_bit() -> None:
+    """A fixed-length history of rows of different lengths (zeros before each row's first
+    value, ``end`` per row): each row's means are those of its own series alone, bit for bit."""
+    generator = torch.Generator().manual_seed(1)
+    lengths, width = (3, 9, 20), 22
+    rows = [torch.rand(1, 2, length, generator=generator) * 10 for length in lengths]
+    padded = torch.cat([torch.nn.functional.pad(row, (width - row.shape[-1], 0)) for row in rows])
+    means = rolling_mean(padded, 8, end=torch.tensor(lengths)[:, None, None])
+    for i, row in enumerate(rows):
+        assert torch.equal(means[i : i + 1, :, width - row.shape[-1] :], rolling_mean(row, 8))
+    assert torch.equal(rolling_mean(padded[2:], 8, end=20)[..., 2:], rolling_mean(rows[2], 8))
+
+
 @pytest.mark.parametrize(
     ("depth", "a", "b", "band_a", "band_b"),
     [(32, 10, 21, range(7, 14), range(18, 26)), (30, 9, 20, range(7, 13), range(17, 24))],
