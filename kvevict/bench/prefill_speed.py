@@ -23,7 +23,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kvevict.bench.options import comma_separated
-from kvevict.bench.report import markdown_table
+from kvevict.bench.report import markdown_records
 from kvevict.bench.speed import paired_ratio
 from kvevict.budgets import Budget
 from kvevict.cache import EvictionCache
@@ -93,20 +93,16 @@ def measure(
 
 
 def format_table(rows: list[dict[str, object]]) -> str:
-    header = ["policy", "prompt tokens", "kept per KV head", "prefill s", "plain prefill s", "ratio"]
-    return markdown_table(
-        header,
-        [
-            [
-                str(r["policy"]),
-                str(r["length"]),
-                str(r["kept"]),
-                f"{r['seconds']:.2f}",
-                f"{r['plain_seconds']:.2f}",
-                f"{r['ratio']:.2f}x",
-            ]
-            for r in rows
-        ],
+    return markdown_records(
+        rows,
+        {
+            "policy": "{policy}",
+            "prompt tokens": "{length}",
+            "kept per KV head": "{kept}",
+            "prefill s": "{seconds:.2f}",
+            "plain prefill s": "{plain_seconds:.2f}",
+            "ratio": "{ratio:.2f}x",
+        },
     )
 
 

@@ -185,6 +185,12 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([render(header), "|" + "---|" * len(header), *map(render, rows)])
 
 
+def markdown_records(records: Iterable[dict[str, Any]], columns: dict[str, str]) -> str:
+    """Records as a Markdown table: one column per ``{header: cell template}``, each cell the
+    template formatted with the record's fields (``"{ratio:.2f}x"``)."""
+    return markdown_table(list(columns), [[cell.format(**record) for cell in columns.values()] for record in records])
+
+
 def plot_report(rows: list[ReportRow], path: str | Path) -> Path:
     """Score vs budget, one line per policy and one panel per task (``full`` dashed)."""
     plt = pyplot()

@@ -31,7 +31,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kvevict.bench.options import comma_separated
-from kvevict.bench.report import markdown_table
+from kvevict.bench.report import markdown_records
 from kvevict.cache import EvictionCache
 from kvevict.compat import with_cache
 from kvevict.policies import split_names
@@ -136,20 +136,16 @@ def measure(
 
 
 def format_table(rows: list[dict[str, object]]) -> str:
-    header = ["policy", "batch", "interval", "ms / step", "full DynamicCache ms / step", "ratio"]
-    return markdown_table(
-        header,
-        [
-            [
-                str(r["policy"]),
-                str(r["batch"]),
-                str(r["interval"]),
-                f"{r['ms']:.1f}",
-                f"{r['full_ms']:.1f}",
-                f"{r['ratio']:.2f}x",
-            ]
-            for r in rows
-        ],
+    return markdown_records(
+        rows,
+        {
+            "policy": "{policy}",
+            "batch": "{batch}",
+            "interval": "{interval}",
+            "ms / step": "{ms:.1f}",
+            "full DynamicCache ms / step": "{full_ms:.1f}",
+            "ratio": "{ratio:.2f}x",
+        },
     )
 
 
