@@ -375,7 +375,7 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         if self._stays_packed(key_states):  # appended where its entries lie, attended there (attend_packed)
             positions = torch.tensor([row.sequence.start_seen for row in self.rows], device=self.device)
             storage.append_packed(key_states, value_states, positions)
-            self.prompt_pass = False
+            self.prompt_pass = self._is_prompt_pass(1)  # (False: this step closes the prompt)
             self.n = max(row.start + row.width for row in self.rows) + 1
             self._count_appended(1)
             self.packed_pass = True
@@ -453,7 +453,7 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         ):
             return False
         owner.advance(self.passes + 1, 1)  # (once per pass: the padded path's call is then a no-op)
-        return all(row.sequence.start_passes for row in self.rows) and not self._is_prompt_pass(1)
+        return all(row.sequence.start_passes for row in self.rows) and not self.continues_prompt(1)
 
     def leave_packed_pass(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The step :meth:`_stays_packed` let append into packed entries cannot attend them there

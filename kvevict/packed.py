@@ -14,10 +14,15 @@ step may stay packed (:mod:`kvevict.layer`) and the storage when to unpack (:mod
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from itertools import accumulate, pairwise
 
 import torch
+
+
+def starts_of(sizes: list[int]) -> list[int]:
+    """Where each of consecutive blocks of ``sizes`` begins."""
+    return [0, *accumulate(sizes)][:-1]
 
 
 def held_slots(held: torch.Tensor, columns: int) -> torch.Tensor:
@@ -46,7 +51,7 @@ class PackedEntries:
         """Entries each head gained since it was packed (one per decode step)."""
         self.lengths: list[int] = held.flatten(0, 1).sum(dim=-1).tolist()
         """Real entries of each head (segment), row-major over ``[B, Hkv]``."""
-        self.starts = [0, *accumulate(self.lengths)][:-1]
+        self.starts = starts_of(self.lengths)
         """Where each segment begins in the entries."""
         self._room = 0
         """Entries the fullest segment can still take."""
@@ -76,26 +81,31 @@ class PackedEntries:
         (once appended to) the head of every slot."""
         return [self._held, *self.entries.values(), *([] if self._heads is None else [self._heads])]
 
+    @property
+    def capacity(self) -> int:
+        """Slots the entries hold, room included."""
+        return self.entries["keys"].shape[0]
+
     def row_capacities(self, rows: int) -> list[int]:
         """Entries each row's segments hold room for (its real ones while packed tight)."""
-        ends = [*self.starts[1:], next(iter(self.entries.values())).shape[0]]
+        ends = [*self.starts[1:], self.capacity]
         heads = len(self.starts) // rows
         return [ends[(row + 1) * heads - 1] - self.starts[row * heads] for row in range(rows)]
 
-    def real(self) -> dict[str, torch.Tensor]:
-        """The real entries only, in storage order (the entries themselves while no segment has room)."""
-        total = sum(self.lengths)
-        if next(iter(self.entries.values())).shape[0] == total:
-            return self.entries
+    def real(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """The real entries only, in storage order, of ``names`` (default: every entry); the
+        entries themselves while no segment has room."""
+        names = self.entries if names is None else names
+        if self.capacity == sum(self.lengths):
+            return {name: self.entries[name] for name in names}
         index = self._real_index(self.starts)
-        return {name: x.index_select(0, index) for name, x in self.entries.items()}
+        return {name: self.entries[name].index_select(0, index) for name in names}
 
     def _real_index(self, starts: list[int]) -> torch.Tensor:
         """Where the real entries lie when segment ``s`` begins at ``starts[s]``, in storage order."""
         device = self._held.device
         lengths = torch.tensor(self.lengths, device=device)
-        tight = [0, *accumulate(self.lengths)][:-1]
-        shift = torch.tensor(starts, device=device) - torch.tensor(tight, device=device)
+        shift = torch.tensor(starts, device=device) - torch.tensor(starts_of(self.lengths), device=device)
         return torch.repeat_interleave(shift, lengths) + torch.arange(sum(self.lengths), device=device)
 
     def append(self, new: dict[str, torch.Tensor], capacity: Callable[[int], int]) -> None:
@@ -120,18 +130,17 @@ class PackedEntries:
 
     def _grow(self, capacity: Callable[[int], int]) -> None:
         extra = [capacity(length) - length for length in self.lengths]
-        starts = [0, *accumulate(length + more for length, more in zip(self.lengths, extra))]
-        real, index = self.real(), self._real_index(starts[:-1])
-        self.entries = {
-            name: x.new_zeros(starts[-1], *x.shape[1:]).index_copy_(0, index, x) for name, x in real.items()
-        }
-        self.starts, self._room = starts[:-1], min(extra)
+        capacities = [length + more for length, more in zip(self.lengths, extra)]
+        starts, capacity = starts_of(capacities), sum(capacities)
+        real, index = self.real(), self._real_index(starts)
+        self.entries = {name: x.new_zeros(capacity, *x.shape[1:]).index_copy_(0, index, x) for name, x in real.items()}
+        self.starts, self._room = starts, min(extra)
         device = self._held.device
         lengths = torch.tensor(self.lengths, device=device)
         self._next = torch.tensor(self.starts, device=device) + lengths
         self._segment_heads = torch.arange(len(lengths), device=device).remainder_(self._held.shape[1]).to(torch.int16)
         held_heads = torch.repeat_interleave(self._segment_heads, lengths)
-        self._heads = torch.full((starts[-1],), -1, dtype=torch.int16, device=device).index_copy_(0, index, held_heads)
+        self._heads = torch.full((capacity,), -1, dtype=torch.int16, device=device).index_copy_(0, index, held_heads)
 
     def attend(
         self, query: torch.Tensor, scaling: float, log_partition: bool = False

@@ -339,7 +339,7 @@ class LayerStorage:
         if name == "valid":
             return held
         slots = held_slots(held, held.shape[-1])
-        return spread(packed.real()[name], held, held.shape[-1], slots, free if name == "positions" else None)
+        return spread(packed.real([name])[name], held, held.shape[-1], slots, free if name == "positions" else None)
 
     def leave_inference_mode(self) -> None:
         """Storage is written in place, which torch forbids on tensors made under ``inference_mode``
