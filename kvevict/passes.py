@@ -359,24 +359,30 @@ class PassEnds:
         policy's stages allow it (:attr:`~kvevict.policies.Policy.stacks_layers`) the layers
         of one :meth:`LayerStack.key` whose storage is one :class:`LayerArena` run it as one
         batch of their rows (:meth:`_end_stacked`); the others, layer by layer, all observing
-        before any evicts. Each layer keeps what it keeps on its own: the stages treat rows
-        independently. Layers that could have stacked are moved into an arena for the next pass."""
+        before any evicts, and then evicting as one batch where the policy allows only that
+        (:attr:`~kvevict.policies.Policy.stacks_evictions`). Each layer keeps what it keeps on
+        its own: the stages treat rows independently. Layers that could have stacked are moved
+        into an arena for the next pass."""
         layers = [layer for layer in dict.fromkeys(self.pending) if layer.pending_view() is not None]
         self.pending = []  # (a layer whose pass raised may be listed twice)
         whole_steps = [layer for layer in layers if layer.pending_pass is not None]  # (not just their eviction)
         self._drop_left_arenas()  # (a layer may have left one since: a grown storage, a spliced row)
-        stacking = self.stacks_pending and self.policy.stacks_layers
+        stacking = self.stacks_pending and self.policy.stacks_evictions
         groups: dict[tuple, list[Any]] = {}
         for layer in layers:
             groups.setdefault(LayerStack.key(layer.pending_view()) if stacking else (layer,), []).append(layer)
         alone = []
         for group in groups.values():
             arena = self._arenas.get(tuple(layer.layer_idx for layer in group))
-            if arena is None or not self._end_stacked(group, arena):
+            if arena is None or not self.policy.stacks_layers or not self._end_stacked(group, arena):
                 alone.append(group)
         for group in alone:
             for layer in group:
                 layer.observe_pending()
+        for group in alone if stacking else ():  # observed layer by layer, evicted at once where still an arena
+            arena = self._arenas.get(tuple(layer.layer_idx for layer in group))
+            if arena is not None and arena.holds(group):
+                self._end_stacked(group, arena)
         for layer in layers:  # a stack whose minimum is not the eviction left each layer's own
             layer.evict_pending()
         for group in alone:

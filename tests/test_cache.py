@@ -188,7 +188,9 @@ def assert_same_storage(cache: kvevict.EvictionCache, expected: kvevict.Eviction
         assert all(torch.equal(ours.state[key], theirs.state[key]) for key in ours.state)
 
 
-@pytest.mark.parametrize("policy", ["h2o", "streamingllm", "tova", "lazyeviction", "epikv", "critical+h2o"])
+@pytest.mark.parametrize(
+    "policy", ["h2o", "streamingllm", "tova", "lazyeviction", "epikv", "critical+h2o", "thinkv", "segment-hs"]
+)
 @pytest.mark.parametrize(("batch", "arch"), [(1, "llama"), (3, "llama"), (1, "llama-mqa")])
 def test_a_decode_step_that_drops_one_entry_per_head_lays_storage_out_as_the_general_path(
     policy: str, batch: int, arch: str
@@ -211,13 +213,10 @@ def test_a_decode_step_that_drops_one_entry_per_head_lays_storage_out_as_the_gen
             model(input_ids=ids, past_key_values=cache)
             for step in range(12):
                 model(input_ids=torch.full((batch, 1), step + 5), past_key_values=cache)
-    # policies that keep the top scores under uniform counts drop by the minimum, the others by a mask
-    if policy == "critical+h2o":
-        assert all(slots is None for slots in found)
-    else:
-        assert all(slots is not None for slots in found)
-        # each layer's rows at each step: one minimum per layer, or one for the layers stacked
-        assert sum(len(slots) for slots in found) == (20 + 12 - 24) * len(fast.eviction_layers) * batch
+    # top-k drops each head's minimum; CriticalKV's and ThinKV's selectors find their one entry too
+    assert all(slots is not None for slots in found)
+    # each layer's rows at each step: one minimum per layer, or one for the layers stacked
+    assert sum(len(slots) for slots in found) == (20 + 12 - 24) * len(fast.eviction_layers) * batch
     assert_same_storage(fast, general, 24)
 
 
@@ -301,11 +300,28 @@ def scored(monkeypatch) -> list[type]:
     return found
 
 
-@pytest.mark.parametrize("policy", ["h2o", "tova", "streamingllm", "lazyeviction", "epikv", "band-adaptive", "raas"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "h2o",
+        "tova",
+        "streamingllm",
+        "lazyeviction",
+        "epikv",
+        "band-adaptive",
+        "raas",
+        "critical+h2o",
+        "thinkv",
+        "segment-hs",
+    ],
+)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_layers_evicted_as_one_batch_keep_what_each_keeps_alone(policy: str, batch: int, scored: list) -> None:
     """A stackable policy scores every layer's decode-step eviction at once (one minimum over
-    the layers' rows): each layer keeps the same entries, state and all, as on its own."""
+    the layers' rows; CriticalKV's and ThinKV's selectors stack the eviction only, each layer
+    observing its own pass first): each layer keeps the same entries, state and all, as on its own."""
+    if policy in ("thinkv", "segment-hs"):  # segments short enough to be classified and their quotas bind
+        policy = kvevict.make_policy(policy, segment=8, quotas={"R": 4, "E": 2, "T": 1})
     ((tokens, logits), (expected_tokens, expected_logits)), (stacked, alone) = generate_with_and_without(
         "stacks_pending", "llama", policy, batch
     )

@@ -307,9 +307,24 @@ class Selector(Stage):
     an entry's score to ``+inf`` keeps it, and scores ranked across layers mean what they say
     (``global``, ``kvevict analyze retention``); not so for rule-based selectors (quotas, MI)."""
 
+    stacks: ClassVar[bool] = False
+    """:meth:`keep` and :meth:`drop_one` read only the ranking, the layer's per-token tensors
+    (``positions``, ``valid``, ``state``, the scorer's scores) and per-row tables in
+    ``owner.shared`` (where a :class:`~kvevict.rows.LayerStack` holds each batch row once per
+    layer, layer after layer): a decode step's eviction may then run over every layer's rows
+    at once, after each layer observed its own pass (:attr:`~kvevict.policies.Policy.stacks_evictions`).
+    Only the class's own declaration counts, as for :attr:`batched`."""
+
     def keep(self, layer: EntryView, signals: Signals, ranking: Ranking) -> torch.Tensor:
         """The keep mask ``[B, Hkv, n]``: ``ranking.counts[b, h]`` real entries of each head."""
         raise NotImplementedError
+
+    def drop_one(self, layer: EntryView, signals: Signals, ranking: Ranking) -> torch.Tensor | None:
+        """The entry ``[B, Hkv]`` (column) each head drops when every head keeps all but one of
+        its entries, every one real (a decode step's eviction): what :meth:`keep` leaves out,
+        found without building its mask. None when this selector does not find it so (then
+        :meth:`keep` decides)."""
+        return None
 
 
 class Corrector(Stage):
@@ -429,6 +444,7 @@ class TopK(Selector):
     name = "top-k"
     by_top_scores = True
     batched = True
+    stacks = True  # the lowest score of each head: Policy.drop_lowest finds it for every layer at once
 
     def check(self, policy: Assembly) -> None:
         if policy.scorer is None and policy.method.evicts:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Assembly, Ranking, Selector, keep_top
+from kvevict.policies.base import Assembly, Ranking, Selector, keep_top, lowest_slots
 from kvevict.policies.params import declare, number
 from kvevict.signals import Phase, Regime, Requirements, Signals, write_new_entries
 
@@ -39,6 +39,33 @@ def critical_keep(
     return keep_top(bound.masked_fill(stage1, float("inf")), counts)
 
 
+def critical_drop_one(
+    scores: torch.Tensor, value_norms: torch.Tensor, alpha: float = 0.5, eps: float = 1e-4
+) -> torch.Tensor | None:
+    """The entry ``[B, H]`` each head drops when it keeps all but one of its ``n`` entries: what
+    :func:`critical_keep` leaves out, by one k-th value and one minimum instead of a sort.
+
+    Stage 1 holds the ``s = p + ⌊α·(n − 1 − p)⌋`` highest scores (``p`` protected); with ``t`` the
+    ``s``-th highest, those are the scores above ``t`` and the earliest of those tied with it
+    (:func:`keep_top`'s ties). Of the others, the entry of the lowest bound goes, the latest of
+    those tied (:func:`lowest_slots`). None when the heads' stage 1 sizes differ (one k-th value
+    serves one size) or a score or bound is NaN."""
+    n = scores.shape[-1]
+    protected = torch.isposinf(scores).sum(dim=-1)
+    first = protected + (alpha * (n - 1 - protected).clamp(min=0)).floor().long()
+    size = int(first.max())
+    if size != int(first.min()) or bool(scores.isnan().any()):
+        return None
+    stage1 = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    if size:
+        threshold = scores.kthvalue(n - size + 1, dim=-1, keepdim=True).values  # the size-th highest
+        above, tied = scores > threshold, scores == threshold
+        needed = size - above.sum(dim=-1, keepdim=True)  # tied entries stage 1 takes, the earliest first
+        stage1 = above | (tied & (tied.cumsum(dim=-1) <= needed))
+    bound = ((scores + eps) * value_norms).masked_fill(~torch.isfinite(scores), float("-inf"))
+    return lowest_slots(bound.masked_fill(stage1, float("inf")))
+
+
 class Critical(Selector):
     """CriticalKV's selection over any attention scorer and any budget allocator (``critical+X``).
 
@@ -57,6 +84,7 @@ class Critical(Selector):
 
     name = "critical"
     batched = True
+    stacks = True  # keep and drop_one read the ranking and the value norms (state)
     by_top_scores = True  # stage 1 is a top-k by score; a +inf score survives both stages
     summary = "two-stage perturbation-constrained selection (CriticalKV, α = 0.5) over any attention scorer"
     PARAMS = declare(alpha=number(0.5, 0, 1), eps=number(1e-4, 0))
@@ -83,3 +111,6 @@ class Critical(Selector):
 
     def keep(self, layer: EntryView, signals: Signals, ranking: Ranking) -> torch.Tensor:
         return critical_keep(ranking.scores, self.state(layer)[VALUE_NORM], ranking.counts, self.alpha, self.eps)
+
+    def drop_one(self, layer: EntryView, signals: Signals, ranking: Ranking) -> torch.Tensor | None:
+        return critical_drop_one(ranking.scores, self.state(layer)[VALUE_NORM], self.alpha, self.eps)

@@ -214,14 +214,19 @@ class Policy:
 
     def drop_lowest(self, layer: EntryView, signals: Signals, budget: int) -> torch.Tensor | None:
         """The entry ``[B, Hkv]`` (column of ``layer``) each head drops, when this eviction drops
-        exactly one per head by score: what :meth:`select` leaves out, found by one minimum
+        exactly one per head under uniform counts: what :meth:`select` leaves out, found by one
+        minimum (top-k) or the selector's :meth:`~kvevict.policies.base.Selector.drop_one`
         instead of a mask (a decode step's eviction, every step). None for any other eviction
-        (:meth:`select` then decides): a policy that does not keep each head's top scores under
-        uniform counts, padding or ragged heads, more than one entry over the budget, or a NaN."""
-        if not self.keeps_uniform_top or layer.valid is not None or layer.length != budget + 1:
+        (:meth:`select` then decides): another allocator, padding or ragged heads, more than one
+        entry over the budget, a NaN, or a selector that does not find it so."""
+        if layer.valid is not None or layer.length != budget + 1 or type(self.allocator) is not Uniform:
             return None
-        scores = self._scores(layer, signals, self.protector.protected(layer, budget))
-        return lowest_slots(scores, distinct=self.distinct_scores)
+        if self.keeps_uniform_top:
+            scores = self._scores(layer, signals, self.protector.protected(layer, budget))
+            return lowest_slots(scores, distinct=self.distinct_scores)
+        scores, protected = self.selection_scores(layer, signals, budget)
+        counts = self.allocator.counts(layer, scores, protected, budget)
+        return self.selector.drop_one(layer, signals, Ranking(scores, protected, counts))
 
     @cached_property
     def distinct_scores(self) -> bool:
@@ -251,11 +256,27 @@ class Policy:
         :meth:`drop_lowest`): the policy keeps each head's top scores under uniform counts, no
         stage watches evictions, and the own classes of its scorer, its protector and every
         stage that keeps per-token state declare :attr:`~kvevict.policies.base.Stage.stackable`."""
-        hooked = {self.scorer, self.protector, *self._overriding("new_tokens"), *self._overriding("observe")}
+        hooked = {*self._overriding("new_tokens"), *self._overriding("observe")}
         return (
             self.keeps_uniform_top
-            and not self.watches_evictions
+            and self.stacks_evictions
             and all(vars(type(stage)).get("stackable", False) for stage in hooked)
+        )
+
+    @cached_property
+    def stacks_evictions(self) -> bool:
+        """Whether the decode-step evictions of several layers may run as one batch of their
+        rows once each layer observed its own pass (:meth:`drop_lowest` over a
+        :class:`~kvevict.rows.LayerStack`): uniform counts, no stage watches evictions, the own
+        classes of the scorer and the protector declare :attr:`~kvevict.policies.base.Stage.stackable`
+        and the selector's :attr:`~kvevict.policies.base.Selector.stacks`. :attr:`stacks_layers`
+        stacks the per-token hooks too."""
+        return (
+            self.scorer is not None
+            and type(self.allocator) is Uniform
+            and not self.watches_evictions
+            and all(vars(type(stage)).get("stackable", False) for stage in (self.scorer, self.protector))
+            and vars(type(self.selector)).get("stacks", False)
         )
 
     @property

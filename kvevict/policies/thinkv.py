@@ -64,11 +64,26 @@ def classify_by_thirds(entropies: torch.Tensor) -> list[str]:
 def drop_one_by_quotas(
     segment: torch.Tensor, quota: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, ranking: Ranking
 ) -> torch.Tensor | None:
-    """The keep mask of an eviction that drops at most one entry per head (a decode step),
-    found without sorting: what :func:`within_group_rank` and :func:`select_by_tiers` keep
-    (tiers: protected 3, not classified 2, in quota 1, out of quota 0; then the lower value,
-    then the earlier position goes first). None when that needs the sort: more than one
-    entry to drop, a NaN, or a tie this shortcut cannot order (then the caller sorts).
+    """The keep mask of an eviction that drops at most one entry per head (a decode step):
+    :func:`first_out_by_quotas`'s entry dropped in each head over its count. None when more
+    than one entry is over a count, or that entry needs the sort."""
+    drop = (values.shape[-1] - ranking.counts).clamp(min=0)
+    if int(drop.max()) != 1:
+        return None
+    slot = first_out_by_quotas(segment, quota, values, positions, ranking.protected)
+    if slot is None:
+        return None
+    return torch.ones_like(ranking.protected).scatter_(-1, slot[..., None], drop[..., None] == 0)
+
+
+def first_out_by_quotas(
+    segment: torch.Tensor, quota: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, protected: torch.Tensor
+) -> torch.Tensor | None:
+    """The entry ``[B, Hkv]`` of each head that :func:`within_group_rank` and
+    :func:`select_by_tiers` drop first (tiers: protected 3, not classified 2, in quota 1, out
+    of quota 0; then the lower value, then the earlier position goes first), found without
+    sorting. None when a value is NaN, or for a tie this shortcut cannot order (then the
+    caller sorts).
 
     Why it is the same entry. In each classified segment ``s`` take ``a_s``, its candidate
     (not protected) with the lowest value, the earliest of those tied. Every out-of-quota
@@ -78,12 +93,9 @@ def drop_one_by_quotas(
     quota and no other entry of ``s`` ties its value, every other candidate ranks before it,
     so in quota too (a tie is left to the sort). Labelling only these ``a_s`` tier 0 and the
     other classified candidates tier 1 therefore drops what the full ranking drops."""
-    n = values.shape[-1]
-    drop = (n - ranking.counts).clamp(min=0)
-    most = int(drop.max())
-    if most != 1 or bool(values.isnan().any()):
+    if bool(values.isnan().any()):
         return None
-    protected, inf = ranking.protected, torch.tensor(float("inf"), device=values.device)
+    inf = torch.tensor(float("inf"), device=values.device)
     candidate = ~protected & (quota >= 0)
     bins = int(segment.max()) + 1
     per_segment = quota.new_zeros(*segment.shape[:-1], bins)
@@ -106,8 +118,7 @@ def drop_one_by_quotas(
     lowest_tier = tiers == tiers.amin(dim=-1, keepdim=True)
     value = torch.where(lowest_tier, values, inf).amin(dim=-1, keepdim=True)
     going = lowest_tier & (values == value)
-    slot = positions.masked_fill(~going, last).argmin(dim=-1, keepdim=True)
-    return torch.ones_like(protected).scatter_(-1, slot, drop[..., None] == 0)
+    return positions.masked_fill(~going, last).argmin(dim=-1)
 
 
 QUOTAS_PARAM = Param(
@@ -168,6 +179,7 @@ class SegmentQuotas(Selector):
 
     name = "thinkv-quotas"
     batched = True
+    stacks = True  # keep and drop_one read positions, the scorer's scores and the per-row quota table
 
     def __init__(self, scorer: Scorer, segment: int, quotas: dict[str, int], entropy_layers: int):
         super().__init__()
@@ -253,6 +265,8 @@ class SegmentQuotas(Selector):
         if table is None:
             return torch.full_like(segment, -1)
         table = pad(table, (0, 1), value=-1)  # the segments past the table are not classified
+        if segment.shape[0] != table.shape[0]:  # a LayerStack: the batch's rows once per layer, layer after layer
+            table = table.repeat(segment.shape[0] // table.shape[0], 1)
         index = segment.clamp(min=0, max=table.shape[1] - 1).flatten(1)
         return table.gather(1, index).view_as(segment)
 
@@ -270,6 +284,13 @@ class SegmentQuotas(Selector):
         tiers = torch.where(quota < 0, 2, torch.where(in_quota, 1, 0))
         tiers = torch.where(ranking.protected, 3, tiers)
         return select_by_tiers(tiers, values, ranking.counts, layer.valid, layer.positions)
+
+    def drop_one(self, layer: EntryView, signals: Signals, ranking: Ranking) -> torch.Tensor | None:
+        segment = torch.div(layer.positions, self.segment, rounding_mode="floor")
+        values = self.scorer.score(layer, signals).float()
+        return first_out_by_quotas(
+            segment, self.segment_quotas(layer, segment), values, layer.positions, ranking.protected
+        )
 
 
 def segment_stages(method: ThinKV | SegmentHS) -> Stages:
@@ -297,6 +318,7 @@ class ThinKV(CumulativeAttention):
 
     name = "thinkv"
     batched = True
+    stackable = True  # its hooks are cumulative attention's (H2O's): the state it accumulated
     summary = "segments classified R/E/T by attention entropy; per-segment quotas 64/32/8 by attention (ThinKV)"
     regimes = ("decode",)
     PARAMS = declare(window=RECENT_WINDOW, group=GROUP, **SEGMENT_PARAMS)
@@ -318,6 +340,7 @@ class SegmentHS(EpiKV):
 
     name = "segment-hs"
     batched = True
+    stackable = True  # its hooks are EpiKV's: the frozen hidden-state scores
     summary = "ThinKV segments and quotas, entries ranked by the EpiKV hidden-state score (hybrid)"
     PARAMS = declare(**EpiKV.PARAMS, **SEGMENT_PARAMS)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kvevict
-from kvevict.policies.critical import VALUE_NORM, critical_keep
+from kvevict.policies.critical import VALUE_NORM, critical_drop_one, critical_keep
 from kvevict.signals import projected_value_norms
 from tests.conftest import prompt, tiny_model
 
@@ -29,6 +29,37 @@ def test_two_stages_by_hand() -> None:
         False,
         True,
     ]
+
+
+def test_the_one_drop_by_hand() -> None:
+    """The example above with one entry over a budget of 5: stage 1 is entries 0 and 1 (and the
+    protected 5), and of the rest entry 4 has the lowest bound (0.0401)."""
+    scores = torch.tensor([[[0.50, 0.30, 0.10, 0.06, 0.04, INF]]])
+    norms = torch.tensor([[[1.0, 1.0, 1.0, 10.0, 1.0, 1.0]]])
+    assert critical_drop_one(scores, norms).tolist() == [[4]]
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("seed", range(6))
+def test_the_one_drop_is_what_the_two_stages_leave_out(alpha: float, seed: int) -> None:
+    """Every head keeping all but one entry: the entry :func:`critical_drop_one` finds is the one
+    :func:`critical_keep` leaves out, ties in score and in bound included (coarse values)."""
+    generator = torch.Generator().manual_seed(seed)
+    b, h, n = 3, 4, 33
+    scores = torch.randint(0, 6, (b, h, n), generator=generator).float() / 8  # many ties at stage 1's edge
+    norms = torch.randint(1, 4, (b, h, n), generator=generator).float()  # and in the bounds
+    scores[..., :2] = INF  # sinks
+    scores[..., -5:] = INF  # the recent window
+    dropped = critical_drop_one(scores, norms, alpha=alpha)
+    kept = critical_keep(scores, norms, torch.full((b, h), n - 1), alpha=alpha)
+    assert torch.equal(dropped, (~kept).to(torch.uint8).argmax(dim=-1)) and bool(((~kept).sum(-1) == 1).all())
+
+
+def test_the_one_drop_leaves_uneven_stage_one_sizes_and_nan_to_the_two_stages() -> None:
+    scores = torch.tensor([[[0.5, 0.3, 0.1, INF], [0.5, INF, INF, INF]]])
+    assert critical_drop_one(scores, torch.ones_like(scores)) is None  # stage 1 holds 1 + 1 and 3 + 0
+    scores = torch.tensor([[[0.5, float("nan"), 0.1, INF]]])
+    assert critical_drop_one(scores, torch.ones_like(scores)) is None
 
 
 def test_stage_one_entries_always_survive() -> None:
