@@ -81,20 +81,22 @@ class PolicyDriver:
         """The policy's correction of the kernel's output ``[B, q, Hq, d]``, row by row."""
         rows = []
         log_partition, self._row_log_partition = self._row_log_partition, None
-        for view in PackedRows.of(self.rows) if self.packed_pass else self._views_of_pass():
+        views = PackedRows.of(self.rows) if self.packed_pass else self._views_of_pass()
+        for view in views:
             if not view.num_new:
                 rows.append(output[view.rows])
                 continue
-            real = slice(query.shape[2] - view.num_new, None)
+            real = query.shape[2] - view.num_new  # the row's padding columns come first
+            whole = len(views) == 1 and not real  # (a decode step, usually: no slicing to do)
             corrected = self.policy.correct_output(
                 view,
-                query[view.rows, :, real],
-                output[view.rows, real],
+                query if whole else query[view.rows, :, real:],
+                output if whole else output[view.rows, real:],
                 scaling,
-                None if log_partition is None else log_partition[view.rows],
+                log_partition if log_partition is None or whole else log_partition[view.rows],
             )
-            rows.append(torch.cat([output[view.rows, : real.start], corrected], dim=1))
-        return torch.cat(rows)
+            rows.append(torch.cat([output[view.rows, :real], corrected], dim=1) if real else corrected)
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def decode_row(self, query: torch.Tensor, spec: LogitSpec) -> torch.Tensor | None:
         """The new query's attention probabilities ``[B, Hq, 1, n]`` (fp32) over this layer's
@@ -301,8 +303,7 @@ class PolicyDriver:
         (:meth:`_holds_everything`): what :meth:`keep_rows` does with the mask of every entry
         but those, without building it (unless a stage watches evictions)."""
         if self.policy.watches_evictions:
-            evicted = torch.zeros(view.positions.shape, dtype=torch.bool, device=self.device)
-            self.policy.on_evict(view, evicted.scatter_(-1, slots[..., None], True))
+            self.policy.on_evict_one(view, slots)
         view.write_back()
         self._fill_from_last(slots)
 

@@ -77,6 +77,40 @@ class MomentStats:
         n = self.count.clamp(min=1)[..., None]
         return self.key_sum / n, self.value_sum / n
 
+    def nc_terms(self, scaling: float) -> NCTerms:
+        """:class:`NCTerms` at logit scale ``scaling``, formed once for these statistics (an
+        update makes new ones): every pass until the next eviction reads them as they are."""
+        cached = self.__dict__.get("_nc_terms")
+        if cached is None or cached[0] != scaling:
+            cached = (scaling, NCTerms.of(self, scaling))
+            object.__setattr__(self, "_nc_terms", cached)  # a cache, not a field (frozen, and never saved)
+        return cached[1]
+
+
+@dataclass(frozen=True)
+class NCTerms:
+    """What NC reads of :class:`MomentStats` at logit scale ``c`` besides ``S``, heads flattened
+    ``[B·Hkv, ...]``: with ``f = c / n_e`` and ``u = f·s_k``, ``log Ẑ_E = log n_e + u·x`` and
+    ``f̂_E = v̄ + f·(S x − v̄ (s_k·x)) = f·S x + v̄ (1 − u·x)`` (Eqs. 9, 11). Per head a few
+    numbers and two vectors: holding them costs no more than ``s_k`` and ``s_v`` do."""
+
+    log_count: torch.Tensor
+    """``log n_e`` ``[B·Hkv, 1, 1]`` (``−∞`` for a head that evicted nothing)."""
+    factor: torch.Tensor
+    """``f`` ``[B·Hkv, 1, 1]``."""
+    key_direction: torch.Tensor
+    """``u`` ``[B·Hkv, d_k, 1]``."""
+    value_mean: torch.Tensor
+    """``v̄`` ``[B·Hkv, 1, d_v]``."""
+
+    @staticmethod
+    def of(stats: MomentStats, scaling: float) -> NCTerms:
+        count = stats.count.flatten(0, 1)[:, None, None]
+        n = count.clamp(min=1)
+        factor = scaling / n
+        value_mean = stats.value_sum.flatten(0, 1)[:, None, :] / n
+        return NCTerms(count.log(), factor, stats.key_sum.flatten(0, 1)[..., None] * factor, value_mean)
+
 
 def accumulate(stats: MomentStats, keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor) -> MomentStats:
     """Statistics after adding the entries flagged in ``evicted`` ``[B, Hkv, n]`` (Eq. 25).
@@ -103,6 +137,18 @@ def accumulate(stats: MomentStats, keys: torch.Tensor, values: torch.Tensor, evi
         value_sum=torch.baddbmm(stats.value_sum.flatten(0, 1)[:, None], rows, v).view_as(stats.value_sum),
         outer=outer,
     )
+
+
+def accumulate_one(stats: MomentStats, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> MomentStats:
+    """:func:`accumulate` of entry ``slots[b, h]`` ``[B, Hkv]`` of every head (a decode step's
+    eviction): the same sums, from the entries gathered by their slots (no mask to build)."""
+    index = slots[..., None, None]
+    k, v = (x.gather(2, index.expand(-1, -1, 1, x.shape[-1])).float() for x in (keys, values))  # [B, Hkv, 1, d]
+    outer = None
+    if stats.outer is not None:
+        outer = torch.baddbmm(stats.outer.flatten(0, 1), v.flatten(0, 1).transpose(1, 2), k.flatten(0, 1))
+        outer = outer.view_as(stats.outer)
+    return MomentStats(stats.count + 1, stats.key_sum + k[:, :, 0], stats.value_sum + v[:, :, 0], outer)
 
 
 # -- moment-informed eviction -------------------------------------------------------------
@@ -286,25 +332,23 @@ def nc_correct(
     """Normalization-corrected attention output (Eq. 12), same shape and dtype as ``output``.
 
     ``output`` is ``f_R`` ``[B, Hq, q, d_v]`` (attention over the retained entries),
-    ``log_z_retained`` its ``log Z_R`` ``[B, Hq, q]``, ``query`` ``[B, Hq, q, d_k]``. With
-    ``f = c / n_e``, ``z₀ = x·s_k`` and ``z₁ = S x`` (two products with the statistics as held,
-    no ``S̃`` built): ``log Ẑ_E = log n_e + f z₀`` (Jensen, Eq. 11) and
-    ``f̂_E = v̄ + f (z₁ − v̄ z₀)`` (Eq. 9, ``S̃ x = S x − s_v (s_k·x)/n_e``). Mixing in the log
+    ``log_z_retained`` its ``log Z_R`` ``[B, Hq, q]``, ``query`` ``[B, Hq, q, d_k]``. From the
+    statistics' :class:`NCTerms`: ``log Ẑ_E = log n_e + u·x`` (Jensen, Eq. 11) and
+    ``f̂_E = f·S x + v̄ (1 − u·x)`` (Eq. 9, ``S̃ x = S x − s_v (s_k·x)/n_e``), no ``S̃`` built. Mixing in the log
     domain, ``w_R = σ(log Z_R − log Ẑ_E)``, output ``f̂_E + w_R (f_R − f̂_E)``, stays finite for
     any logit size; fp32 inside. Heads with nothing evicted (``log n_e = −∞``, ``w_R = 1``) are
     returned bit for bit.
     """
     b, hq, q, dv = output.shape
-    hkv = stats.count.shape[1]
-    rows = query.reshape(b, hkv, (hq // hkv) * q, -1).float()
-    count = stats.count[..., None, None]
-    factor = scaling / count.clamp(min=1)
-    key_dot = rows @ stats.key_sum[..., None]  # z₀ [B, Hkv, m, 1]
-    log_z_evicted = torch.addcmul(count.log(), factor, key_dot)
-    value_mean = stats.value_sum[..., None, :] / count.clamp(min=1)
-    f_evicted = value_mean
+    heads = b * stats.count.shape[1]
+    terms = stats.nc_terms(scaling)
+    rows = query.reshape(heads, -1, query.shape[-1]).float()  # [B·Hkv, G·q, d_k]: the group's queries
+    key_dot = torch.bmm(rows, terms.key_direction)  # u·x [B·Hkv, G·q, 1]
+    log_z_evicted = key_dot + terms.log_count
+    f_evicted = terms.value_mean
     if stats.outer is not None:
-        f_evicted = torch.addcmul(value_mean, factor, rows @ stats.outer.transpose(-1, -2) - key_dot * value_mean)
-    weight = torch.sigmoid(log_z_retained.reshape(b, hkv, -1, 1).float() - log_z_evicted)
-    mixed = torch.lerp(f_evicted, output.reshape(b, hkv, -1, dv).float(), weight)
-    return mixed.reshape(b, hq, q, dv).to(output.dtype)
+        f_evicted = torch.bmm(rows, stats.outer.flatten(0, 1).transpose(1, 2)).mul_(terms.factor)
+        f_evicted.addcmul_(terms.value_mean, 1 - key_dot)
+    weight = torch.sigmoid(log_z_retained.reshape(heads, -1, 1).float() - log_z_evicted)
+    mixed = torch.lerp(f_evicted, output.reshape(heads, -1, dv).float(), weight)
+    return mixed.view(b, hq, q, dv).to(output.dtype)

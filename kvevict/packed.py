@@ -165,7 +165,8 @@ class PackedEntries:
         for row, (start, stop) in enumerate(pairwise(bounds)):
             logits = torch.mm(queries[row], fp32(keys[start:stop]).t())  # [Hq, the row's slots]
             logits.masked_fill_(heads[start:stop] != own, float("-inf"))
-            torch.mm(logits.softmax(dim=-1), fp32(values[start:stop]), out=output[row])
-            if log_z is not None:
-                torch.logsumexp(logits, dim=-1, out=log_z[row])
+            probs = logits.softmax(dim=-1)
+            torch.mm(probs, fp32(values[start:stop]), out=output[row])
+            if log_z is not None:  # from the softmax (max logit − log of the largest probability): no second exp
+                torch.sub(logits.amax(dim=-1), probs.amax(dim=-1).log_(), out=log_z[row])
         return output.view(b, 1, hq, -1).to(values.dtype), None if log_z is None else log_z.view(b, hq, 1)

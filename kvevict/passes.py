@@ -428,6 +428,10 @@ class PassEnds:
             return True
         slots = self.policy.drop_lowest(stack, stacked, stack.budget)
         if slots is not None:
+            if self.policy.watches_evictions:  # each layer's own, while its entries are still there
+                for view, layer_slots in zip(views, slots.split(stack.rows_per_layer)):
+                    self.policy.on_evict_one(view, layer_slots)
+                    view.write_back()
             arena.fill(slots, stack.length - 1)
             for layer in layers:
                 layer.pending_eviction = None

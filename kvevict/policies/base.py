@@ -192,6 +192,13 @@ class Stage:
         """Called with the entries about to be dropped, ``[B, Hkv, n]`` bool, while the layer
         still holds them."""
 
+    def on_evict_one(self, layer: EntryView, slots: torch.Tensor) -> None:
+        """:meth:`on_evict` of an eviction that drops entry ``slots[b, h]`` ``[B, Hkv]`` of every
+        head (a decode step's): by default with the mask of those; a stage may read the
+        entries directly."""
+        evicted = torch.zeros(layer.positions.shape, dtype=torch.bool, device=layer.positions.device)
+        self.on_evict(layer, evicted.scatter_(-1, slots[..., None], True))
+
     # -- hidden states (the EpiKV family; see kvevict.hidden) --------------------------------
     hidden_context: int = 0
     """Earlier tokens the hidden-state score of a token depends on (e.g. a rolling window − 1)."""

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from kvevict.moments import MomentStats, accumulate, mi_evict, nc_correct, nc_log_partition
+from kvevict.moments import MomentStats, accumulate, accumulate_one, mi_evict, nc_correct, nc_log_partition
 from kvevict.policies.allocation import AdaKV
 from kvevict.policies.base import Corrector, Method, Observer, Ranking, Selector, SinksAndWindow, Stage, Stages, Uniform
 from kvevict.policies.h2o import GROUP
@@ -58,6 +58,9 @@ class MomentStatistics(Observer):
 
     def on_evict(self, layer: EntryView, evicted: torch.Tensor) -> None:
         self.memo(layer)[MOMENTS] = accumulate(self.statistics(layer), layer.keys, layer.values, evicted)
+
+    def on_evict_one(self, layer: EntryView, slots: torch.Tensor) -> None:
+        self.memo(layer)[MOMENTS] = accumulate_one(self.statistics(layer), layer.keys, layer.values, slots)
 
 
 class MomentNC(Corrector):

@@ -253,13 +253,14 @@ class Policy:
     def stacks_layers(self) -> bool:
         """Whether the decode steps of several layers may end as one batch of their rows
         (:class:`~kvevict.rows.LayerStack`: the new entries' state, the observation and
-        :meth:`drop_lowest`): the policy keeps each head's top scores under uniform counts, no
-        stage watches evictions, and the own classes of its scorer, its protector and every
-        stage that keeps per-token state declare :attr:`~kvevict.policies.base.Stage.stackable`."""
+        :meth:`drop_lowest`): its evictions stack (:attr:`stacks_evictions`) and keep each head's
+        top scores, no stage watches evictions, and the own classes of every stage that keeps
+        per-token state declare :attr:`~kvevict.policies.base.Stage.stackable`."""
         hooked = {*self._overriding("new_tokens"), *self._overriding("observe")}
         return (
             self.keeps_uniform_top
             and self.stacks_evictions
+            and not self.watches_evictions
             and all(vars(type(stage)).get("stackable", False) for stage in hooked)
         )
 
@@ -267,14 +268,14 @@ class Policy:
     def stacks_evictions(self) -> bool:
         """Whether the decode-step evictions of several layers may run as one batch of their
         rows once each layer observed its own pass (:meth:`drop_lowest` over a
-        :class:`~kvevict.rows.LayerStack`): uniform counts, no stage watches evictions, the own
-        classes of the scorer and the protector declare :attr:`~kvevict.policies.base.Stage.stackable`
-        and the selector's :attr:`~kvevict.policies.base.Selector.stacks`. :attr:`stacks_layers`
-        stacks the per-token hooks too."""
+        :class:`~kvevict.rows.LayerStack`; a stage that watches evictions is told each layer's
+        own, :meth:`on_evict_one`): uniform counts, the own classes of the scorer and the
+        protector declare :attr:`~kvevict.policies.base.Stage.stackable` and the selector's
+        :attr:`~kvevict.policies.base.Selector.stacks`. :attr:`stacks_layers` stacks the
+        per-token hooks too."""
         return (
             self.scorer is not None
             and type(self.allocator) is Uniform
-            and not self.watches_evictions
             and all(vars(type(stage)).get("stackable", False) for stage in (self.scorer, self.protector))
             and vars(type(self.selector)).get("stacks", False)
         )
@@ -333,6 +334,10 @@ class Policy:
     def on_evict(self, layer: EntryView, evicted: torch.Tensor) -> None:
         for stage in self._overriding("on_evict"):
             stage.on_evict(layer, evicted)
+
+    def on_evict_one(self, layer: EntryView, slots: torch.Tensor) -> None:
+        for stage in self._overriding("on_evict"):
+            stage.on_evict_one(layer, slots)
 
     def correct_output(
         self,
