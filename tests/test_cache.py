@@ -1,3 +1,4 @@
+import dataclasses
 import gc
 import weakref
 
@@ -313,13 +314,15 @@ def scored(monkeypatch) -> list[type]:
         "critical+h2o",
         "thinkv",
         "segment-hs",
+        "moment-nc+h2o",
     ],
 )
 @pytest.mark.parametrize("batch", [1, 3])
 def test_layers_evicted_as_one_batch_keep_what_each_keeps_alone(policy: str, batch: int, scored: list) -> None:
     """A stackable policy scores every layer's decode-step eviction at once (one minimum over
     the layers' rows; CriticalKV's and ThinKV's selectors stack the eviction only, each layer
-    observing its own pass first): each layer keeps the same entries, state and all, as on its own."""
+    observing its own pass first; MomentKV's statistics are told each layer's evicted entries):
+    each layer keeps the same entries, state, memo and all, as on its own."""
     if policy in ("thinkv", "segment-hs"):  # segments short enough to be classified and their quotas bind
         policy = kvevict.make_policy(policy, segment=8, quotas={"R": 4, "E": 2, "T": 1})
     ((tokens, logits), (expected_tokens, expected_logits)), (stacked, alone) = generate_with_and_without(
@@ -328,9 +331,23 @@ def test_layers_evicted_as_one_batch_keep_what_each_keeps_alone(policy: str, bat
     assert torch.equal(tokens, expected_tokens)
     torch.testing.assert_close(logits, expected_logits, rtol=0, atol=0)
     assert_same_storage(stacked, alone, 24)
+    for ours, theirs in zip(stacked.eviction_layers, alone.eviction_layers):  # MomentKV's statistics, say
+        assert_same_memo(ours.rows[0].memo, theirs.rows[0].memo)
     # the 5 decode steps after the first token: the first evicts layer by layer and moves the
     # layers into one arena, each later one scores them at once
     assert scored.count(LayerStack) == 4
+
+
+def assert_same_memo(ours: dict, theirs: dict) -> None:
+    """The same keys, and tensors (or dataclasses of tensors) equal bit for bit."""
+    assert ours.keys() == theirs.keys()
+    for key, value in ours.items():
+        if dataclasses.is_dataclass(value):
+            for field in dataclasses.fields(value):
+                mine, other = getattr(value, field.name), getattr(theirs[key], field.name)
+                assert (mine is None and other is None) or torch.equal(mine, other), (key, field.name)
+        elif isinstance(value, torch.Tensor):
+            assert torch.equal(value, theirs[key]), key
 
 
 @pytest.mark.parametrize("policy", ["h2o", "lazyeviction", "raas"])

@@ -7,7 +7,15 @@ import math
 import pytest
 import torch
 
-from kvevict.moments import MomentStats, accumulate, mi_evict, mi_residual_norms, nc_correct, nc_log_partition
+from kvevict.moments import (
+    MomentStats,
+    accumulate,
+    accumulate_one,
+    mi_evict,
+    mi_residual_norms,
+    nc_correct,
+    nc_log_partition,
+)
 
 B, HKV, G, N, D = 1, 2, 3, 12, 8
 SCALING = D**-0.5
@@ -44,6 +52,23 @@ def _nc_brute(query, retained_keys, retained_values, evicted_keys, evicted_value
     f_e = v_bar_q[:, :, None] + (q @ s_q.transpose(-1, -2)) * SCALING / n_e
     w_r = (torch.exp(log_z_r) / (torch.exp(log_z_r) + z_e))[..., None]
     return w_r * f_r + (1 - w_r) * f_e
+
+
+@pytest.mark.parametrize("order", [0, 1])
+def test_one_entry_per_head_adds_up_bit_for_bit_as_its_mask(order: int) -> None:
+    """A decode step's eviction (one entry per head, by its slot) gives exactly the statistics
+    the mask of those entries gives, after earlier evictions too."""
+    keys, values = _kv()
+    earlier = torch.zeros(B, HKV, N, dtype=torch.bool)
+    earlier[0, 0, [1, 4]] = True
+    earlier[0, 1, [0, 2, 7]] = True
+    stats = _stats_of(keys, values, earlier, order)
+    slots = torch.tensor([[5, 11]])
+    evicted = torch.zeros_like(earlier).scatter_(-1, slots[..., None], True)
+    expected, one = accumulate(stats, keys, values, evicted), accumulate_one(stats, keys, values, slots)
+    for name in ("count", "key_sum", "value_sum", "outer"):
+        ours, theirs = getattr(one, name), getattr(expected, name)
+        assert (ours is None and theirs is None) or torch.equal(ours, theirs)
 
 
 def test_statistics_equal_sums_recomputed_from_the_evicted_tokens() -> None:

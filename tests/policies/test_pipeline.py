@@ -154,3 +154,16 @@ def test_a_policy_stacks_layers_when_its_drop_time_stages_declare_it() -> None:
         name = "h2o-subclass"
 
     assert not kvevict.Policy(Inherited()).stacks_layers
+
+
+def test_a_policy_stacks_only_its_evictions_when_its_selection_reads_nothing_of_a_layer() -> None:
+    """Per-token hooks that read a layer (entropy layers, value norms, NC statistics) keep
+    observing layer by layer; the eviction stacks when the scorer, the protector and the selector
+    read nothing of a layer itself, under uniform counts."""
+    evictions_only = ("thinkv", "segment-hs", "critical+h2o", "moment-nc+h2o")
+    assert all(kvevict.make_policy(name).stacks_evictions for name in evictions_only)
+    assert not any(kvevict.make_policy(name).stacks_layers for name in evictions_only)
+    assert kvevict.make_policy("h2o").stacks_evictions  # (and its hooks too)
+    # keys in the score, another allocator, a selector that reads keys, a pool across layers
+    refused = ("knorm", "adakv+h2o", "critical+adakv+h2o", "momentkv[allocation=uniform]", "kvzip")
+    assert not any(kvevict.make_policy(name).stacks_evictions for name in refused)
