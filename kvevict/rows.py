@@ -511,11 +511,32 @@ class StackedRows(MutableMapping):
         return len(self.rows[0])
 
 
+STACKED_FROM = "_stacked_from"
+"""Where a row's part of a batch's dataclass came from (:func:`split_rows`): ``(whole, row)``."""
+
+
 def stack_rows(values: list[Any], key: str) -> Any:
-    """One row's values (see :class:`StackedRows`) as the batch's."""
+    """One row's values (see :class:`StackedRows`) as the batch's. Parts that :func:`split_rows`
+    made of one batch's value, still every row's in order, give that value back as it was (a
+    tensor's split views their base, a dataclass the object itself): rows in lockstep read what
+    they wrote without a copy, and a stage's cache on the object (MomentKV's NC terms) lasts."""
     first = values[0]
     if isinstance(first, torch.Tensor):
+        whole = first._base
+        if whole is not None and whole.shape[0] == len(values) and whole.is_contiguous():
+            step = whole.stride(0) * whole.element_size()
+            if all(
+                value._base is whole and value.shape[0] == 1 and value.data_ptr() == whole.data_ptr() + row * step
+                for row, value in enumerate(values)
+            ):
+                return whole
         return torch.cat(values)
+    origin = getattr(first, STACKED_FROM, (None, 0))[0]
+    if origin is not None and all(
+        (made := getattr(value, STACKED_FROM, None)) is not None and made[0] is origin and made[1] == row
+        for row, value in enumerate(values)
+    ):
+        return origin
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
         fields = {f.name: stack_rows([getattr(v, f.name) for v in values], key) for f in dataclasses.fields(first)}
         return type(first)(**fields)
@@ -535,7 +556,10 @@ def split_rows(value: Any, rows: int, key: str) -> list[Any]:
         return list(value.split(1))
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         parts = {f.name: split_rows(getattr(value, f.name), rows, key) for f in dataclasses.fields(value)}
-        return [type(value)(**{name: part[i] for name, part in parts.items()}) for i in range(rows)]
+        split = [type(value)(**{name: part[i] for name, part in parts.items()}) for i in range(rows)]
+        for row, part in enumerate(split):
+            object.__setattr__(part, STACKED_FROM, (value, row))  # (frozen dataclasses too: not a field)
+        return split
     return [value] * rows
 
 

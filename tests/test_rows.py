@@ -5,6 +5,8 @@ import torch
 import kvevict
 from kvevict.batching import left_padded
 from kvevict.generation import prefill
+from kvevict.moments import MomentStats
+from kvevict.rows import StackedRows
 from tests.conftest import greedy_batch, prompt, tiny_model
 
 
@@ -30,3 +32,19 @@ def test_a_rows_counters_live_once_for_every_layer() -> None:
     with torch.no_grad():
         model(input_ids=torch.tensor([[3], [4]]), position_ids=cache.next_positions(), past_key_values=cache)
     assert [s.seen for s in cache.sequences] == [27, 13]
+
+
+def test_rows_read_back_what_a_batch_wrote_without_a_copy() -> None:
+    """Split a batch's values into rows and stack them again: the same tensor (the parts are
+    views of it) and the same dataclass object (a cache on it lasts); once a row holds a value
+    of its own, the rows are stacked afresh, with the same values either way."""
+    stats, sums = MomentStats.zeros(3, 2, 4, 4), torch.arange(6.0).reshape(3, 2).clone()
+    rows = [{} for _ in range(3)]
+    stacked = StackedRows(rows)
+    stacked["stats"], stacked["sums"] = stats, sums
+    assert stacked["stats"] is stats and stacked["sums"] is sums
+    rows[1]["sums"] = rows[1]["sums"] + 1  # a row's own value now
+    rows[2]["stats"] = MomentStats.zeros(1, 2, 4, 4)
+    again = stacked["stats"]
+    assert again is not stats and torch.equal(again.count, stats.count) and torch.equal(again.outer, stats.outer)
+    assert torch.equal(stacked["sums"], torch.tensor([[0.0, 1.0], [3.0, 4.0], [4.0, 5.0]]))
