@@ -216,7 +216,8 @@ class PassBookkeeping:
         """Whether this pass is a decode step of one view holding the whole storage on a full
         layer, whose every per-token step (the new entries' state, the observation, the
         eviction) may wait for the end of the pass (:class:`PassHook`): nothing reads the
-        layer's state before then (no output correction, no scoring pass of the policy's own)."""
+        layer's state before then (no output correction that reads it, no scoring pass of the
+        policy's own)."""
         return (
             self.owner.ends_passes
             and self.owner.side_pass is None
@@ -225,7 +226,7 @@ class PassBookkeeping:
             and views[0].num_new > 0
             and views[0].phase() == "decode"
             and self._holds_everything(views[0])
-            and not self.policy.corrects_output
+            and not self.policy.corrects_by_token_state
         )
 
     def pending_view(self) -> RowView | None:

@@ -236,14 +236,15 @@ def generate_with_and_without(
 
 
 @pytest.mark.parametrize(
-    "policy", ["h2o", "tova", "streamingllm", "lazyeviction", "random[regime=both]", "critical+h2o"]
+    "policy", ["h2o", "tova", "streamingllm", "lazyeviction", "random[regime=both]", "critical+h2o", "moment-nc+h2o"]
 )
 @pytest.mark.parametrize("batch", [1, 3])
 def test_a_decode_eviction_at_the_end_of_the_pass_keeps_what_one_inside_the_layer_keeps(
     policy: str, batch: int
 ) -> None:
-    """Nothing reads a layer between its attention and the next pass, so running a decode
-    step's eviction when the pass ends changes nothing but when it runs."""
+    """Nothing reads a layer between its attention and the next pass (MomentKV's NC corrects
+    the output from its statistics alone), so running a decode step's state, observation and
+    eviction when the pass ends changes nothing but when they run."""
     # without ends_passes each layer evicts inside its attention: what a closed cache does
     ((tokens, logits), (expected_tokens, expected_logits)), (at_end, in_layer) = generate_with_and_without(
         "ends_passes", "llama", policy, batch

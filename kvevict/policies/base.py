@@ -338,6 +338,11 @@ class Corrector(Stage):
     """A correction of the attention output of every pass (e.g. MomentKV's NC)."""
 
     slot = "corrector"
+    reads_token_state: ClassVar[bool] = True
+    """:meth:`correct` may read the layer's per-token state, so a decode step writes its new
+    entries' state before the output is corrected, inside the layer; a corrector that reads
+    none lets that wait for the end of the pass with the rest of the step (stacked over the
+    layers where the policy allows). Only the class's own declaration counts."""
 
     def correct(
         self,

@@ -77,6 +77,7 @@ class MomentNC(Corrector):
 
     name = "moment-nc"
     batched = True
+    reads_token_state = False  # only the statistics (memo) and the pass's log Z
     summary = "MomentKV's normalization-corrected attention over any policy (moment-nc+<policy>)"
     PARAMS = declare(order=ORDER)
 

@@ -165,6 +165,12 @@ class Policy:
         then attention over the retained entries *plus* that correction."""
         return self.corrector is not None
 
+    @cached_property
+    def corrects_by_token_state(self) -> bool:
+        """Whether the correction may read the per-token state (see
+        :attr:`~kvevict.policies.base.Corrector.reads_token_state`)."""
+        return self.corrector is not None and vars(type(self.corrector)).get("reads_token_state", True)
+
     def requirements(self, phase: Phase, evicting: bool) -> Requirements:
         """Every signal a stage reads in this pass (a function of the stages' parameters,
         computed once per phase and eviction: this runs in every layer of every pass)."""
@@ -254,13 +260,12 @@ class Policy:
         """Whether the decode steps of several layers may end as one batch of their rows
         (:class:`~kvevict.rows.LayerStack`: the new entries' state, the observation and
         :meth:`drop_lowest`): its evictions stack (:attr:`stacks_evictions`) and keep each head's
-        top scores, no stage watches evictions, and the own classes of every stage that keeps
-        per-token state declare :attr:`~kvevict.policies.base.Stage.stackable`."""
+        top scores, and the own classes of every stage that keeps per-token state declare
+        :attr:`~kvevict.policies.base.Stage.stackable`."""
         hooked = {*self._overriding("new_tokens"), *self._overriding("observe")}
         return (
             self.keeps_uniform_top
             and self.stacks_evictions
-            and not self.watches_evictions
             and all(vars(type(stage)).get("stackable", False) for stage in hooked)
         )
 

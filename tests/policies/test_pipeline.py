@@ -145,6 +145,7 @@ def test_a_policy_stacks_layers_when_its_drop_time_stages_declare_it() -> None:
     """Stacking the layers' evictions needs a scorer and a protector that read nothing of a
     layer itself, under uniform top-k: declared by each class, never inherited."""
     stacked = ("h2o", "tova", "streamingllm", "lazyeviction", "epikv", "hs-variance", "band-adaptive", "raas")
+    stacked += ("moment-nc+h2o",)  # its corrector reads no per-token state; its statistics are told each layer's
     assert all(kvevict.make_policy(name).stacks_layers for name in stacked)
     # a shared generator, keys, scores standardised per layer, another allocator or selector
     refused = ("random", "knorm", "attn-x-hs", "adakv+h2o", "critical+h2o", "thinkv", "segment-hs")
@@ -157,10 +158,10 @@ def test_a_policy_stacks_layers_when_its_drop_time_stages_declare_it() -> None:
 
 
 def test_a_policy_stacks_only_its_evictions_when_its_selection_reads_nothing_of_a_layer() -> None:
-    """Per-token hooks that read a layer (entropy layers, value norms, NC statistics) keep
+    """Per-token hooks that read a layer (its index for the entropy, its values' norms) keep
     observing layer by layer; the eviction stacks when the scorer, the protector and the selector
     read nothing of a layer itself, under uniform counts."""
-    evictions_only = ("thinkv", "segment-hs", "critical+h2o", "moment-nc+h2o")
+    evictions_only = ("thinkv", "segment-hs", "critical+h2o")
     assert all(kvevict.make_policy(name).stacks_evictions for name in evictions_only)
     assert not any(kvevict.make_policy(name).stacks_layers for name in evictions_only)
     assert kvevict.make_policy("h2o").stacks_evictions  # (and its hooks too)
