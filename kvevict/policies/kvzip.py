@@ -51,6 +51,10 @@ BEST = "best"
 """Per-token state key (``per_layer``): each entry's best score over the repeat passes it saw ``[B, Hkv, n]`` fp32."""
 VALUE_WEIGHTS = "value_weights"
 """Memo key (``plus``): ``‖W_O^h v_i‖₂`` of the context entries ``[B, Hq, n_context]``."""
+SCORING_CHUNK = 64
+"""Repeat queries per block of :func:`attend_and_score`: its logits ``[B·Hkv, G·64, n]`` fp32 (1.5 MiB
+per KV head at 2k) stay in a core's cache through the block's six passes; 256 spilled (25 % slower
+on this CPU, docs/fastkvzip.md)."""
 FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
 NEXT_INSTRUCTION = "\n\nRepeat the part of the previous context exactly, starting with"
 
@@ -115,7 +119,7 @@ def attend_and_score(
     *,
     value_weights: torch.Tensor | None = None,
     query_weights: torch.Tensor | None = None,
-    chunk: int = COLUMN_SUM_CHUNK,
+    chunk: int = SCORING_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The repeat pass's attention output ``[B, r, Hq, d]`` (the kernel's layout) and KVzip's
     scores ``[B, Hkv, context]`` (as :func:`reconstruction_scores`) from one computation, for
