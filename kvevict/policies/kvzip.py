@@ -143,11 +143,12 @@ def attend_and_score(
     context_values = values[:, :, :context].float().flatten(0, 1)  # [B·Hkv, n, d]
     best = query.new_zeros(b, hq, context, dtype=torch.float32)
     output = query.new_empty(b, r, hq, d, dtype=values.dtype)
+    scaled = query.float() * scaling  # (scaling the r × d queries, not the r × n logits: one pass fewer)
     for start in range(0, r, chunk):
         stop = min(start + chunk, r)
         rows = stop - start
-        grouped = query[:, :, start:stop].float().reshape(b * hkv, group * rows, d)
-        logits = torch.bmm(grouped, context_keys).mul_(scaling)  # [B·Hkv, G·rows, n]
+        grouped = scaled[:, :, start:stop].reshape(b * hkv, group * rows, d)
+        logits = torch.bmm(grouped, context_keys)  # [B·Hkv, G·rows, n]
         top = logits.amax(dim=-1, keepdim=True)
         weights = logits.sub_(top).exp_()  # E, in place of the logits
         top, total = top.view(b, hq, rows), weights.sum(dim=-1).view(b, hq, rows)
