@@ -6,8 +6,9 @@ Per (batch, KV head), in fp32, over the evicted set ``E`` (Eq. 22)::
     n_e = |E|,   s_k = Σ k,   s_v = Σ v,   S = Σ v kᵀ   (d_v × d_k)
     k̄ = s_k / n_e,   v̄ = s_v / n_e,   S̃ = S − s_v s_kᵀ / n_e          (Eq. 24)
 
-Storage is ``1 + d_k + d_v + d_v·d_k`` floats per KV head whatever the context length
-(:attr:`MomentStats.nbytes`; SmolLM2-135M, 30 layers × 3 KV heads × d=64: 1.52 MB in fp32).
+Storage is ``3 + 2·d_k + 2·d_v + d_v·d_k`` floats per KV head whatever the context length (the
+sums, and the means and counts NC reads, derived once per update; :attr:`MomentStats.nbytes`;
+SmolLM2-135M, 30 layers × 3 KV heads × d=64: 1.58 MB in fp32).
 
 - **MI** (Eq. 10, Algorithm 1 lines 6-18): residual ``r_j = v_j − v̄ − S̃ k_j·c / n_e``
   (``c`` = the attention's logit scale, 1/√d), score ``α_j·‖r_j‖``, evict the argmin, update
@@ -47,6 +48,32 @@ class MomentStats:
     """``s_v = Σ v``, ``[B, Hkv, d_v]``."""
     outer: torch.Tensor | None
     """``S = Σ v kᵀ``, ``[B, Hkv, d_v, d_k]``; None for the zeroth order."""
+    log_count: torch.Tensor
+    """``log n_e`` ``[B, Hkv]`` (``−∞`` for a head that evicted nothing), derived: NC reads it every pass."""
+    inverse_count: torch.Tensor
+    """``1 / max(n_e, 1)`` ``[B, Hkv]``, derived."""
+    mean_key: torch.Tensor
+    """``k̄`` ``[B, Hkv, d_k]`` (zero for a head that evicted nothing), derived."""
+    mean_value: torch.Tensor
+    """``v̄`` ``[B, Hkv, d_v]``, derived."""
+
+    @classmethod
+    def of(
+        cls, count: torch.Tensor, key_sum: torch.Tensor, value_sum: torch.Tensor, outer: torch.Tensor | None
+    ) -> MomentStats:
+        """The statistics of these sums, with the means and counts NC reads derived once (every
+        pass until the next eviction reads them; an update makes new statistics)."""
+        inverse = count.clamp(min=1).reciprocal()
+        return cls(
+            count,
+            key_sum,
+            value_sum,
+            outer,
+            count.log(),
+            inverse,
+            key_sum * inverse[..., None],
+            value_sum * inverse[..., None],
+        )
 
     @classmethod
     def zeros(
@@ -56,7 +83,7 @@ class MomentStats:
             raise ValueError(f"moment order must be 0 (mean value) or 1 (mean + covariance), got {order!r}")
         options = {"dtype": torch.float32, "device": device}
         outer = torch.zeros(batch, heads, value_dim, key_dim, **options) if order == 1 else None
-        return cls(
+        return cls.of(
             torch.zeros(batch, heads, **options),
             torch.zeros(batch, heads, key_dim, **options),
             torch.zeros(batch, heads, value_dim, **options),
@@ -74,42 +101,7 @@ class MomentStats:
 
     def means(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k̄, v̄)``; zero for heads that evicted nothing."""
-        n = self.count.clamp(min=1)[..., None]
-        return self.key_sum / n, self.value_sum / n
-
-    def nc_terms(self, scaling: float) -> NCTerms:
-        """:class:`NCTerms` at logit scale ``scaling``, formed once for these statistics (an
-        update makes new ones): every pass until the next eviction reads them as they are."""
-        cached = self.__dict__.get("_nc_terms")
-        if cached is None or cached[0] != scaling:
-            cached = (scaling, NCTerms.of(self, scaling))
-            object.__setattr__(self, "_nc_terms", cached)  # a cache, not a field (frozen, and never saved)
-        return cached[1]
-
-
-@dataclass(frozen=True)
-class NCTerms:
-    """What NC reads of :class:`MomentStats` at logit scale ``c`` besides ``S``, heads flattened
-    ``[B·Hkv, ...]``: with ``f = c / n_e`` and ``u = f·s_k``, ``log Ẑ_E = log n_e + u·x`` and
-    ``f̂_E = v̄ + f·(S x − v̄ (s_k·x)) = f·S x + v̄ (1 − u·x)`` (Eqs. 9, 11). Per head a few
-    numbers and two vectors: holding them costs no more than ``s_k`` and ``s_v`` do."""
-
-    log_count: torch.Tensor
-    """``log n_e`` ``[B·Hkv, 1, 1]`` (``−∞`` for a head that evicted nothing)."""
-    factor: torch.Tensor
-    """``f`` ``[B·Hkv, 1, 1]``."""
-    key_direction: torch.Tensor
-    """``u`` ``[B·Hkv, d_k, 1]``."""
-    value_mean: torch.Tensor
-    """``v̄`` ``[B·Hkv, 1, d_v]``."""
-
-    @staticmethod
-    def of(stats: MomentStats, scaling: float) -> NCTerms:
-        count = stats.count.flatten(0, 1)[:, None, None]
-        n = count.clamp(min=1)
-        factor = scaling / n
-        value_mean = stats.value_sum.flatten(0, 1)[:, None, :] / n
-        return NCTerms(count.log(), factor, stats.key_sum.flatten(0, 1)[..., None] * factor, value_mean)
+        return self.mean_key, self.mean_value
 
 
 def accumulate(stats: MomentStats, keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor) -> MomentStats:
@@ -131,7 +123,7 @@ def accumulate(stats: MomentStats, keys: torch.Tensor, values: torch.Tensor, evi
     if stats.outer is not None:
         weighted = (v * rows.transpose(1, 2)).transpose(1, 2)
         outer = torch.baddbmm(stats.outer.flatten(0, 1), weighted, k).view_as(stats.outer)
-    return MomentStats(
+    return MomentStats.of(
         count=stats.count + weight.sum(-1),
         key_sum=torch.baddbmm(stats.key_sum.flatten(0, 1)[:, None], rows, k).view_as(stats.key_sum),
         value_sum=torch.baddbmm(stats.value_sum.flatten(0, 1)[:, None], rows, v).view_as(stats.value_sum),
@@ -148,7 +140,7 @@ def accumulate_one(stats: MomentStats, keys: torch.Tensor, values: torch.Tensor,
     if stats.outer is not None:
         outer = torch.baddbmm(stats.outer.flatten(0, 1), v.flatten(0, 1).transpose(1, 2), k.flatten(0, 1))
         outer = outer.view_as(stats.outer)
-    return MomentStats(stats.count + 1, stats.key_sum + k[:, :, 0], stats.value_sum + v[:, :, 0], outer)
+    return MomentStats.of(stats.count + 1, stats.key_sum + k[:, :, 0], stats.value_sum + v[:, :, 0], outer)
 
 
 # -- moment-informed eviction -------------------------------------------------------------
@@ -333,22 +325,23 @@ def nc_correct(
 
     ``output`` is ``f_R`` ``[B, Hq, q, d_v]`` (attention over the retained entries),
     ``log_z_retained`` its ``log Z_R`` ``[B, Hq, q]``, ``query`` ``[B, Hq, q, d_k]``. From the
-    statistics' :class:`NCTerms`: ``log Ẑ_E = log n_e + u·x`` (Jensen, Eq. 11) and
-    ``f̂_E = f·S x + v̄ (1 − u·x)`` (Eq. 9, ``S̃ x = S x − s_v (s_k·x)/n_e``), no ``S̃`` built. Mixing in the log
+    statistics' derived means: ``log Ẑ_E = log n_e + c·k̄·x`` (Jensen, Eq. 11) and
+    ``f̂_E = v̄ + (c/n_e)·S̃ x = (c/n_e)·S x + v̄ (1 − c·k̄·x)`` (Eq. 9), no ``S̃`` built. Mixing in the log
     domain, ``w_R = σ(log Z_R − log Ẑ_E)``, output ``f̂_E + w_R (f_R − f̂_E)``, stays finite for
     any logit size; fp32 inside. Heads with nothing evicted (``log n_e = −∞``, ``w_R = 1``) are
     returned bit for bit.
     """
     b, hq, q, dv = output.shape
     heads = b * stats.count.shape[1]
-    terms = stats.nc_terms(scaling)
     rows = query.reshape(heads, -1, query.shape[-1]).float()  # [B·Hkv, G·q, d_k]: the group's queries
-    key_dot = torch.bmm(rows, terms.key_direction)  # u·x [B·Hkv, G·q, 1]
-    log_z_evicted = key_dot + terms.log_count
-    f_evicted = terms.value_mean
-    if stats.outer is not None:
-        f_evicted = torch.bmm(rows, stats.outer.flatten(0, 1).transpose(1, 2)).mul_(terms.factor)
-        f_evicted.addcmul_(terms.value_mean, 1 - key_dot)
+    key_dot = torch.bmm(rows, stats.mean_key.view(heads, -1, 1)).mul_(scaling)  # c·k̄·x [B·Hkv, G·q, 1]
+    log_z_evicted = key_dot + stats.log_count.view(heads, 1, 1)
+    f_evicted = stats.mean_value.view(heads, 1, dv)
+    if stats.outer is not None:  # c/n_e · S x + v̄ (1 − c·k̄·x)
+        f_evicted = torch.bmm(rows, stats.outer.view(heads, dv, -1).transpose(1, 2))
+        f_evicted.mul_(stats.inverse_count.view(heads, 1, 1) * scaling).addcmul_(
+            stats.mean_value.view(heads, 1, dv), 1 - key_dot
+        )
     weight = torch.sigmoid(log_z_retained.reshape(heads, -1, 1).float() - log_z_evicted)
     mixed = torch.lerp(f_evicted, output.reshape(heads, -1, dv).float(), weight)
     return mixed.view(b, hq, q, dv).to(output.dtype)

@@ -519,7 +519,7 @@ def stack_rows(values: list[Any], key: str) -> Any:
     """One row's values (see :class:`StackedRows`) as the batch's. Parts that :func:`split_rows`
     made of one batch's value, still every row's in order, give that value back as it was (a
     tensor's split views their base, a dataclass the object itself): rows in lockstep read what
-    they wrote without a copy, and a stage's cache on the object (MomentKV's NC terms) lasts."""
+    they wrote without a copy (MomentKV's statistics, read by every decode step's NC)."""
     first = values[0]
     if isinstance(first, torch.Tensor):
         whole = first._base

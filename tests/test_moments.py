@@ -91,8 +91,9 @@ def test_statistics_equal_sums_recomputed_from_the_evicted_tokens() -> None:
 
 def test_storage_is_independent_of_the_context_length() -> None:
     short, long = (_stats_of(*_kv(n=n), torch.ones(B, HKV, n, dtype=torch.bool)) for n in (4, 400))
-    assert short.nbytes == long.nbytes == B * HKV * (1 + D + D + D * D) * 4
-    assert MomentStats.zeros(B, HKV, D, D, order=0).nbytes == B * HKV * (1 + 2 * D) * 4  # mean value only
+    # the sums, then the count's log and inverse and the two means that NC reads, derived
+    assert short.nbytes == long.nbytes == B * HKV * (1 + D + D + D * D + 2 + D + D) * 4
+    assert MomentStats.zeros(B, HKV, D, D, order=0).nbytes == B * HKV * (1 + 2 * D + 2 + 2 * D) * 4  # no S
     with pytest.raises(ValueError, match="order must be 0"):
         MomentStats.zeros(B, HKV, D, D, order=2)
 
