@@ -429,7 +429,9 @@ class PassEnds:
             return True
         slots = self.policy.drop_lowest(stack, stacked, stack.budget)
         if slots is not None:
-            if self.policy.watches_evictions:  # each layer's own, while its entries are still there
+            if self.policy.watches_evictions and self.policy.stacks_eviction_watch:  # while the entries are there
+                self.policy.on_evict_one(stack, slots)
+            elif self.policy.watches_evictions:  # each layer its own
                 for view, layer_slots in zip(views, slots.split(stack.rows_per_layer)):
                     self.policy.on_evict_one(view, layer_slots)
                     view.write_back()

@@ -299,7 +299,7 @@ class LayerStack:
 
     def __init__(self, views: Sequence[RowView], arena: LayerArena):
         first = views[0]
-        self.first, self.layers = first, len(views)
+        self.first, self.layers, self.views = first, len(views), views
         self.rows_per_layer = first.positions.shape[0]
         n = first.length
         self.keys, self.values, self.positions = (
@@ -327,8 +327,11 @@ class LayerStack:
         raise ValueError("a stack of layers has no single layer index: a stage that reads it is not stackable")
 
     @property
-    def memo(self) -> dict[str, object]:
-        raise ValueError("a stack of layers keeps no per-layer policy data: a stage that keeps some is not stackable")
+    def memo(self) -> MutableMapping[str, object]:
+        """Every stacked row's policy data, layer after layer, as rows in lockstep read theirs
+        (:class:`StackedRows`): for a stage that is told the stack's evictions at once
+        (:attr:`~kvevict.policies.base.Stage.stackable_evictions`)."""
+        return StackedRows([row.memo for view in self.views for row in view.layer.rows[view.rows]])
 
     def phase(self) -> Phase:
         return self.first.phase()
@@ -512,7 +515,7 @@ class StackedRows(MutableMapping):
 
 
 STACKED_FROM = "_stacked_from"
-"""Where a row's part of a batch's dataclass came from (:func:`split_rows`): ``(whole, row)``."""
+"""Where a row's part of a batch's dataclass came from (:func:`split_rows`): ``(whole, row, rows)``."""
 
 
 def stack_rows(values: list[Any], key: str) -> Any:
@@ -531,12 +534,12 @@ def stack_rows(values: list[Any], key: str) -> Any:
             ):
                 return whole
         return torch.cat(values)
-    origin = getattr(first, STACKED_FROM, (None, 0))[0]
-    if origin is not None and all(
-        (made := getattr(value, STACKED_FROM, None)) is not None and made[0] is origin and made[1] == row
+    whole = getattr(first, STACKED_FROM, (None,))[0]
+    if whole is not None and all(
+        (made := getattr(value, STACKED_FROM, None)) is not None and made[0] is whole and made[1:] == (row, len(values))
         for row, value in enumerate(values)
     ):
-        return origin
+        return whole
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
         fields = {f.name: stack_rows([getattr(v, f.name) for v in values], key) for f in dataclasses.fields(first)}
         return type(first)(**fields)
@@ -558,7 +561,7 @@ def split_rows(value: Any, rows: int, key: str) -> list[Any]:
         parts = {f.name: split_rows(getattr(value, f.name), rows, key) for f in dataclasses.fields(value)}
         split = [type(value)(**{name: part[i] for name, part in parts.items()}) for i in range(rows)]
         for row, part in enumerate(split):
-            object.__setattr__(part, STACKED_FROM, (value, row))  # (frozen dataclasses too: not a field)
+            object.__setattr__(part, STACKED_FROM, (value, row, rows))  # (frozen dataclasses too: not a field)
         return split
     return [value] * rows
 

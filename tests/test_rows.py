@@ -43,6 +43,8 @@ def test_rows_read_back_what_a_batch_wrote_without_a_copy() -> None:
     stacked = StackedRows(rows)
     stacked["stats"], stacked["sums"] = stats, sums
     assert stacked["stats"] is stats and stacked["sums"] is sums
+    first_two = StackedRows(rows[:2])["stats"]  # some of the rows only: their own, not the batch's
+    assert first_two is not stats and first_two.count.shape == (2, 2)
     rows[1]["sums"] = rows[1]["sums"] + 1  # a row's own value now
     rows[2]["stats"] = MomentStats.zeros(1, 2, 4, 4)
     again = stacked["stats"]

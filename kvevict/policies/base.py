@@ -192,6 +192,12 @@ class Stage:
         """Called with the entries about to be dropped, ``[B, Hkv, n]`` bool, while the layer
         still holds them."""
 
+    stackable_evictions: ClassVar[bool] = False
+    """:meth:`on_evict` and :meth:`on_evict_one` read only the layer's keys and values and this
+    stage's ``memo``, row by row (rows along dim 0): a stack of layers' decode-step evictions is
+    told to it at once, the stack's ``memo`` being every layer's rows' stacked. Only the class's
+    own declaration counts, as for :attr:`batched`."""
+
     def on_evict_one(self, layer: EntryView, slots: torch.Tensor) -> None:
         """:meth:`on_evict` of an eviction that drops entry ``slots[b, h]`` ``[B, Hkv]`` of every
         head (a decode step's): by default with the mask of those; a stage may read the

@@ -42,6 +42,7 @@ class MomentStatistics(Observer):
 
     name = "moments"
     batched = True
+    stackable_evictions = True  # reads the evicted entries' keys and values, keeps its sums in memo
     PARAMS = declare(order=ORDER)
 
     def statistics(self, layer: EntryView) -> MomentStats:

@@ -344,6 +344,12 @@ class Policy:
         for stage in self._overriding("on_evict"):
             stage.on_evict_one(layer, slots)
 
+    @cached_property
+    def stacks_eviction_watch(self) -> bool:
+        """Whether every stage that watches evictions may be told a stack of layers' at once
+        (:attr:`~kvevict.policies.base.Stage.stackable_evictions`)."""
+        return all(vars(type(stage)).get("stackable_evictions", False) for stage in self._overriding("on_evict"))
+
     def correct_output(
         self,
         layer: EntryView,
