@@ -53,10 +53,19 @@ class Requirements:
     value_norms: bool = False
     """``‖v W_O‖₁`` of the pass's new values, per KV head (mean over its query heads),
     ``[B, Hkv, num_new]``."""
+    output_projection: bool = False
+    """The attention module's output projection ``W_O`` ``[hidden, Hq·d]``, as the model holds it
+    (nothing computed: a stage that reads values through it does so when it needs them)."""
 
     @property
     def any(self) -> bool:
-        return self.last_query_attention or self.window > 0 or self.column_sums or self.value_norms
+        return (
+            self.last_query_attention
+            or self.window > 0
+            or self.column_sums
+            or self.value_norms
+            or self.output_projection
+        )
 
     def __or__(self, other: Requirements) -> Requirements:
         """Everything either side asks for (stages add their signals to each other's)."""
@@ -65,6 +74,7 @@ class Requirements:
             window=max(self.window, other.window),
             column_sums=self.column_sums or other.column_sums,
             value_norms=self.value_norms or other.value_norms,
+            output_projection=self.output_projection or other.output_projection,
         )
 
 
@@ -112,6 +122,7 @@ class Signals:
     window_attention: torch.Tensor | None = None
     column_sums: torch.Tensor | None = None
     value_norms: torch.Tensor | None = None
+    output_projection: torch.Tensor | None = None
     spec: LogitSpec | None = None
     """The kernel's full logit recipe (soft-capping, sinks), of which ``scaling`` is the scale."""
 
@@ -365,9 +376,11 @@ def compute_signals(
         signals.column_sums = (
             column_sums(query, keys, spec, valid, window=sliding) if last_row is None else last_row[:, :, 0]
         )
-    if requirements.value_norms:
+    if requirements.value_norms or requirements.output_projection:
         if module is None or not hasattr(module, "o_proj"):
             raise ValueError("value norms need the attention module's output projection (o_proj)")
+        signals.output_projection = module.o_proj.weight if requirements.output_projection else None
+    if requirements.value_norms:
         new_values = new_entries(layer.values, num_new, layer.new_columns)
         signals.value_norms = projected_value_norms(new_values, module.o_proj.weight, query.shape[1])
     return signals

@@ -54,6 +54,7 @@ class Assembly(Protocol):
 
     method: Method
     scorer: Scorer | None
+    protector: Protector
 
     @property
     def regime(self) -> Regime: ...

@@ -7,15 +7,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Assembly, Ranking, Selector, keep_top, lowest_slots
+from kvevict.policies.base import Assembly, Protector, Ranking, Selector, keep_top, lowest_slots
 from kvevict.policies.params import declare, number
-from kvevict.signals import Phase, Regime, Requirements, Signals, write_new_entries
+from kvevict.signals import Phase, Regime, Requirements, Signals, projected_value_norms, write_new_entries
 
 if TYPE_CHECKING:
     from kvevict.views import EntryView
 
 VALUE_NORM = "value_norm"
-"""Per-token state: ``‖v W_O‖₁`` of the entry (mean over its KV head's query heads)."""
+"""Per-token state: ``‖v W_O‖₁`` of the entry (mean over its KV head's query heads); NaN for a
+decode entry whose norm waits to be computed with others (:meth:`Critical.observe`)."""
+PENDING = "pending"
+"""Memo key: decode entries per KV head whose norm is not computed yet, an int."""
 ATTENTION_SCORERS = "tova, h2o, snapkv, momentkv[mi=false] (with any allocator)"
 """The registered methods whose scores are attention received and that leave the selection to
 ``critical`` (checked against the registry by tests/policies/test_composition.py)."""
@@ -74,9 +77,11 @@ class Critical(Selector):
     ``⌊α·b_h⌋`` entries by ``X``'s score (``α = 0.5``), stage 2 the rest by
     ``(score + ε)·‖v_i W_O‖₁`` (``ε = 1e-4``), where query head ``h`` projects its KV head's
     value by ``W_O[:, h·d:(h+1)·d]``, the L1 norm is over the hidden dimension and the group's
-    heads are averaged (DESIGN §3). The norms are computed once per entry, when it enters the
-    cache, one query head at a time. Works at prefill and at decode time, wherever ``X``
-    evicts. ``alpha=0`` is the stage-2-only ablation.
+    heads are averaged (DESIGN §3). The norms are computed once per entry: a prompt's as it
+    enters the cache; decode entries, which the recent window protects for ``w`` steps, half a
+    window at a time (one product for ``⌈w/2⌉`` entries rather than one per step, each reading
+    all of ``W_O``). Works at prefill and at decode time, wherever ``X`` evicts. ``alpha=0`` is
+    the stage-2-only ablation.
 
     ``X`` must score by attention received (tova, h2o, snapkv, momentkv with ``mi=false``):
     the bound weights an attention probability by the value's norm.
@@ -89,7 +94,13 @@ class Critical(Selector):
     summary = "two-stage perturbation-constrained selection (CriticalKV, α = 0.5) over any attention scorer"
     PARAMS = declare(alpha=number(0.5, 0, 1), eps=number(1e-4, 0))
 
+    def __init__(self, **params: object):
+        super().__init__(**params)
+        self._protector: Protector | None = None
+        self._regime: Regime = "prefill"
+
     def check(self, policy: Assembly) -> None:
+        self._protector, self._regime = policy.protector, policy.regime
         scorer = policy.scorer
         if scorer is None or not scorer.attention_scores:
             raise ValueError(
@@ -98,16 +109,32 @@ class Critical(Selector):
             )
 
     def requirements(self, phase: Phase, evicting: bool, regime: Regime) -> Requirements:
+        if phase == "prefill":
+            return Requirements(value_norms=True)
         # decode entries need their norm only if a later decode-time eviction may drop them
-        return Requirements(value_norms=phase == "prefill" or regime != "prefill")
+        return Requirements(output_projection=regime != "prefill")
 
     def new_tokens(self, layer: EntryView, num_new: int) -> dict[str, torch.Tensor]:
         b, h = layer.keys.shape[:2]
-        return {VALUE_NORM: torch.zeros(b, h, num_new, dtype=torch.float32, device=layer.device)}
+        pending = layer.phase() == "decode" and self._regime != "prefill"
+        return {VALUE_NORM: torch.full((b, h, num_new), torch.nan if pending else 0.0, device=layer.device)}
 
     def observe(self, layer: EntryView, signals: Signals) -> None:
         if signals.value_norms is not None:
             write_new_entries(self.state(layer)[VALUE_NORM], signals.value_norms, layer.new_columns)
+        if signals.output_projection is None:
+            return
+        memo = self.memo(layer)
+        pending = memo.get(PENDING, 0) + signals.num_new
+        window = 0 if self._protector is None else self._protector.recent_window(layer.budget)
+        if pending < max(1, (window + 1) // 2):  # all still in the recent window: nothing evicts them yet
+            memo[PENDING] = pending
+            return
+        norms = self.state(layer)[VALUE_NORM]
+        slots = norms.isnan().to(torch.uint8).topk(pending, dim=-1).indices  # every head holds `pending`
+        values = layer.values.gather(2, slots[..., None].expand(-1, -1, -1, layer.values.shape[-1]))
+        norms.scatter_(-1, slots, projected_value_norms(values, signals.output_projection, signals.query.shape[1]))
+        memo[PENDING] = 0
 
     def keep(self, layer: EntryView, signals: Signals, ranking: Ranking) -> torch.Tensor:
         return critical_keep(ranking.scores, self.state(layer)[VALUE_NORM], ranking.counts, self.alpha, self.eps)

@@ -86,19 +86,26 @@ def test_value_norms_equal_a_brute_force_projection() -> None:
     torch.testing.assert_close(projected_value_norms(values, weight, 4), expected)
 
 
-@pytest.mark.parametrize("policy", ["critical+snapkv", "critical+h2o"])
+@pytest.mark.parametrize("policy", ["critical+snapkv", "critical+h2o[window=4]"])
 def test_every_entry_carries_its_value_norm(policy: str) -> None:
+    """A prompt's entries get their norm as they enter; decode entries two at a time (half the
+    recent window of 4, which protects them until then); none when nothing evicts at decode."""
     model = tiny_model()
     cache = kvevict.EvictionCache(model, policy, budget=1000)
     with torch.no_grad():
         model(input_ids=prompt(50), past_key_values=cache)
-        model(input_ids=torch.tensor([[5]]), past_key_values=cache)
-    for layer, block in zip(cache.eviction_layers, model.model.layers):
-        expected = projected_value_norms(layer.values, block.self_attn.o_proj.weight, 4)
-        norms = cache.policy.selector.state(layer)[VALUE_NORM]
-        if policy == "critical+snapkv":  # prefill-only: decode entries are never evicted, no norm needed
-            norms, expected = norms[..., :50], expected[..., :50]
-        torch.testing.assert_close(norms, expected)
+        for step in range(3):
+            model(input_ids=torch.tensor([[5 + step]]), past_key_values=cache)
+            for layer, block in zip(cache.eviction_layers, model.model.layers):
+                expected = projected_value_norms(layer.values, block.self_attn.o_proj.weight, 4)
+                norms = cache.policy.selector.state(layer)[VALUE_NORM]
+                if policy == "critical+snapkv":  # prefill-only: decode entries are never evicted, no norm needed
+                    assert not norms[..., 50:].any()
+                    norms, expected = norms[..., :50], expected[..., :50]
+                elif step % 2 == 0:  # the newest decode entry waits for the next
+                    assert norms[..., -1].isnan().all()
+                    norms, expected = norms[..., :-1], expected[..., :-1]
+                torch.testing.assert_close(norms, expected)
 
 
 def test_critical_keeps_what_the_base_score_ranks_first() -> None:
