@@ -429,12 +429,8 @@ class PassEnds:
             return True
         slots = self.policy.drop_lowest(stack, stacked, stack.budget)
         if slots is not None:
-            if self.policy.watches_evictions and self.policy.stacks_eviction_watch:  # while the entries are there
+            if self.policy.watches_evictions:  # every layer's, while the entries are there
                 self.policy.on_evict_one(stack, slots)
-            elif self.policy.watches_evictions:  # each layer its own
-                for view, layer_slots in zip(views, slots.split(stack.rows_per_layer)):
-                    self.policy.on_evict_one(view, layer_slots)
-                    view.write_back()
             arena.fill(slots, stack.length - 1)
             for layer in layers:
                 layer.pending_eviction = None

@@ -273,16 +273,17 @@ class Policy:
     def stacks_evictions(self) -> bool:
         """Whether the decode-step evictions of several layers may run as one batch of their
         rows once each layer observed its own pass (:meth:`drop_lowest` over a
-        :class:`~kvevict.rows.LayerStack`; a stage that watches evictions is told each layer's
-        own, :meth:`on_evict_one`): uniform counts, the own classes of the scorer and the
-        protector declare :attr:`~kvevict.policies.base.Stage.stackable` and the selector's
-        :attr:`~kvevict.policies.base.Selector.stacks`. :attr:`stacks_layers` stacks the
-        per-token hooks too."""
+        :class:`~kvevict.rows.LayerStack`): uniform counts, the own classes of the scorer and
+        the protector declare :attr:`~kvevict.policies.base.Stage.stackable`, the selector's
+        :attr:`~kvevict.policies.base.Selector.stacks`, and every stage that watches evictions
+        :attr:`~kvevict.policies.base.Stage.stackable_evictions` (it is told the stack's at once,
+        :meth:`on_evict_one`). :attr:`stacks_layers` stacks the per-token hooks too."""
         return (
             self.scorer is not None
             and type(self.allocator) is Uniform
             and all(vars(type(stage)).get("stackable", False) for stage in (self.scorer, self.protector))
             and vars(type(self.selector)).get("stacks", False)
+            and all(vars(type(stage)).get("stackable_evictions", False) for stage in self._overriding("on_evict"))
         )
 
     @property
@@ -343,12 +344,6 @@ class Policy:
     def on_evict_one(self, layer: EntryView, slots: torch.Tensor) -> None:
         for stage in self._overriding("on_evict"):
             stage.on_evict_one(layer, slots)
-
-    @cached_property
-    def stacks_eviction_watch(self) -> bool:
-        """Whether every stage that watches evictions may be told a stack of layers' at once
-        (:attr:`~kvevict.policies.base.Stage.stackable_evictions`)."""
-        return all(vars(type(stage)).get("stackable_evictions", False) for stage in self._overriding("on_evict"))
 
     def correct_output(
         self,
