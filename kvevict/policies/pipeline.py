@@ -17,7 +17,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.base import Attachment, Corrector, Method, Ranking, Stage, TopK, Uniform, lowest_slots
+from kvevict.policies.base import (
+    Attachment,
+    Corrector,
+    Method,
+    Ranking,
+    Selector,
+    Stage,
+    TopK,
+    Uniform,
+    lowest_slots,
+)
 from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals
 
 if TYPE_CHECKING:
@@ -230,6 +240,8 @@ class Policy:
         if self.keeps_uniform_top:
             scores = self._scores(layer, signals, self.protector.protected(layer, budget))
             return lowest_slots(scores, distinct=self.distinct_scores)
+        if type(self.selector).drop_one is Selector.drop_one:  # (no shortcut: select decides, scores once)
+            return None
         scores, protected = self.selection_scores(layer, signals, budget)
         counts = self.allocator.counts(layer, scores, protected, budget)
         return self.selector.drop_one(layer, signals, Ranking(scores, protected, counts))
