@@ -117,7 +117,8 @@ class Critical(Selector):
     def new_tokens(self, layer: EntryView, num_new: int) -> dict[str, torch.Tensor]:
         b, h = layer.keys.shape[:2]
         pending = layer.phase() == "decode" and self._regime != "prefill"
-        return {VALUE_NORM: torch.full((b, h, num_new), torch.nan if pending else 0.0, device=layer.device)}
+        fill = torch.nan if pending else 0.0
+        return {VALUE_NORM: torch.full((b, h, num_new), fill, dtype=torch.float32, device=layer.device)}
 
     def observe(self, layer: EntryView, signals: Signals) -> None:
         if signals.value_norms is not None:
