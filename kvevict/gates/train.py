@@ -137,7 +137,8 @@ def collect(model: Any, ids: torch.Tensor, positions: torch.Tensor) -> tuple[tor
     inputs: dict[int, torch.Tensor] = {}
 
     def receive(index: int, hidden: torch.Tensor, cache: object) -> None:
-        inputs.setdefault(index, hidden[0, positions].to(torch.float16))  # the prefill's, not the repeat's
+        if index not in inputs:  # the prefill's, not the repeat's (whose chunks of 2,048 may be shorter)
+            inputs[index] = hidden[0, positions].to(torch.float16)
 
     handles = hook_attention_inputs(model, receive)
     try:

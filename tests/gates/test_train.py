@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvevict.gates import initial_gates, shape_of
+from kvevict.gates import hook_attention_inputs, initial_gates, shape_of
 from kvevict.gates.train import TrainConfig, collect, contexts, distillation_loss, train
 from tests.conftest import prompt, tiny_model
 
@@ -70,3 +70,20 @@ def test_several_lengths_are_taken_in_turn_by_the_pairs_of_contexts(tokenizer, t
     assert torch.equal(
         torch.cat(pieces, -1)[0], torch.tensor(tokenizer.encode(text.read_text(), add_special_tokens=False)[:224])
     )
+
+
+def test_a_context_longer_than_a_repeat_chunk_gives_features_of_its_prefill() -> None:
+    """KVzip repeats a long context in chunks of 2,048 tokens: the features are the prefill's, at
+    positions past the first chunk too, not a repeat chunk's."""
+    model = tiny_model()
+    ids = prompt(2200, seed=3)
+    positions = torch.tensor([4, 1000, 2100, 2199])
+    features, targets = collect(model, ids, positions)
+    inputs = {}
+    handles = hook_attention_inputs(model, lambda index, hidden, cache: inputs.setdefault(index, hidden[0, positions]))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for handle in handles:
+        handle.remove()
+    assert torch.equal(features, torch.stack([inputs[i] for i in sorted(inputs)]).half())
+    assert targets.shape == (model.config.num_hidden_layers, model.config.num_key_value_heads, 4)
