@@ -48,8 +48,10 @@ class TrainConfig:
     model: str
     count: int = 24
     """Contexts."""
-    length: tuple[int, ...] = (1024,)
-    """Tokens per context; several: the contexts take them in turn (:func:`length_of`)."""
+    length: tuple[int, ...] = (1024, 2048, 4096)
+    """Tokens per context; several: the contexts take them in turn (:func:`length_of`). The default
+    mixes the lengths the gates serve (docs/fastkvzip.md, round 7: gates of 1,024-token contexts
+    alone lost essay-haystack needles at 4k)."""
     tokens: int = 256
     """Positions per context kept for training."""
     steps: int = 1000
