@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from kvevict.bench.options import comma_separated
 from kvevict.commands.common import BENCH
 from kvevict.gates.train import TrainConfig
 
@@ -24,7 +25,14 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--text", nargs="*", type=Path, default=[], help="text files to train on (default: offline data)"
     )
     defaults = TrainConfig(model="")
-    for key in ("count", "length", "tokens", "steps", "batch", "dim", "sinks", "rank", "seed"):
+    parser.add_argument(
+        "--length",
+        type=comma_separated(int),
+        default=defaults.length,
+        help="tokens per context; several, comma-separated (1024,2048): the contexts take them in turn "
+        f"(default: {','.join(map(str, defaults.length))})",
+    )
+    for key in ("count", "tokens", "steps", "batch", "dim", "sinks", "rank", "seed"):
         parser.add_argument(f"--{key}", type=int, default=getattr(defaults, key))
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.set_defaults(run=run, extra=BENCH)
@@ -36,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     fields = ("count", "length", "tokens", "steps", "batch", "dim", "sinks", "rank", "seed", "lr")
     config = TrainConfig(model=args.model, **{key: getattr(args, key) for key in fields})
-    if config.length <= SINKS + 1 or config.tokens < 1 or config.count < 2 or config.steps < 1:
+    if min(config.length) <= SINKS + 1 or config.tokens < 1 or config.count < 2 or config.steps < 1:
         raise ValueError("--length must exceed 5, --tokens and --steps be >= 1 and --count >= 2 (one is held out)")
     torch.manual_seed(config.seed)
     torch.set_num_threads(1)  # the same arithmetic on every run: the same gates for a seed

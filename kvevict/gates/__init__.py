@@ -22,6 +22,7 @@ folder (:func:`packaged_path`).
 
 from __future__ import annotations
 
+import json
 import math
 import weakref
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 
 from kvevict.compat import pass_cache
 from kvevict.hidden import decoder_layers
@@ -131,12 +132,19 @@ def initial_gates(shape: GateShape, seed: int = 0) -> list[dict[str, torch.Tenso
 
 def save_gates(path: str | Path, gates: list[dict[str, torch.Tensor]], metadata: dict[str, str]) -> None:
     """Write gates as one safetensors file (``<layer>.<part>`` tensors in fp16: :func:`load_gates`
-    gives back exactly what :func:`stored` rounds the gates to)."""
+    gives back exactly what :func:`stored` rounds the gates to). The same gates and metadata give
+    the same bytes: safetensors writes the metadata in a hash map's order, which changes from one
+    process to the next, so the header is written again with the metadata sorted (same length)."""
     tensors = {
         f"{layer}.{part}": gate[part].detach().half().contiguous() for layer, gate in enumerate(gates) for part in PARTS
     }
+    data = save(tensors, metadata=metadata)
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + size])
+    header["__metadata__"] = dict(sorted(header.get("__metadata__", {}).items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode().ljust(size)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(path), metadata=metadata)
+    Path(path).write_bytes(data[:8] + text + data[8 + size :])
 
 
 def load_gates(path: str | Path) -> list[dict[str, torch.Tensor]]:

