@@ -266,7 +266,8 @@ class LayerStorage:
         new = {"keys": keys, "values": values, "positions": positions.view(-1, 1, 1).expand(*keys.shape[:3])}
         for name, value in self.state.items():
             new[name] = value.new_zeros(*keys.shape[:3], *value.shape[3:])
-        # room for 16 entries or a 16th more, whichever is more: moves every 16+ steps, resident ≤ 1.0625× + 16 per head
+        # room for 16 entries or a 16th more, whichever is more: moves every 16+ steps,
+        # resident ≤ 1.0625× + 16 per head
         packed.append(new, lambda length: length + max(SLACK, length // 16))
 
     def unpack(self, room: int, free: torch.Tensor) -> int:

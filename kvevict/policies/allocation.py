@@ -188,8 +188,8 @@ class GlobalBudget(Allocator):
     """One budget shared by every layer and KV head (``global+X``, DESIGN §3): the pool
     ``L·H·B`` (what every head would keep under its own budget: a sliding layer whose window
     is shorter than ``B`` brings its window, and joins the pool all the same) goes to the top
-    entries of all layers and heads ranked together by ``X``'s scores, each head keeping at least ``⌊safeguard·B'⌋`` (AdaKV's safeguard, ``0.2``;
-    ``B'`` = budget − its protected entries). Prefill only: the layers defer their eviction
+    entries of all layers and heads ranked together by ``X``'s scores, each head keeping at
+    least ``⌊safeguard·B'⌋`` (AdaKV's safeguard, ``0.2``; ``B'`` = budget − its protected entries). Prefill only: the layers defer their eviction
     until the prefill forward has scored every layer, then all evict at once. KVzip brings
     this allocator itself with ``safeguard = 0`` (the paper's global bottom-k).
 
