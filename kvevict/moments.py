@@ -63,16 +63,16 @@ class MomentStats:
     ) -> MomentStats:
         """The statistics of these sums, with the means and counts NC reads derived once (every
         pass until the next eviction reads them; an update makes new statistics)."""
-        inverse = count.clamp(min=1).reciprocal()
+        n = count.clamp(min=1)
         return cls(
             count,
             key_sum,
             value_sum,
             outer,
             count.log(),
-            inverse,
-            key_sum * inverse[..., None],
-            value_sum * inverse[..., None],
+            n.reciprocal(),
+            key_sum / n[..., None],
+            value_sum / n[..., None],
         )
 
     @classmethod
@@ -153,10 +153,10 @@ def mi_residual_norms(keys: torch.Tensor, values: torch.Tensor, stats: MomentSta
     ``n × d`` work is three passes, not one per term of the expansion.
     """
     k, v = keys.float(), values.float()
-    count = stats.count.clamp(min=1)[..., None, None]
-    v_mean = (stats.value_sum / count[..., 0])[..., None, :]
+    v_mean = stats.mean_value[..., None, :]
     if stats.outer is None:
         return (v - v_mean).norm(dim=-1)
+    count = stats.count.clamp(min=1)[..., None, None]
     centered = (stats.outer - stats.value_sum[..., :, None] * stats.key_sum[..., None, :] / count) * (scaling / count)
     residual = torch.baddbmm(v.flatten(0, 1), k.flatten(0, 1), centered.transpose(-1, -2).flatten(0, 1), alpha=-1)
     return residual.view_as(v).sub_(v_mean).norm(dim=-1)
