@@ -220,11 +220,13 @@ class GateHooks:
 
         self._finalizer = weakref.finalize(self, _remove, hook_attention_inputs(model, receive))
 
-    def scores(self, layer_idx: int, rows: slice, num_new: int) -> torch.Tensor:
-        """The gate scores ``[b, Hkv, num_new]`` of the last ``num_new`` tokens of the pass, of ``rows``."""
+    def scores(self, layer_idx: int, rows: slice, num_new: int, device: torch.device) -> torch.Tensor:
+        """The gate scores ``[b, Hkv, num_new]`` of the last ``num_new`` tokens of the pass, of ``rows``
+        (on ``device``, the layer's, where the pass computed none)."""
         scores = self.latest[layer_idx]
         if scores is None:  # (never read: zeros, as the state of entries nothing scored)
-            return torch.zeros(rows.stop - rows.start, self.gates[layer_idx]["sinks"].shape[0], num_new)
+            heads = self.gates[layer_idx]["sinks"].shape[0]
+            return torch.zeros(rows.stop - rows.start, heads, num_new, device=device)
         return scores[rows, :, -num_new:]
 
     def close(self) -> None:

@@ -118,7 +118,7 @@ class FastKVzip(Method):
 
     def new_tokens(self, layer: EntryView, num_new: int) -> dict[str, torch.Tensor]:
         hooks = layer.layer.owner.hooks
-        return {SCORE: hooks.scores(layer.layer_idx, layer.rows, num_new)}
+        return {SCORE: hooks.scores(layer.layer_idx, layer.rows, num_new, layer.device)}
 
     def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         return self.state(layer)[SCORE]
