@@ -99,6 +99,13 @@ class MomentStats:
         """Bytes held, independent of the context length."""
         return sum(t.nbytes for f in fields(self) if (t := getattr(self, f.name)) is not None)
 
+    def writable(self) -> MomentStats:
+        """Statistics :func:`accumulate_one` may update in place: these, or a copy of them when they
+        were made under ``inference_mode`` and are written outside it (which torch forbids)."""
+        if not self.count.is_inference() or torch.is_inference_mode_enabled():
+            return self
+        return MomentStats(*(None if x is None else x.clone() for x in (getattr(self, f.name) for f in fields(self))))
+
     def means(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k̄, v̄)``; zero for heads that evicted nothing."""
         return self.mean_key, self.mean_value
@@ -131,16 +138,24 @@ def accumulate(stats: MomentStats, keys: torch.Tensor, values: torch.Tensor, evi
     )
 
 
-def accumulate_one(stats: MomentStats, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> MomentStats:
+def accumulate_one(stats: MomentStats, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
     """:func:`accumulate` of entry ``slots[b, h]`` ``[B, Hkv]`` of every head (a decode step's
-    eviction): the same sums, from the entries gathered by their slots (no mask to build)."""
+    eviction), **in place**: the same sums, bit for bit, from the entries gathered by their slots
+    (no mask to build), and the derived fields recomputed into their own tensors. In place because
+    a decode step of 30 layers in lockstep updates one stacked whole whose rows' statistics are
+    views of it (:class:`~kvevict.rows.StackedRows`): nothing to split back, step after step."""
     index = slots[..., None, None]
     k, v = (x.gather(2, index.expand(-1, -1, 1, x.shape[-1])).float() for x in (keys, values))  # [B, Hkv, 1, d]
-    outer = None
     if stats.outer is not None:
-        outer = torch.baddbmm(stats.outer.flatten(0, 1), v.flatten(0, 1).transpose(1, 2), k.flatten(0, 1))
-        outer = outer.view_as(stats.outer)
-    return MomentStats.of(stats.count + 1, stats.key_sum + k[:, :, 0], stats.value_sum + v[:, :, 0], outer)
+        stats.outer.view(-1, *stats.outer.shape[2:]).baddbmm_(v.flatten(0, 1).transpose(1, 2), k.flatten(0, 1))
+    stats.count.add_(1)
+    stats.key_sum.add_(k[:, :, 0])
+    stats.value_sum.add_(v[:, :, 0])
+    count = stats.count.clamp(min=1)
+    torch.log(stats.count, out=stats.log_count)
+    torch.reciprocal(count, out=stats.inverse_count)
+    torch.div(stats.key_sum, count[..., None], out=stats.mean_key)
+    torch.div(stats.value_sum, count[..., None], out=stats.mean_value)
 
 
 # -- moment-informed eviction -------------------------------------------------------------
@@ -326,22 +341,27 @@ def nc_correct(
     ``output`` is ``f_R`` ``[B, Hq, q, d_v]`` (attention over the retained entries),
     ``log_z_retained`` its ``log Z_R`` ``[B, Hq, q]``, ``query`` ``[B, Hq, q, d_k]``. From the
     statistics' derived means: ``log Ẑ_E = log n_e + c·k̄·x`` (Jensen, Eq. 11) and
-    ``f̂_E = v̄ + (c/n_e)·S̃ x = (c/n_e)·S x + v̄ (1 − c·k̄·x)`` (Eq. 9), no ``S̃`` built. Mixing in the log
+    ``f̂_E = v̄ + (c/n_e)·S̃ x = v̄ + c·(S x / n_e − v̄ k̄·x)`` (Eq. 9), no ``S̃`` built. Mixing in the log
     domain, ``w_R = σ(log Z_R − log Ẑ_E)``, output ``f̂_E + w_R (f_R − f̂_E)``, stays finite for
     any logit size; fp32 inside. Heads with nothing evicted (``log n_e = −∞``, ``w_R = 1``) are
     returned bit for bit.
     """
     b, hq, q, dv = output.shape
     heads = b * stats.count.shape[1]
-    rows = query.reshape(heads, -1, query.shape[-1]).float()  # [B·Hkv, G·q, d_k]: the group's queries
-    key_dot = torch.bmm(rows, stats.mean_key.view(heads, -1, 1)).mul_(scaling)  # c·k̄·x [B·Hkv, G·q, 1]
-    log_z_evicted = key_dot + stats.log_count.view(heads, 1, 1)
-    f_evicted = stats.mean_value.view(heads, 1, dv)
-    if stats.outer is not None:  # c/n_e · S x + v̄ (1 − c·k̄·x)
-        f_evicted = torch.bmm(rows, stats.outer.view(heads, dv, -1).transpose(1, 2))
-        f_evicted.mul_(stats.inverse_count.view(heads, 1, 1) * scaling).addcmul_(
-            stats.mean_value.view(heads, 1, dv), 1 - key_dot
-        )
-    weight = torch.sigmoid(log_z_retained.reshape(heads, -1, 1).float() - log_z_evicted)
-    mixed = torch.lerp(f_evicted, output.reshape(heads, -1, dv).float(), weight)
-    return mixed.view(b, hq, q, dv).to(output.dtype)
+    rows = _float32(query.reshape(heads, -1, query.shape[-1]))  # [B·Hkv, G·q, d_k]: the group's queries
+    key_dot = torch.bmm(rows, stats.mean_key.view(heads, -1, 1))  # k̄·x [B·Hkv, G·q, 1]
+    log_z_evicted = torch.add(stats.log_count.view(heads, 1, 1), key_dot, alpha=scaling)
+    mean_value = stats.mean_value.view(heads, 1, dv)
+    f_evicted = mean_value
+    if stats.outer is not None:  # v̄ + c·(S x / n_e − v̄ k̄·x)
+        moment = torch.bmm(rows, stats.outer.view(heads, dv, -1).transpose(1, 2))
+        moment.mul_(stats.inverse_count.view(heads, 1, 1)).addcmul_(mean_value, key_dot, value=-1)
+        f_evicted = torch.add(mean_value, moment, alpha=scaling)
+    weight = torch.sub(_float32(log_z_retained.reshape(heads, -1, 1)), log_z_evicted).sigmoid_()
+    mixed = torch.lerp(f_evicted, _float32(output.reshape(heads, -1, dv)), weight).view(b, hq, q, dv)
+    return mixed if mixed.dtype == output.dtype else mixed.to(output.dtype)
+
+
+def _float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32 (itself when it is: a decode step's few tensors spare the dispatch)."""
+    return x if x.dtype == torch.float32 else x.float()

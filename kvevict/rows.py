@@ -500,6 +500,8 @@ class StackedRows(MutableMapping):
         return stack_rows([row[key] for row in self.rows], key)
 
     def __setitem__(self, key: str, value: object) -> None:
+        if all(key in row for row in self.rows) and _whole_of([row[key] for row in self.rows]) is value:
+            return  # the rows' parts are already views of it (a value read and updated in place)
         for row, part in zip(self.rows, split_rows(value, len(self.rows), key), strict=True):
             row[key] = part
 
@@ -524,6 +526,22 @@ def stack_rows(values: list[Any], key: str) -> Any:
     tensor's split views their base, a dataclass the object itself): rows in lockstep read what
     they wrote without a copy (MomentKV's statistics, read by every decode step's NC)."""
     first = values[0]
+    whole = _whole_of(values)
+    if whole is not None:
+        return whole
+    if isinstance(first, torch.Tensor):
+        return torch.cat(values)
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        fields = {f.name: stack_rows([getattr(v, f.name) for v in values], key) for f in dataclasses.fields(first)}
+        return type(first)(**fields)
+    if all(value is first or value == first for value in values[1:]):
+        return first
+    raise ValueError(f"policy data {key!r} differs between rows and is no tensor: it cannot be read as one batch")
+
+
+def _whole_of(values: list[Any]) -> Any:
+    """The batch's value that :func:`split_rows` split into ``values`` (every part, in row order), else None."""
+    first = values[0]
     if isinstance(first, torch.Tensor):
         whole = first._base
         if whole is not None and whole.shape[0] == len(values) and whole.is_contiguous():
@@ -533,19 +551,14 @@ def stack_rows(values: list[Any], key: str) -> Any:
                 for row, value in enumerate(values)
             ):
                 return whole
-        return torch.cat(values)
+        return None
     whole = getattr(first, STACKED_FROM, (None,))[0]
     if whole is not None and all(
         (made := getattr(value, STACKED_FROM, None)) is not None and made[0] is whole and made[1:] == (row, len(values))
         for row, value in enumerate(values)
     ):
         return whole
-    if dataclasses.is_dataclass(first) and not isinstance(first, type):
-        fields = {f.name: stack_rows([getattr(v, f.name) for v in values], key) for f in dataclasses.fields(first)}
-        return type(first)(**fields)
-    if all(value is first or value == first for value in values[1:]):
-        return first
-    raise ValueError(f"policy data {key!r} differs between rows and is no tensor: it cannot be read as one batch")
+    return None
 
 
 def split_rows(value: Any, rows: int, key: str) -> list[Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -56,8 +57,8 @@ def _nc_brute(query, retained_keys, retained_values, evicted_keys, evicted_value
 
 @pytest.mark.parametrize("order", [0, 1])
 def test_one_entry_per_head_adds_up_bit_for_bit_as_its_mask(order: int) -> None:
-    """A decode step's eviction (one entry per head, by its slot) gives exactly the statistics
-    the mask of those entries gives, after earlier evictions too."""
+    """A decode step's eviction (one entry per head, by its slot, in place) gives exactly the
+    statistics the mask of those entries gives, after earlier evictions too, derived fields included."""
     keys, values = _kv()
     earlier = torch.zeros(B, HKV, N, dtype=torch.bool)
     earlier[0, 0, [1, 4]] = True
@@ -65,10 +66,11 @@ def test_one_entry_per_head_adds_up_bit_for_bit_as_its_mask(order: int) -> None:
     stats = _stats_of(keys, values, earlier, order)
     slots = torch.tensor([[5, 11]])
     evicted = torch.zeros_like(earlier).scatter_(-1, slots[..., None], True)
-    expected, one = accumulate(stats, keys, values, evicted), accumulate_one(stats, keys, values, slots)
-    for name in ("count", "key_sum", "value_sum", "outer"):
-        ours, theirs = getattr(one, name), getattr(expected, name)
-        assert (ours is None and theirs is None) or torch.equal(ours, theirs)
+    expected = accumulate(stats, keys, values, evicted)
+    accumulate_one(stats, keys, values, slots)
+    for field in dataclasses.fields(MomentStats):
+        ours, theirs = getattr(stats, field.name), getattr(expected, field.name)
+        assert (ours is None and theirs is None) or torch.equal(ours, theirs), field.name
 
 
 def test_statistics_equal_sums_recomputed_from_the_evicted_tokens() -> None:

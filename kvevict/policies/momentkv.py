@@ -61,7 +61,9 @@ class MomentStatistics(Observer):
         self.memo(layer)[MOMENTS] = accumulate(self.statistics(layer), layer.keys, layer.values, evicted)
 
     def on_evict_one(self, layer: EntryView, slots: torch.Tensor) -> None:
-        self.memo(layer)[MOMENTS] = accumulate_one(self.statistics(layer), layer.keys, layer.values, slots)
+        stats = self.statistics(layer).writable()
+        accumulate_one(stats, layer.keys, layer.values, slots)
+        self.memo(layer)[MOMENTS] = stats  # free where the memo holds it already, or its rows' views of it
 
 
 class MomentNC(Corrector):
