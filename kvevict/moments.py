@@ -27,6 +27,7 @@ per-head budgets as ``counts [B, Hkv]`` (entries to keep). Query head ``h`` uses
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import cached_property
 
 import torch
 
@@ -98,6 +99,23 @@ class MomentStats:
     def nbytes(self) -> int:
         """Bytes held, independent of the context length."""
         return sum(t.nbytes for f in fields(self) if (t := getattr(self, f.name)) is not None)
+
+    @cached_property
+    def nc_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Views of the fields NC reads, one batch entry per (batch, KV head), shaped for its
+        products: ``k̄`` ``[B·Hkv, d_k, 1]``, ``log n_e`` and ``1/n_e`` ``[B·Hkv, 1, 1]``, ``v̄``
+        ``[B·Hkv, 1, d_v]``, ``Sᵀ`` ``[B·Hkv, d_k, d_v]`` (None for the zeroth order). Made once:
+        a decode step's update writes the fields in place (:func:`accumulate_one`), so the views
+        stay current, and every layer's every step is spared making them again."""
+        heads = self.count.numel()
+        outer = None if self.outer is None else self.outer.view(heads, *self.outer.shape[2:]).transpose(1, 2)
+        return (
+            self.mean_key.view(heads, -1, 1),
+            self.log_count.view(heads, 1, 1),
+            self.inverse_count.view(heads, 1, 1),
+            outer,
+            self.mean_value.view(heads, 1, -1),
+        )
 
     def writable(self) -> MomentStats:
         """Statistics :func:`accumulate_one` may update in place: these, or a copy of them when they
@@ -347,15 +365,14 @@ def nc_correct(
     returned bit for bit.
     """
     b, hq, q, dv = output.shape
-    heads = b * stats.count.shape[1]
+    heads = stats.count.numel()
+    mean_key, log_count, inverse_count, outer, mean_value = stats.nc_operands
     rows = _float32(query.reshape(heads, -1, query.shape[-1]))  # [B·Hkv, G·q, d_k]: the group's queries
-    key_dot = torch.bmm(rows, stats.mean_key.view(heads, -1, 1))  # k̄·x [B·Hkv, G·q, 1]
-    log_z_evicted = torch.add(stats.log_count.view(heads, 1, 1), key_dot, alpha=scaling)
-    mean_value = stats.mean_value.view(heads, 1, dv)
+    key_dot = torch.bmm(rows, mean_key)  # k̄·x [B·Hkv, G·q, 1]
+    log_z_evicted = torch.add(log_count, key_dot, alpha=scaling)
     f_evicted = mean_value
-    if stats.outer is not None:  # v̄ + c·(S x / n_e − v̄ k̄·x)
-        moment = torch.bmm(rows, stats.outer.view(heads, dv, -1).transpose(1, 2))
-        moment.mul_(stats.inverse_count.view(heads, 1, 1)).addcmul_(mean_value, key_dot, value=-1)
+    if outer is not None:  # v̄ + c·(S x / n_e − v̄ k̄·x)
+        moment = torch.bmm(rows, outer).mul_(inverse_count).addcmul_(mean_value, key_dot, value=-1)
         f_evicted = torch.add(mean_value, moment, alpha=scaling)
     weight = torch.sub(_float32(log_z_retained.reshape(heads, -1, 1)), log_z_evicted).sigmoid_()
     mixed = torch.lerp(f_evicted, _float32(output.reshape(heads, -1, dv)), weight).view(b, hq, q, dv)
