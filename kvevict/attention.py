@@ -23,7 +23,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from kvevict.rows import real_columns
-from kvevict.signals import LogitSpec, heads_mask, window_mask
+from kvevict.signals import LogitSpec, as_dtype, as_float32, heads_mask, window_mask
 
 
 class AttendedLayer(Protocol):
@@ -120,8 +120,8 @@ def attend(row: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     ``[B, Hkv, n, d]`` (query head ``h`` reads KV head ``h // (Hq / Hkv)``), summed in fp32."""
     b, hq, _, n = row.shape
     hkv = values.shape[1]
-    output = torch.bmm(row.reshape(b * hkv, hq // hkv, n), values.float().flatten(0, 1))
-    return output.view(b, 1, hq, -1).to(values.dtype)
+    output = torch.bmm(row.reshape(b * hkv, hq // hkv, n), as_float32(values).flatten(0, 1))
+    return as_dtype(output.view(b, 1, hq, -1), values.dtype)
 
 
 def _make_attention(base: str) -> Callable:

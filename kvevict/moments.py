@@ -31,7 +31,7 @@ from functools import cached_property
 
 import torch
 
-from kvevict.signals import attention_logits, query_chunks
+from kvevict.signals import as_dtype, as_float32, attention_logits, query_chunks
 
 LOG_PARTITION_CHUNK = 256
 """Queries per chunk of :func:`nc_log_partition`: memory is ``chunk × n`` per head."""
@@ -367,18 +367,13 @@ def nc_correct(
     b, hq, q, dv = output.shape
     heads = stats.count.numel()
     mean_key, log_count, inverse_count, outer, mean_value = stats.nc_operands
-    rows = _float32(query.reshape(heads, -1, query.shape[-1]))  # [B·Hkv, G·q, d_k]: the group's queries
+    rows = as_float32(query.reshape(heads, -1, query.shape[-1]))  # [B·Hkv, G·q, d_k]: the group's queries
     key_dot = torch.bmm(rows, mean_key)  # k̄·x [B·Hkv, G·q, 1]
     log_z_evicted = torch.add(log_count, key_dot, alpha=scaling)
     f_evicted = mean_value
     if outer is not None:  # v̄ + c·(S x / n_e − v̄ k̄·x)
         moment = torch.bmm(rows, outer).mul_(inverse_count).addcmul_(mean_value, key_dot, value=-1)
         f_evicted = torch.add(mean_value, moment, alpha=scaling)
-    weight = torch.sub(_float32(log_z_retained.reshape(heads, -1, 1)), log_z_evicted).sigmoid_()
-    mixed = torch.lerp(f_evicted, _float32(output.reshape(heads, -1, dv)), weight).view(b, hq, q, dv)
-    return mixed if mixed.dtype == output.dtype else mixed.to(output.dtype)
-
-
-def _float32(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in fp32 (itself when it is: a decode step's few tensors spare the dispatch)."""
-    return x if x.dtype == torch.float32 else x.float()
+    weight = torch.sub(as_float32(log_z_retained.reshape(heads, -1, 1)), log_z_evicted).sigmoid_()
+    mixed = torch.lerp(f_evicted, as_float32(output.reshape(heads, -1, dv)), weight).view(b, hq, q, dv)
+    return as_dtype(mixed, output.dtype)

@@ -19,6 +19,8 @@ from itertools import accumulate, pairwise
 
 import torch
 
+from kvevict.signals import as_dtype, as_float32
+
 
 def starts_of(sizes: list[int]) -> list[int]:
     """Where each of consecutive blocks of ``sizes`` begins."""
@@ -62,6 +64,8 @@ class PackedEntries:
         (made at the first append: a decode step attends a row's slots at once by it)."""
         self._segment_heads: torch.Tensor | None = None
         """``[B·Hkv]`` int16: the KV head of each segment (made with :attr:`_heads`)."""
+        self._own: torch.Tensor | None = None
+        """``[Hq, 1]``: the KV head of each query head (made at the first :meth:`attend`)."""
 
     @property
     def held(self) -> torch.Tensor:
@@ -78,8 +82,9 @@ class PackedEntries:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor held: the entries with their room, which slots were real at packing, and
-        (once appended to) the head of every slot."""
-        return [self._held, *self.entries.values(), *([] if self._heads is None else [self._heads])]
+        (once appended to, attended) the head of every slot and of every query head."""
+        extra = [x for x in (self._heads, self._own) if x is not None]
+        return [self._held, *self.entries.values(), *extra]
 
     @property
     def capacity(self) -> int:
@@ -155,18 +160,24 @@ class PackedEntries:
         assert self._heads is not None, "attend after an append"
         b, hq, _, d = query.shape
         keys, values, heads = self.entries["keys"], self.entries["values"], self._heads
-        queries = query.float().view(b, hq, d) * scaling
-        fp32 = (lambda x: x) if keys.dtype == torch.float32 else torch.Tensor.float  # (no cast to dispatch per row)
-        own = torch.arange(hq, device=query.device).div_(hq // self._held.shape[1], rounding_mode="floor")[:, None]
+        queries = as_float32(query).view(b, hq, d) * scaling
+        own = self._query_heads(hq)
         per_row = len(self.lengths) // b
         bounds = [*self.starts[::per_row], keys.shape[0]]
         output = torch.empty(b, hq, values.shape[-1], dtype=torch.float32, device=query.device)
         log_z = torch.empty(b, hq, dtype=torch.float32, device=query.device) if log_partition else None
         for row, (start, stop) in enumerate(pairwise(bounds)):
-            logits = torch.mm(queries[row], fp32(keys[start:stop]).t())  # [Hq, the row's slots]
+            logits = torch.mm(queries[row], as_float32(keys[start:stop]).t())  # [Hq, the row's slots]
             logits.masked_fill_(heads[start:stop] != own, float("-inf"))
             probs = logits.softmax(dim=-1)
-            torch.mm(probs, fp32(values[start:stop]), out=output[row])
+            torch.mm(probs, as_float32(values[start:stop]), out=output[row])
             if log_z is not None:  # from the softmax (max logit − log of the largest probability): no second exp
                 torch.sub(logits.amax(dim=-1), probs.amax(dim=-1).log_(), out=log_z[row])
-        return output.view(b, 1, hq, -1).to(values.dtype), None if log_z is None else log_z.view(b, hq, 1)
+        return as_dtype(output.view(b, 1, hq, -1), values.dtype), None if log_z is None else log_z.view(b, hq, 1)
+
+    def _query_heads(self, hq: int) -> torch.Tensor:
+        """``[Hq, 1]``: the KV head each query head reads (made once: every decode step masks by it)."""
+        if self._own is None or self._own.shape[0] != hq:
+            group = hq // self._held.shape[1]
+            self._own = torch.arange(hq, device=self._held.device).div_(group, rounding_mode="floor")[:, None]
+        return self._own

@@ -212,6 +212,16 @@ class SlidingWindow:
         return window_mask(self.key_positions[..., :num_keys], self.query_positions[start:stop], self.size)
 
 
+def as_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32: itself when it is (a decode step's small tensors spare the dispatch of a no-op cast)."""
+    return x if x.dtype == torch.float32 else x.float()
+
+
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` cast to ``dtype``: itself when it is already."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def attention_logits(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -239,8 +249,8 @@ def attention_logits(
     hkv, n = keys.shape[1], keys.shape[2]
     # one batched product over (row, KV head): flattening those two dims of the storage's
     # strided views makes no copy, and bmm takes fewer dispatches than a 4-D matmul
-    grouped = query.float().reshape(b * hkv, (hq // hkv) * r, d)
-    logits = torch.bmm(grouped, keys.float().flatten(0, 1).transpose(1, 2)).view(b, hq, r, n).mul_(spec.scaling)
+    grouped = as_float32(query).reshape(b * hkv, (hq // hkv) * r, d)
+    logits = torch.bmm(grouped, as_float32(keys).flatten(0, 1).transpose(1, 2)).view(b, hq, r, n).mul_(spec.scaling)
     if spec.softcap is not None:  # Gemma 2: the kernel caps the scaled logits before masking
         logits = torch.tanh(logits / spec.softcap) * spec.softcap
     if visible is not None:
