@@ -13,6 +13,7 @@ per layer. The allocation math is in :mod:`kvevict.budgets`.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
@@ -173,6 +174,18 @@ class HeadKV(Allocator):
         return torch.minimum(torch.maximum(capacity, protected.sum(dim=-1)), layer.head_lengths())
 
 
+CHUNK_CAP = 2.0
+"""``global``'s default ``cap``: with a prompt fed in chunks, a head keeps at most ``⌈2·B⌉``
+entries after each pooled eviction (docs/fastkvzip.md, round 8)."""
+
+
+def reach(layer: EntryView) -> int:
+    """Entries each head of ``layer`` (one row) would hold with no eviction: the tokens it has
+    seen, or on a sliding layer the ``window − 1`` that a later query still sees."""
+    seen = int(layer.seen)
+    return seen if layer.window is None else min(seen, layer.window - 1)
+
+
 def standardize(scores: torch.Tensor) -> torch.Tensor:
     """A layer's selection scores on a common scale: the free (finite) scores minus their
     mean over the layer, over their standard deviation; protected and padding untouched."""
@@ -205,7 +218,7 @@ class GlobalBudget(Allocator):
     name = "global"
     batched = True
     summary = "one budget pool over all layers and heads ranked by the scorer (floor 0.2·B per head; prefill)"
-    PARAMS = declare(safeguard=number(0.2, 0, 1))
+    PARAMS = declare(safeguard=number(0.2, 0, 1), cap=number(CHUNK_CAP, 1, unset="no cap"))
     across_layers = True
 
     def check(self, policy: Assembly) -> None:
@@ -222,9 +235,15 @@ class GlobalBudget(Allocator):
             )
 
     def allocate_layers(self, layers: list[EntryView], scores: list[torch.Tensor], comparable: bool) -> None:
-        """Store in each layer's memo what its heads keep under one pool ``L·H·B`` (:func:`global_counts`)."""
+        """Store in each layer's memo what its heads keep under one pool ``L·H·B`` (:func:`global_counts`);
+        at a later chunk of a prompt fed in chunks, each head brings what it would hold alone
+        (:func:`reach`) and keeps at most ``⌈cap·B⌉`` entries."""
         ranked = scores if comparable else [standardize(layer_scores) for layer_scores in scores]
-        for layer, counts in zip(layers, global_counts(ranked, layers[0].budget, self.safeguard)):
+        budget = layers[0].budget
+        chunked = layers[0].passes > 1  # (a pass of the prompt after its first: the layers were pooled before)
+        reaches = [reach(layer) for layer in layers] if chunked else None
+        cap = math.ceil(self.cap * budget) if chunked and self.cap is not None else None
+        for layer, counts in zip(layers, global_counts(ranked, budget, self.safeguard, reaches, cap)):
             self.memo(layer)["counts"] = counts
 
     def counts(
