@@ -234,7 +234,9 @@ class GlobalBudget(Allocator):
     summary = "one budget pool over all layers and heads ranked by the scorer (floor 0.2·B per head; prefill)"
     PARAMS = declare(
         safeguard=number(0.2, 0, 1),
-        cap=Param(CHUNK_CAP, "a number >= 1, or 0 (no cap)", lambda v: is_number(v) and (v == 0 or v >= 1)),
+        cap=Param(
+            CHUNK_CAP, "a number >= 1, or 0 (no cap)", lambda v: is_number(v) and (v == 0 or v >= 1), None, float
+        ),
     )
     across_layers = True
 
