@@ -224,5 +224,7 @@ def test_a_pool_allocated_chunk_by_chunk_stays_whole_and_no_head_passes_its_cap(
         heads = [layer.head_lengths()[0] for layer in cache.eviction_layers]
         assert sum(int(h.sum()) for h in heads) == 2 * 2 * 40  # the whole pool, chunk after chunk
         held[cap] = max(int(h.max()) for h in heads), cache.peak_entries()
+        assert sum(real for _, real in cache.layer_bytes()) == 2 * 16 * 4 * 2 * 2 * 40  # resident: what is retained
+        assert_next_logits_match_reference(model, cache, ids[:, -1:])
     assert held[0][0] > 44  # uncapped, a head keeps more than 1.1·B
     assert held[1.1][0] <= 44 and held[1.1][1] <= 44 + 16  # capped: at most ⌈1.1·40⌉, a chunk on top while it runs
