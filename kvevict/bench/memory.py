@@ -24,7 +24,7 @@ scoring costs during the pass. Three more paths prefill in chunks with eviction 
   ``chunked-fastkvzip`` (named only, not run by default: it needs the model's gates) is the
   default ``fastkvzip``, each chunk scored by the gates as it passes (attention-free), its one
   budget pooled over every layer and head allocated after each chunk, a head keeping at most
-  ``2·budget`` entries (docs/fastkvzip.md, round 8): at most ``2·budget + chunk`` columns per
+  ``4·budget`` entries (docs/fastkvzip.md, round 8): at most ``4·budget + chunk`` columns per
   layer during a pass. ``chunked-fastkvzip-per-layer`` (named only) is
   ``fastkvzip[per_layer=true]``: ``budget + chunk`` per KV head, as SnapKV's.
 

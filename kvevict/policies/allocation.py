@@ -174,8 +174,8 @@ class HeadKV(Allocator):
         return torch.minimum(torch.maximum(capacity, protected.sum(dim=-1)), layer.head_lengths())
 
 
-CHUNK_CAP = 2.0
-"""``global``'s default ``cap``: with a prompt fed in chunks, a head keeps at most ``2·B``
+CHUNK_CAP = 4.0
+"""``global``'s default ``cap``: with a prompt fed in chunks, a head keeps at most ``4·B``
 entries after each pooled eviction (docs/fastkvzip.md, round 8)."""
 
 
@@ -211,7 +211,7 @@ class GlobalBudget(Allocator):
     takes it over the budget: once the chunk has passed every layer, all layers evict at once,
     each head's retained and new entries ranked together, each head bringing to the pool what
     it would hold alone (``min(B, tokens seen)``, a sliding layer its window), so the pool stays
-    ``L·H·B``; and at those later chunks a head keeps at most ``⌈cap·B⌉`` entries (``cap = 2``),
+    ``L·H·B``; and at those later chunks a head keeps at most ``⌈cap·B⌉`` entries (``cap = 4``),
     so the longest head of a layer, to which a pass pads the layer, cannot grow with the
     context: a pass holds at most ``⌈cap·B⌉ + chunk`` columns per layer. Re-ranking after each
     chunk chooses what one allocation at the end would, for scores that are per-token state
