@@ -83,7 +83,13 @@ def adakv_counts(scores: torch.Tensor, budget: int | torch.Tensor, safeguard: fl
     return held + guaranteed.sum(dim=-1) + wins.view_as(scores).sum(dim=-1)
 
 
-def global_counts(scores: Sequence[torch.Tensor], budget: int, safeguard: float = 0.2) -> list[torch.Tensor]:
+def global_counts(
+    scores: Sequence[torch.Tensor],
+    budget: int,
+    safeguard: float = 0.2,
+    reach: Sequence[int] | None = None,
+    cap: int | None = None,
+) -> list[torch.Tensor]:
     """One budget pool over every layer and head (``global+``): entries each head of each
     layer keeps, ``[B, H]`` int64 per layer.
 
@@ -94,10 +100,26 @@ def global_counts(scores: Sequence[torch.Tensor], budget: int, safeguard: float 
     least ``⌊safeguard·(min(budget, n_h) − protected)⌋`` of its own. A sliding-window layer whose
     window is shorter than the budget so brings only its window to the pool, not the budget: a
     larger budget never leaves the other layers fewer entries (docs/fastkvzip.md, round 6).
+
+    A prompt fed in chunks is pooled after every chunk (docs/fastkvzip.md, round 8): ``reach``
+    gives, per layer, the entries each of its heads would hold with no eviction at all (the
+    tokens seen, or a sliding layer's window), which replaces ``n_h`` in the pool (a head an
+    earlier chunk compressed still brings ``min(budget, reach)``, so the pool stays ``L·H·budget``);
+    ``cap`` bounds what one head keeps, protected entries included: only its top ``cap``
+    entries compete, so the pool goes to other heads' next best rather than growing one head
+    with the context.
     """
     width = max(layer.shape[-1] for layer in scores)
     padded = torch.cat([F.pad(layer, (0, width - layer.shape[-1]), value=float("-inf")) for layer in scores], dim=1)
-    own = (padded > float("-inf")).sum(dim=-1).clamp(max=budget)  # [B, H]: what each head keeps on its own
+    if reach is None:
+        own = (padded > float("-inf")).sum(dim=-1).clamp(max=budget)  # [B, H]: what each head keeps on its own
+    else:
+        own = torch.cat(
+            [torch.full(layer.shape[:2], min(budget, n), device=padded.device) for layer, n in zip(scores, reach)],
+            dim=1,
+        )
+    if cap is not None:  # (protected entries, at +inf, rank first)
+        padded = padded.masked_fill(descending_ranks(padded) >= cap, float("-inf"))
     counts = adakv_counts(padded, own, safeguard)
     return list(counts.split([layer.shape[1] for layer in scores], dim=1))
 

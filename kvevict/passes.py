@@ -158,9 +158,10 @@ class PassBookkeeping:
         """A later chunk of the prompt: its tokens are prompt tokens of ``row`` (``decode_step`` stays 0)."""
         if self.policy.deferred_prefill and not self.policy.rescores_chunks:
             raise ValueError(
-                f"policy {self.policy.name!r} evicts the prefill once the whole prompt has run through every layer "
-                "(a scoring pass, or one budget across layers), so it cannot compress a prompt chunk by chunk: "
-                "prefill the prompt in one pass (no prefill_chunk_size / prefill_chunk)"
+                f"policy {self.policy.name!r} scores the prompt with a pass of its own once the whole prompt has "
+                "run through every layer, and shares one budget across layers, so it cannot compress a prompt chunk "
+                "by chunk: prefill the prompt in one pass (no prefill_chunk_size / prefill_chunk), or give each "
+                "layer its own budget (per_layer=true)"
             )
         if self.owner.budget.keep is not None and self.owner.prompt_length is None:
             raise ValueError(
@@ -449,6 +450,18 @@ class PassEnds:
             self.policy.method.rescore(self, decoder, input_ids)
         finally:
             deferred, self.deferred = self.deferred, []
+        chosen = self._select_deferred(deferred)
+        # what still refers to a layer's storage before it evicts goes first, and each layer's selection once it
+        # is kept: an eviction that rebuilds a layer's storage frees the old one at once, not after every layer's
+        del deferred
+        while chosen:  # rows that did not defer in a layer keep what they hold
+            rows = chosen.pop(layer := next(iter(chosen)))
+            layer.keep_rows([rows.get(i) or (layer.row_view(i), None) for i in range(layer.batch_size)])
+
+    def _select_deferred(
+        self, deferred: list[tuple[RowView, Signals]]
+    ) -> dict[Any, dict[int, tuple[RowView, torch.Tensor | None]]]:
+        """What each row of each layer that deferred keeps (:meth:`finish_prefill`), row by row."""
         chosen: dict[Any, dict[int, tuple[RowView, torch.Tensor | None]]] = {}
         for row in dict.fromkeys(view.row for view, _ in deferred):
             views = []  # afresh: the scoring passes may have moved the storage
@@ -458,8 +471,7 @@ class PassEnds:
                     views[-1][0].drop_outside_window()
             for (view, _), keep in zip(views, self.policy.select_layers(views)):
                 chosen.setdefault(view.layer, {})[row] = (view, keep)
-        for layer, rows in chosen.items():  # rows that did not defer in a layer keep what they hold
-            layer.keep_rows([rows.get(i) or (layer.row_view(i), None) for i in range(layer.batch_size)])
+        return chosen
 
     @contextmanager
     def scoring_pass(self, observer: SidePassObserver) -> Iterator[None]:

@@ -268,7 +268,7 @@ class RowView:
         pooled = phase == "prefill" and self.policy.allocator.across_layers
         if (
             self.budget is None
-            or (int(self.head_lengths().max()) if pooled else self.held_after_pass()) <= self.budget
+            or (int(torch.as_tensor(self.seen).max()) if pooled else self.held_after_pass()) <= self.budget
             or not self.policy.evicts_in(phase, later_chunk)
         ):
             return False

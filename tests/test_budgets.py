@@ -95,3 +95,18 @@ def test_head_profile_is_the_group_mean_of_each_query_heads_mean(tmp_path) -> No
         load_head_profile(heads, num_layers=3, num_query_heads=4, num_kv_heads=2)
     with pytest.raises(ValueError, match="kvevict analyze heads"):
         load_head_profile(tmp_path / "missing.json", 2, 4, 2)
+
+
+def test_a_chunked_pool_counts_each_head_by_its_reach_and_caps_the_longest() -> None:
+    from kvevict.budgets import global_counts
+
+    # after an earlier chunk the first head holds 3 entries, the second 8; each has seen 8 tokens
+    short = torch.tensor([[[INF, 0.05, 0.04]]])
+    long = torch.tensor([[[INF, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]]])
+    # held entries alone would give a pool of 3 + 4; each head's reach (8 tokens seen) gives 4 + 4
+    assert [c.tolist() for c in global_counts([short, long], 4, safeguard=0.0)] == [[[1]], [[6]]]
+    assert [c.tolist() for c in global_counts([short, long], 4, safeguard=0.0, reach=[8, 8])] == [[[1]], [[7]]]
+    # a cap of 5 entries (protected included): the long head keeps its top 5, the rest of the pool goes to the
+    # short head's next best, however low
+    capped = global_counts([short, long], 4, safeguard=0.0, reach=[8, 8], cap=5)
+    assert [c.tolist() for c in capped] == [[[3]], [[5]]]

@@ -21,8 +21,12 @@ scoring costs during the pass. Three more paths prefill in chunks with eviction 
   the context (only the token ids and the per-token scalars of the scores do).
   ``chunked-epikv`` holds the first chunk whole, as it would a whole prompt, so it takes
   ``--chunk`` ≤ ``--budget`` (:class:`~kvevict.policies.selection.PromptKeeping`).
-  ``chunked-fastkvzip`` (named only, not run by default: it needs the model's gates) is
-  ``fastkvzip[per_layer=true]``, each chunk scored by the gates as it passes (attention-free).
+  ``chunked-fastkvzip`` (named only, not run by default: it needs the model's gates) is the
+  default ``fastkvzip``, each chunk scored by the gates as it passes (attention-free), its one
+  budget pooled over every layer and head allocated after each chunk, a head keeping at most
+  ``4·budget`` entries (docs/fastkvzip.md, round 8): at most ``4·budget + chunk`` columns per
+  layer during a pass. ``chunked-fastkvzip-per-layer`` (named only) is
+  ``fastkvzip[per_layer=true]``: ``budget + chunk`` per KV head, as SnapKV's.
 
 Every pass computes the logits of the last token only (``logits_to_keep=1``, as ``generate``
 does at prefill), so the vocabulary-sized logits of every position do not mask the difference.
@@ -54,7 +58,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -75,13 +79,14 @@ DEFAULT_PATHS = (
     "chunked-h2o",
     "chunked-epikv",
 )
-PATHS = (*DEFAULT_PATHS, "chunked-fastkvzip")
-"""Every path; ``chunked-fastkvzip`` only when named (it needs the model's gates)."""
+PATHS = (*DEFAULT_PATHS, "chunked-fastkvzip", "chunked-fastkvzip-per-layer")
+"""Every path; the ``chunked-fastkvzip`` ones only when named (they need the model's gates)."""
 CHUNKED = {
     "chunked-snapkv": "snapkv",
     "chunked-h2o": "h2o",
     "chunked-epikv": "epikv",
-    "chunked-fastkvzip": "fastkvzip[per_layer=true]",
+    "chunked-fastkvzip": "fastkvzip",
+    "chunked-fastkvzip-per-layer": "fastkvzip[per_layer=true]",
 }
 """Chunked paths and the policy each evicts under."""
 BUDGET, CHUNK = 256, 256
@@ -142,6 +147,8 @@ class MemoryResult:
     budget: int | None = None
     chunk: int | None = None
     """Budget and prefill chunk of a chunked path (None for the others)."""
+    peak_tokens: int | None = None
+    """Chunked paths: the most entries one KV head held during the prefill."""
 
     @property
     def peak_mib(self) -> float:
@@ -154,7 +161,8 @@ def _use_kernel(model: PreTrainedModel, kernel: str) -> None:
 
 
 @torch.inference_mode()
-def _run_path(model: PreTrainedModel, path: str, ids: torch.Tensor, budget: int, chunk: int) -> None:
+def _run_path(model: PreTrainedModel, path: str, ids: torch.Tensor, budget: int, chunk: int) -> int | None:
+    """One prefill pass of ``ids`` on ``path``; a chunked path returns the most entries a KV head held."""
     from kvevict.cache import EvictionCache
     from kvevict.generation import prefill
     from kvevict.policies import make_policy
@@ -163,23 +171,34 @@ def _run_path(model: PreTrainedModel, path: str, ids: torch.Tensor, budget: int,
         _use_kernel(model, "eager")
         output = model(input_ids=ids, output_attentions=True, use_cache=False, logits_to_keep=1)
         assert output.attentions is not None and output.attentions[0].shape[-1] == ids.shape[-1]
-        return
+        return None
     _use_kernel(model, "sdpa")
     if path in CHUNKED:
         with EvictionCache(model, CHUNKED[path], budget=budget) as cache:
             prefill(model, ids, cache, chunk=chunk)
-        return
+            return cache.peak_entries()
     # both keep the whole prompt, so they differ only by what scoring costs during the pass
     policy = make_policy("epikv") if path == "attention-free" else make_policy("h2o", regime="decode")
     with EvictionCache(model, policy, budget=ids.shape[-1]) as cache:
         model(input_ids=ids, **with_cache(cache), use_cache=True, logits_to_keep=1)
+    return None
+
+
+class Peak(NamedTuple):
+    """What :func:`measure_peak` measured of one pass."""
+
+    bytes: int
+    seconds: float
+    measure: str
+    tokens: int | None
+    """Chunked paths: the most entries one KV head held."""
 
 
 def measure_peak(
     model: PreTrainedModel, path: str, length: int, seed: int = 0, budget: int = BUDGET, chunk: int = CHUNK
-) -> tuple[int, float, str]:
-    """Peak bytes of one prefill pass of ``length`` tokens on ``path``, its seconds and the
-    measure used."""
+) -> Peak:
+    """Peak bytes of one prefill pass of ``length`` tokens on ``path``, its seconds, the
+    measure used and (chunked paths) the most entries a KV head held."""
     if path not in PATHS:
         raise ValueError(f"unknown memory path {path!r}; known paths: {', '.join(PATHS)}")
     generator = torch.Generator().manual_seed(seed)
@@ -189,12 +208,13 @@ def measure_peak(
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        _run_path(model, path, ids, budget, chunk)
+        tokens = _run_path(model, path, ids, budget, chunk)
         torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before, time.perf_counter() - start, "cuda.max_memory_allocated"
+        peak = torch.cuda.max_memory_allocated() - before
+        return Peak(peak, time.perf_counter() - start, "cuda.max_memory_allocated", tokens)
     with LiveTensorBytes() as tracker:
-        _run_path(model, path, ids, budget, chunk)
-    return tracker.peak, time.perf_counter() - start, "live tensor bytes (TorchDispatchMode)"
+        tokens = _run_path(model, path, ids, budget, chunk)
+    return Peak(tracker.peak, time.perf_counter() - start, "live tensor bytes (TorchDispatchMode)", tokens)
 
 
 def predicted_over_cap(measured: Sequence[tuple[int, int]], length: int, cap_bytes: int) -> bool:
@@ -295,9 +315,12 @@ def run_memory(
         ):
             skipped[path].append(length)
             continue
-        peak, seconds, measure = measure_peak(model, path, length, budget=budget, chunk=chunk)
-        result = MemoryResult(model_name, path, length, peak, round(seconds, 3), str(model.device), measure)
+        peak = measure_peak(model, path, length, budget=budget, chunk=chunk)
+        result = MemoryResult(
+            model_name, path, length, peak.bytes, round(peak.seconds, 3), str(model.device), peak.measure
+        )
         result.budget, result.chunk = sizes[path]
+        result.peak_tokens = peak.tokens
         store.add(result)
     current = [r for r in store.results if (r.budget, r.chunk) == sizes.get(r.path, (None, None))]
     return summarize(current, model_name, lengths, cap_bytes, skipped)
@@ -331,9 +354,11 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [f"peak memory of one prefill pass, {summary['model']} (cap {cap:.0f} MiB)", *table, ""]
     for path, info in summary["feasible"].items():
         guess = info["extrapolated"]
+        held = [f"{r['peak_tokens']} at {r['length']}" for r in summary["results"] if r["path"] == path]
         lines.append(
             f"{path}: longest measured under the cap {info['longest_measured']}, "
             f"extrapolated {'-' if guess is None else f'~{guess}'} tokens"
+            + (f"; most entries a KV head held: {', '.join(held)}" if path in CHUNKED and held else "")
         )
     return "\n".join(lines)
 

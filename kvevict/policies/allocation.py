@@ -13,6 +13,7 @@ per layer. The allocation math is in :mod:`kvevict.budgets`.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
@@ -22,7 +23,7 @@ import torch
 
 from kvevict.budgets import adakv_counts, global_counts, headkv_capacities, load_head_profile, pyramid_budgets
 from kvevict.policies.base import Allocator, Assembly
-from kvevict.policies.params import Param, declare, integer, number
+from kvevict.policies.params import Param, declare, integer, is_number, number
 from kvevict.signals import row_lengths
 
 if TYPE_CHECKING:
@@ -173,6 +174,18 @@ class HeadKV(Allocator):
         return torch.minimum(torch.maximum(capacity, protected.sum(dim=-1)), layer.head_lengths())
 
 
+CHUNK_CAP = 4.0
+"""``global``'s default ``cap``: with a prompt fed in chunks, a head keeps at most ``4·B``
+entries after each pooled eviction (docs/fastkvzip.md, round 8)."""
+
+
+def reach(layer: EntryView) -> int:
+    """Entries each head of ``layer`` (one row) would hold with no eviction: the tokens it has
+    seen, or on a sliding layer the ``window − 1`` that a later query still sees."""
+    seen = int(layer.seen)
+    return seen if layer.window is None else min(seen, layer.window - 1)
+
+
 def standardize(scores: torch.Tensor) -> torch.Tensor:
     """A layer's selection scores on a common scale: the free (finite) scores minus their
     mean over the layer, over their standard deviation; protected and padding untouched."""
@@ -189,9 +202,23 @@ class GlobalBudget(Allocator):
     ``L·H·B`` (what every head would keep under its own budget: a sliding layer whose window
     is shorter than ``B`` brings its window, and joins the pool all the same) goes to the top
     entries of all layers and heads ranked together by ``X``'s scores, each head keeping at
-    least ``⌊safeguard·B'⌋`` (AdaKV's safeguard, ``0.2``; ``B'`` = budget − its protected entries). Prefill only: the layers defer their eviction
-    until the prefill forward has scored every layer, then all evict at once. KVzip brings
-    this allocator itself with ``safeguard = 0`` (the paper's global bottom-k).
+    least ``⌊safeguard·B'⌋`` (AdaKV's safeguard, ``0.2``; ``B'`` = budget − its protected
+    entries). Prefill only: the layers defer their eviction until the prefill forward has
+    scored every layer, then all evict at once. KVzip brings this allocator itself with
+    ``safeguard = 0`` (the paper's global bottom-k), and so does ``fastkvzip``.
+
+    A prompt fed in chunks (docs/fastkvzip.md, round 8) is pooled after every chunk that
+    takes it over the budget: once the chunk has passed every layer, all layers evict at once,
+    each head's retained and new entries ranked together, each head bringing to the pool what
+    it would hold alone (``min(B, tokens seen)``, a sliding layer its window), so the pool stays
+    ``L·H·B``; and at those later chunks a head keeps at most ``⌈cap·B⌉`` entries (``cap = 4``),
+    so the longest head of a layer, to which a pass pads the layer, cannot grow with the
+    context: a pass holds at most ``⌈cap·B⌉ + chunk`` columns per layer. Re-ranking after each
+    chunk chooses what one allocation at the end would, for scores that are per-token state
+    (Fast KVzip's gates, ``knorm``) up to the hidden states earlier evictions moved; an
+    attention scorer (``snapkv``) scores every retained and new entry with the chunk's own
+    window, as chunked SnapKV does in each layer, so each pooled eviction still ranks
+    scores of one pass. KVzip's pool (a repeat pass over the whole prompt) refuses chunks.
 
     Comparability: scorers whose scores are attention probabilities (``snapkv``, ``tova``,
     ``h2o``, ``kvzip``, ``expected-attention``: ``comparable_scores``) are ranked as they
@@ -204,8 +231,13 @@ class GlobalBudget(Allocator):
 
     name = "global"
     batched = True
-    summary = "one budget pool over all layers and heads ranked by the scorer (floor 0.2·B per head; prefill)"
-    PARAMS = declare(safeguard=number(0.2, 0, 1))
+    summary = "one budget pool over all layers and heads ranked by the scorer (floor 0.2·B per head; prefill; chunks: a head ≤ 4·B)"
+    PARAMS = declare(
+        safeguard=number(0.2, 0, 1),
+        cap=Param(
+            CHUNK_CAP, "a number >= 1, or 0 (no cap)", lambda v: is_number(v) and (v == 0 or v >= 1), None, float
+        ),
+    )
     across_layers = True
 
     def check(self, policy: Assembly) -> None:
@@ -222,9 +254,15 @@ class GlobalBudget(Allocator):
             )
 
     def allocate_layers(self, layers: list[EntryView], scores: list[torch.Tensor], comparable: bool) -> None:
-        """Store in each layer's memo what its heads keep under one pool ``L·H·B`` (:func:`global_counts`)."""
+        """Store in each layer's memo what its heads keep under one pool ``L·H·B`` (:func:`global_counts`);
+        at a later chunk of a prompt fed in chunks, each head brings what it would hold alone
+        (:func:`reach`) and keeps at most ``⌈cap·B⌉`` entries."""
         ranked = scores if comparable else [standardize(layer_scores) for layer_scores in scores]
-        for layer, counts in zip(layers, global_counts(ranked, layers[0].budget, self.safeguard)):
+        budget = layers[0].budget
+        chunked = layers[0].passes > 1  # (a pass of the prompt after its first: the layers were pooled before)
+        reaches = [reach(layer) for layer in layers] if chunked else None
+        cap = math.ceil(self.cap * budget) if chunked and self.cap else None
+        for layer, counts in zip(layers, global_counts(ranked, budget, self.safeguard, reaches, cap)):
             self.memo(layer)["counts"] = counts
 
     def counts(

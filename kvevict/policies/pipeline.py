@@ -307,8 +307,13 @@ class Policy:
     @property
     def rescores_chunks(self) -> bool:
         """Whether a deferred prefill eviction may run after every chunk of a prompt prefilled in
-        chunks: the method rescores each chunk, and each layer keeps its own budget."""
-        return self.method.rescores_chunks and not self.allocator.across_layers
+        chunks: the method rescores each chunk and each layer keeps its own budget (chunked
+        KVzip), or one budget is pooled across layers over scores a pass computes as it runs
+        (``fastkvzip``, ``global+X``): after each chunk has passed every layer, the layers
+        evict at once to the pool (:class:`~kvevict.policies.allocation.GlobalBudget`)."""
+        if self.allocator.across_layers:
+            return not self.method.deferred_prefill
+        return self.method.rescores_chunks
 
     def select_layers(self, deferred: Sequence[tuple[EntryView, Signals]]) -> list[torch.Tensor]:
         """A deferred prefill eviction: the keep mask of every layer (given with its prefill

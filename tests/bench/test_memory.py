@@ -70,14 +70,21 @@ def test_chunked_prefill_peak_stops_growing_with_the_context(tmp_path) -> None:
 
 
 def test_chunked_fastkvzip_peak_stops_growing_with_the_context_as_chunked_snapkv(tmp_path, smollm2) -> None:
+    """The pooled default (one budget over every layer and head, allocated after each chunk, a head keeping at
+    most 4·B) and the per-head one: once the longest heads reach their bound, only the token ids and the
+    per-token scalars grow with the context, as chunked SnapKV's."""
     model, _ = smollm2  # fastkvzip needs trained gates: SmolLM2's are packaged
-    paths = ("chunked-snapkv", "chunked-fastkvzip")
-    summary = run_memory(model, "smollm2", (64, 160), tmp_path, 2**34, paths, False, budget=40, chunk=32)
+    paths = ("chunked-snapkv", "chunked-fastkvzip", "chunked-fastkvzip-per-layer")
+    summary = run_memory(model, "smollm2", (384, 768), tmp_path, 2**34, paths, False, budget=40, chunk=32)
     peak = {(r["path"], r["length"]): r["peak_bytes"] for r in summary["results"]}
-    growth = {path: peak[(path, 160)] - peak[(path, 64)] for path in paths}
-    assert growth["chunked-fastkvzip"] <= 1.05 * growth["chunked-snapkv"]  # budget + chunk entries, as SnapKV's
-    assert peak[("chunked-fastkvzip", 160)] < 1.25 * peak[("chunked-snapkv", 160)]  # + the gates' scores
-    assert "chunked-fastkvzip" not in memory.DEFAULT_PATHS  # named only: a model without gates is refused
+    held = {(r["path"], r["length"]): r["peak_tokens"] for r in summary["results"]}
+    growth = {path: peak[(path, 768)] - peak[(path, 384)] for path in paths}
+    assert growth["chunked-fastkvzip"] <= 1.05 * growth["chunked-snapkv"]
+    assert growth["chunked-fastkvzip-per-layer"] <= 1.05 * growth["chunked-snapkv"]
+    assert held[("chunked-fastkvzip", 384)] == held[("chunked-fastkvzip", 768)] == 4 * 40 + 32  # the cap, a chunk
+    assert held[("chunked-fastkvzip-per-layer", 768)] == held[("chunked-snapkv", 768)] == 40 + 32
+    assert peak[("chunked-fastkvzip-per-layer", 768)] < 1.25 * peak[("chunked-snapkv", 768)]  # + the gates' scores
+    assert {"chunked-fastkvzip", "chunked-fastkvzip-per-layer"}.isdisjoint(memory.DEFAULT_PATHS)  # named only
 
 
 def test_bench_memory_command_line(capsys) -> None:

@@ -9,6 +9,7 @@ import torch
 
 import kvevict
 from kvevict.budgets import pyramid_budgets
+from kvevict.generation import prefill
 from tests.conftest import (
     assert_next_logits_match_reference,
     build_policy,
@@ -176,3 +177,54 @@ def test_global_budget_refuses_what_it_cannot_rank() -> None:
         kvevict.make_policy("adakv+kvzip")
     with pytest.raises(ValueError, match="safeguard"):
         kvevict.make_policy("global+snapkv", **{"global": {"safeguard": -1}})
+
+
+def kept_positions(cache: kvevict.EvictionCache) -> list[list[list[int]]]:
+    """The positions each KV head of each layer holds, sorted (the order of the slots aside)."""
+    kept = []
+    for layer in cache.eviction_layers:
+        valid = layer.valid if layer.valid is not None else torch.ones_like(layer.positions, dtype=torch.bool)
+        kept.append([sorted(layer.positions[0, h][valid[0, h]].tolist()) for h in range(layer.positions.shape[1])])
+    return kept
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: a sliding layer brings its window to the pool
+@pytest.mark.parametrize("policy", ["fastkvzip", "global+knorm", "global+snapkv"])
+def test_a_pool_allocated_chunk_by_chunk_keeps_what_one_pass_keeps_when_only_the_last_chunk_evicts(
+    policy: str, arch: str
+) -> None:
+    """Budget 100 of a 128-token prompt fed 32 tokens per pass: nothing is evicted before the last chunk,
+    so every entry's score is the one pass's (hidden states alike), and the pool chooses the same."""
+    model = tiny_model(arch)
+    ids = prompt(128)
+    whole = kvevict.EvictionCache(model, build_policy(policy), budget=100)
+    expected = greedy(model, ids, whole, new_tokens=3)
+    chunked = kvevict.EvictionCache(model, build_policy(policy), budget=100)
+    sequences, logits = greedy(model, ids, chunked, new_tokens=3, chunk=32)
+    assert kept_positions(chunked) == kept_positions(whole)
+    assert len({len(heads) for layer in kept_positions(whole) for heads in layer}) > 1  # the pool moved entries
+    assert torch.equal(sequences, expected[0])
+    torch.testing.assert_close(logits, expected[1])  # (a sliding layer's slots may lie in another order)
+    assert chunked.peak_entries() == whole.peak_entries() == 128  # no more than one pass held
+
+
+@pytest.mark.parametrize("policy", ["fastkvzip", "global+knorm"])
+def test_a_pool_allocated_chunk_by_chunk_stays_whole_and_no_head_passes_its_cap(policy: str) -> None:
+    """Budget 40, a 160-token prompt fed 16 tokens per pass: after every chunk the layers evict at once to
+    the pool L·H·B (a head an earlier chunk compressed still brings B), and a head keeps at most ⌈cap·B⌉."""
+    model = tiny_model()
+    ids = prompt(160)
+    held = {}
+    for cap in (0, 1.1):  # 0: no cap
+        params = {"global": {"cap": cap}} if policy.startswith("global") else {"global": {"cap": cap, "safeguard": 0}}
+        name = policy if policy.startswith("global") else f"global+{policy}"
+        cache = kvevict.EvictionCache(model, build_policy(name, **params), budget=40, prompt_length=160)
+        with torch.no_grad():
+            prefill(model, ids, cache, chunk=16)
+        heads = [layer.head_lengths()[0] for layer in cache.eviction_layers]
+        assert sum(int(h.sum()) for h in heads) == 2 * 2 * 40  # the whole pool, chunk after chunk
+        held[cap] = max(int(h.max()) for h in heads), cache.peak_entries()
+        assert sum(real for _, real in cache.layer_bytes()) == 2 * 16 * 4 * 2 * 2 * 40  # resident: what is retained
+        assert_next_logits_match_reference(model, cache, ids[:, -1:])
+    assert held[0][0] > 44  # uncapped, a head keeps more than 1.1·B
+    assert held[1.1][0] <= 44 and held[1.1][1] <= 44 + 16  # capped: at most ⌈1.1·40⌉, a chunk on top while it runs
