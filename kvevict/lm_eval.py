@@ -116,7 +116,7 @@ class CacheSettings:
             policy.check_budget(self.budget)
         _integer("interval", self.interval, 1)
         check_chunk(self.prefill_chunk)
-        if self.prefill_chunk is not None and policy.deferred_prefill:
+        if self.prefill_chunk is not None and not policy.takes_chunks:
             raise ValueError(self.unchunked())
 
     def unchunked(self) -> str:
@@ -185,7 +185,7 @@ class KvevictLM(HFLM):
     # -- loglikelihood and loglikelihood_rolling ------------------------------------------------
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         """lm-eval's windows of each text, each fed as a prompt in chunks (see the module's docstring)."""
-        if make_policy(self.settings.policy).deferred_prefill:
+        if not make_policy(self.settings.policy).takes_chunks:
             raise ValueError(self.settings.unchunked())
         self._rolling = True
         try:

@@ -156,7 +156,7 @@ class PassBookkeeping:
 
     def _continue_prompt(self, row: SequenceState) -> None:
         """A later chunk of the prompt: its tokens are prompt tokens of ``row`` (``decode_step`` stays 0)."""
-        if self.policy.deferred_prefill and not self.policy.rescores_chunks:
+        if not self.policy.takes_chunks:
             raise ValueError(
                 f"policy {self.policy.name!r} scores the prompt with a pass of its own once the whole prompt has "
                 "run through every layer, and shares one budget across layers, so it cannot compress a prompt chunk "

@@ -126,3 +126,11 @@ def test_the_command_line_runs_an_offline_task_on_the_embedded_model(capsys, tmp
     out = capsys.readouterr().out
     # lm-eval prints the model args as given or as a dict, depending on how they were parsed
     assert "kvevict (" in out and "snapkv[window=8]" in out and "|acc" in out
+
+
+def test_a_pool_allocated_chunk_by_chunk_takes_chunks_where_kvzips_pool_is_refused(tiny, tokenizer) -> None:
+    """``global+X`` (and ``fastkvzip``'s pool) evict after every chunk, so the harness's chunked
+    prompts (``prefill_chunk``, rolling windows) are accepted; KVzip's pooled repeat is not."""
+    KvevictLM(pretrained=tiny, tokenizer=tokenizer, policy="global+snapkv", budget=64, prefill_chunk=32)
+    with pytest.raises(ValueError, match="cannot compress a prompt chunk by chunk"):
+        KvevictLM(pretrained=tiny, tokenizer=tokenizer, policy="kvzip", budget=64, prefill_chunk=32)

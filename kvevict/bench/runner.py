@@ -120,7 +120,7 @@ class BenchConfig:
         check_chunk(self.prefill_chunk)
         if self.prefill_chunk is not None:
             for name in evicting:
-                if make_policy(name).deferred_prefill and not make_policy(name).rescores_chunks:
+                if not make_policy(name).takes_chunks:
                     raise ValueError(
                         f"policy {name!r} evicts the prefill once the whole prompt ran through every layer, so it "
                         "cannot compress a prompt chunk by chunk: run it without --prefill-chunk"

@@ -104,7 +104,7 @@ class PromptJob:
         its budget (:class:`~kvevict.policies.selection.PromptKeeping`)."""
         cache, chunk = self.cache(), self.chunk
         policy = cache.policy
-        if chunk is None or self.setting.policy == "full" or policy.deferred_prefill:
+        if chunk is None or self.setting.policy == "full" or not policy.takes_chunks:
             return None
         budget = cache.budget.resolve(self.length)
         if not policy.evicts_in("prefill", True) or budget is None or budget + chunk >= self.length:

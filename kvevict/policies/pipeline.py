@@ -315,6 +315,12 @@ class Policy:
             return not self.method.deferred_prefill
         return self.method.rescores_chunks
 
+    @property
+    def takes_chunks(self) -> bool:
+        """Whether a prompt may be compressed chunk by chunk: the policy evicts as each pass ends,
+        or its deferred eviction runs after every chunk (:attr:`rescores_chunks`)."""
+        return not self.deferred_prefill or self.rescores_chunks
+
     def select_layers(self, deferred: Sequence[tuple[EntryView, Signals]]) -> list[torch.Tensor]:
         """A deferred prefill eviction: the keep mask of every layer (given with its prefill
         signals), the allocator first seeing the selection scores of all of them."""
