@@ -239,6 +239,13 @@ def _resumable(config: TrainConfig) -> dict[str, object]:
     return {key: value for key, value in asdict(config).items() if key != "steps"}
 
 
+def recorded(config: TrainConfig) -> dict[str, str]:
+    """The training configuration as the gates file's metadata records it; ``top`` only when used, so a
+    run without it writes the bytes it wrote before the option existed (the shipped gates)."""
+    fields = {key: value for key, value in asdict(config).items() if key != "top" or value}
+    return {key: str(value) for key, value in fields.items()} | {"length": ",".join(map(str, config.length))}
+
+
 def build(
     model: Any, tokenizer: Any, config: TrainConfig, out: Path, files: list[Path] = (), progress: bool = True
 ) -> Path:
@@ -270,7 +277,7 @@ def build(
             initial_gates(shape, config.seed), torch.cat(features[-held:], 1), torch.cat(targets[-held:], 2)
         )
         final = distillation_loss(gates, torch.cat(features[-held:], 1), torch.cat(targets[-held:], 2))
-    metadata = {key: str(value) for key, value in asdict(config).items()} | {"length": lengths}
+    metadata = recorded(config)
     metadata |= {
         "model_key": model_key(text_config),
         "held_out_loss_initial": f"{initial:.4f}",
@@ -281,4 +288,14 @@ def build(
     return path
 
 
-__all__ = ["TrainConfig", "build", "collect", "contexts", "distillation_loss", "length_of", "top_positions", "train"]
+__all__ = [
+    "TrainConfig",
+    "build",
+    "collect",
+    "contexts",
+    "distillation_loss",
+    "length_of",
+    "recorded",
+    "top_positions",
+    "train",
+]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvevict.gates import hook_attention_inputs, initial_gates, shape_of
-from kvevict.gates.train import TrainConfig, collect, contexts, distillation_loss, top_positions, train
+from kvevict.gates.train import TrainConfig, collect, contexts, distillation_loss, recorded, top_positions, train
 from tests.conftest import prompt, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:kvzip. no tokenizer")  # tiny models: the bare-context repeat
@@ -116,3 +116,21 @@ def test_collecting_top_positions_adds_each_layers_best_scored_tokens_after_the_
         others = torch.ones(96, dtype=torch.bool)
         others[:4], others[positions], others[chosen] = False, False, False
         assert float(targets[layer, :, m:].amax(0).min()) >= float(whole[1][layer][:, others].amax(0).max())
+
+
+def test_the_bare_commands_metadata_is_the_shipped_gates_and_top_is_recorded_when_used() -> None:
+    """``train-gates --model smollm2`` records what the shipped SmolLM2 gates hold (``top`` left out at 0,
+    so the bare command still writes them byte for byte); ``--top`` is recorded."""
+    from safetensors import safe_open
+
+    from kvevict.gates import FOLDER
+
+    with safe_open(str(FOLDER / "llama-L30-D576-H9-KV3.safetensors"), "pt") as shipped:
+        metadata = shipped.metadata()
+    run = {
+        key: value
+        for key, value in metadata.items()
+        if key not in ("model_key", "held_out_loss_initial", "held_out_loss")
+    }
+    assert recorded(TrainConfig(model="smollm2")) == run
+    assert recorded(TrainConfig(model="smollm2", top=256)) == run | {"top": "256"}
