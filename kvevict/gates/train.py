@@ -11,8 +11,10 @@
    (its repeat pass scores every entry); the features are each layer's attention input over the
    context (what the gates read at inference), the targets KVzip's scores ``[L, Hkv, n]`` of
    the same tokens. ``tokens`` positions per context (past the 4 sinks), drawn with the seed,
-   are kept; each context is cached in ``DIR/data/`` as it is done, so collection resumes
-   (the same data, length, positions and seed; a given text list must then stay the same).
+   are kept, and with ``top`` each layer's ``top`` positions KVzip scores highest
+   (:func:`top_positions`; off by default, docs/fastkvzip.md round 8); each context is cached
+   in ``DIR/data/`` as it is done, so collection resumes (the same data, length, positions,
+   ``top`` and seed; a given text list must then stay the same).
 3. **Training** (:func:`train`): every layer's gate at once with Adam on the binary
    cross-entropy between gate and KVzip scores (the reference's loss), mini-batches drawn with
    the seed; the last tenth of the contexts is held out. A checkpoint every 50 steps
