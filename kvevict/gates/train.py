@@ -11,8 +11,10 @@
    (its repeat pass scores every entry); the features are each layer's attention input over the
    context (what the gates read at inference), the targets KVzip's scores ``[L, Hkv, n]`` of
    the same tokens. ``tokens`` positions per context (past the 4 sinks), drawn with the seed,
-   are kept; each context is cached in ``DIR/data/`` as it is done, so collection resumes
-   (the same data, length, positions and seed; a given text list must then stay the same).
+   are kept, and with ``top`` each layer's ``top`` positions KVzip scores highest
+   (:func:`top_positions`; off by default, docs/fastkvzip.md round 8); each context is cached
+   in ``DIR/data/`` as it is done, so collection resumes (the same data, length, positions,
+   ``top`` and seed; a given text list must then stay the same).
 3. **Training** (:func:`train`): every layer's gate at once with Adam on the binary
    cross-entropy between gate and KVzip scores (the reference's loss), mini-batches drawn with
    the seed; the last tenth of the contexts is held out. A checkpoint every 50 steps
@@ -53,7 +55,10 @@ class TrainConfig:
     mixes the lengths the gates serve (docs/fastkvzip.md, round 7: gates of 1,024-token contexts
     alone lost essay-haystack needles at 4k)."""
     tokens: int = 256
-    """Positions per context kept for training."""
+    """Positions per context kept for training, drawn at random."""
+    top: int = 0
+    """More positions per context and layer: the layer's ``top`` highest-scored by KVzip (:func:`top_positions`),
+    so the gates see the few entries each layer keeps under a small budget, not only random ones."""
     steps: int = 1000
     batch: int = 512
     lr: float = 1e-2
@@ -129,9 +134,20 @@ def contexts(tokenizer: Any, config: TrainConfig, files: list[Path]) -> list[tor
     return [torch.tensor([piece]) for piece in found]
 
 
-def collect(model: Any, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def top_positions(scores: torch.Tensor, drawn: torch.Tensor, top: int) -> torch.Tensor:
+    """The ``top`` positions of a layer's KVzip scores ``[Hkv, n]`` (their largest over the heads) past the
+    sinks and not among ``drawn``, ascending; NaN (out of a sliding window) ranks last."""
+    best = scores.nan_to_num(float("-inf")).amax(0)
+    best[:SINKS] = float("-inf")
+    best[drawn] = float("-inf")
+    return best.topk(min(top, best.numel() - SINKS - drawn.numel())).indices.sort().values
+
+
+def collect(model: Any, ids: torch.Tensor, positions: torch.Tensor, top: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Features ``[L, m, D]`` (fp16) and KVzip's scores ``[L, Hkv, m]`` of the context ``ids``
-    at ``positions`` (module docstring, step 2)."""
+    at ``positions`` (module docstring, step 2), and with ``top`` each layer's ``top`` positions
+    KVzip scores highest (:func:`top_positions`) after them: ``m = len(positions) + top``, the
+    last ``top`` positions differing per layer."""
     from kvevict.cache import EvictionCache
     from kvevict.compat import with_cache
     from kvevict.policies.pipeline import Policy
@@ -140,7 +156,7 @@ def collect(model: Any, ids: torch.Tensor, positions: torch.Tensor) -> tuple[tor
 
     def receive(index: int, hidden: torch.Tensor, cache: object) -> None:
         if index not in inputs:  # the prefill's, not the repeat's (whose chunks of 2,048 may be shorter)
-            inputs[index] = hidden[0, positions].to(torch.float16)
+            inputs[index] = (hidden[0] if top else hidden[0, positions]).to(torch.float16)
 
     handles = hook_attention_inputs(model, receive)
     try:
@@ -151,7 +167,11 @@ def collect(model: Any, ids: torch.Tensor, positions: torch.Tensor) -> tuple[tor
         for handle in handles:
             handle.remove()
     layers = sorted(inputs)
-    return torch.stack([inputs[i] for i in layers]), torch.stack([recorded[i][:, positions] for i in layers])
+    if not top:
+        return torch.stack([inputs[i] for i in layers]), torch.stack([recorded[i][:, positions] for i in layers])
+    chosen = [torch.cat([positions, top_positions(recorded[i], positions, top)]) for i in layers]
+    features = torch.stack([inputs[i][where] for i, where in zip(layers, chosen)])
+    return features, torch.stack([recorded[i][:, where] for i, where in zip(layers, chosen)])
 
 
 def distillation_loss(
@@ -221,6 +241,13 @@ def _resumable(config: TrainConfig) -> dict[str, object]:
     return {key: value for key, value in asdict(config).items() if key != "steps"}
 
 
+def recorded(config: TrainConfig) -> dict[str, str]:
+    """The training configuration as the gates file's metadata records it; ``top`` only when used, so a
+    run without it writes the bytes it wrote before the option existed (the shipped gates)."""
+    fields = {key: value for key, value in asdict(config).items() if key != "top" or value}
+    return {key: str(value) for key, value in fields.items()} | {"length": ",".join(map(str, config.length))}
+
+
 def build(
     model: Any, tokenizer: Any, config: TrainConfig, out: Path, files: list[Path] = (), progress: bool = True
 ) -> Path:
@@ -228,7 +255,8 @@ def build(
     text_config = model.config.get_text_config(decoder=True)
     shape = shape_of(text_config, config.dim, config.sinks, config.rank)
     lengths = ",".join(map(str, config.length))
-    data = out / "data" / f"{'text' if files else 'offline'}-n{lengths}-t{config.tokens}-seed{config.seed}"
+    extra = f"-top{config.top}" if config.top else ""
+    data = out / "data" / f"{'text' if files else 'offline'}-n{lengths}-t{config.tokens}{extra}-seed{config.seed}"
     data.mkdir(parents=True, exist_ok=True)
     pieces = contexts(tokenizer, config, list(files))
     generator = torch.Generator().manual_seed(config.seed)
@@ -238,7 +266,7 @@ def build(
         positions = SINKS + torch.randperm(n - SINKS, generator=generator)[: config.tokens].sort().values
         path = data / f"{index:04d}.safetensors"
         if not path.is_file():
-            found = collect(model, ids, positions)
+            found = collect(model, ids, positions, config.top)
             save_file({"features": found[0].contiguous(), "targets": found[1].contiguous()}, str(path))
         saved = load_file(str(path))
         features.append(saved["features"])
@@ -251,7 +279,7 @@ def build(
             initial_gates(shape, config.seed), torch.cat(features[-held:], 1), torch.cat(targets[-held:], 2)
         )
         final = distillation_loss(gates, torch.cat(features[-held:], 1), torch.cat(targets[-held:], 2))
-    metadata = {key: str(value) for key, value in asdict(config).items()} | {"length": lengths}
+    metadata = recorded(config)
     metadata |= {
         "model_key": model_key(text_config),
         "held_out_loss_initial": f"{initial:.4f}",
@@ -262,4 +290,14 @@ def build(
     return path
 
 
-__all__ = ["TrainConfig", "build", "collect", "contexts", "distillation_loss", "length_of", "train"]
+__all__ = [
+    "TrainConfig",
+    "build",
+    "collect",
+    "contexts",
+    "distillation_loss",
+    "length_of",
+    "recorded",
+    "top_positions",
+    "train",
+]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvevict.gates import hook_attention_inputs, initial_gates, shape_of
-from kvevict.gates.train import TrainConfig, collect, contexts, distillation_loss, train
+from kvevict.gates.train import TrainConfig, collect, contexts, distillation_loss, recorded, top_positions, train
 from tests.conftest import prompt, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:kvzip. no tokenizer")  # tiny models: the bare-context repeat
@@ -87,3 +87,50 @@ def test_a_context_longer_than_a_repeat_chunk_gives_features_of_its_prefill() ->
         handle.remove()
     assert torch.equal(features, torch.stack([inputs[i] for i in sorted(inputs)]).half())
     assert targets.shape == (model.config.num_hidden_layers, model.config.num_key_value_heads, 4)
+
+
+def test_top_positions_are_each_layers_highest_kvzip_scores_past_the_sinks_and_the_drawn() -> None:
+    scores = torch.tensor([[0.9, 0.1, 0.2, 0.3, 0.4, 0.8, 0.0, 0.7, 0.6, 0.5], [0.0] * 9 + [0.95]])
+    drawn = torch.tensor([5])
+    assert top_positions(scores, drawn, 3).tolist() == [7, 8, 9]  # 9 by its second head; 0 a sink, 5 drawn
+    sliding = torch.tensor([[float("nan")] * 6 + [0.1, 0.3, 0.2, 0.0]])
+    assert top_positions(sliding, torch.tensor([4]), 2).tolist() == [7, 8]
+
+
+def test_collecting_top_positions_adds_each_layers_best_scored_tokens_after_the_drawn() -> None:
+    """With ``top``, every layer's features and targets gain its own ``top`` best-scored positions
+    (the prefill's hidden states there); the drawn positions' data is what ``collect`` gives without."""
+    model = tiny_model()
+    ids = prompt(96, seed=4)
+    positions = torch.arange(4, 96, 8)
+    plain = collect(model, ids, positions)
+    features, targets = collect(model, ids, positions, top=6)
+    m = len(positions)
+    assert features.shape[1] == targets.shape[2] == m + 6
+    assert torch.equal(features[:, :m], plain[0]) and torch.equal(targets[:, :, :m], plain[1])
+    whole = collect(model, ids, torch.arange(96))
+    for layer in range(model.config.num_hidden_layers):
+        chosen = top_positions(whole[1][layer], positions, 6)
+        assert torch.equal(features[layer, m:], whole[0][layer, chosen])
+        assert torch.equal(targets[layer, :, m:], whole[1][layer][:, chosen])
+        others = torch.ones(96, dtype=torch.bool)
+        others[:4], others[positions], others[chosen] = False, False, False
+        assert float(targets[layer, :, m:].amax(0).min()) >= float(whole[1][layer][:, others].amax(0).max())
+
+
+def test_the_bare_commands_metadata_is_the_shipped_gates_and_top_is_recorded_when_used() -> None:
+    """``train-gates --model smollm2`` records what the shipped SmolLM2 gates hold (``top`` left out at 0,
+    so the bare command still writes them byte for byte); ``--top`` is recorded."""
+    from safetensors import safe_open
+
+    from kvevict.gates import FOLDER
+
+    with safe_open(str(FOLDER / "llama-L30-D576-H9-KV3.safetensors"), "pt") as shipped:
+        metadata = shipped.metadata()
+    run = {
+        key: value
+        for key, value in metadata.items()
+        if key not in ("model_key", "held_out_loss_initial", "held_out_loss")
+    }
+    assert recorded(TrainConfig(model="smollm2")) == run
+    assert recorded(TrainConfig(model="smollm2", top=256)) == run | {"top": "256"}
