@@ -63,18 +63,20 @@ class MomentStats:
         cls, count: torch.Tensor, key_sum: torch.Tensor, value_sum: torch.Tensor, outer: torch.Tensor | None
     ) -> MomentStats:
         """The statistics of these sums, with the means and counts NC reads derived once (every
-        pass until the next eviction reads them; an update makes new statistics)."""
-        n = count.clamp(min=1)
-        return cls(
-            count,
-            key_sum,
-            value_sum,
-            outer,
-            count.log(),
-            n.reciprocal(),
-            key_sum / n[..., None],
-            value_sum / n[..., None],
-        )
+        pass until the next update reads them)."""
+        empty = torch.empty_like
+        stats = cls(count, key_sum, value_sum, outer, empty(count), empty(count), empty(key_sum), empty(value_sum))
+        stats.derive()
+        return stats
+
+    def derive(self) -> None:
+        """Recompute the derived fields from the sums, into their own tensors (in place: a
+        decode step's update keeps every view of them current, :func:`accumulate_one`)."""
+        count = self.count.clamp(min=1)
+        torch.log(self.count, out=self.log_count)
+        torch.reciprocal(count, out=self.inverse_count)
+        torch.div(self.key_sum, count[..., None], out=self.mean_key)
+        torch.div(self.value_sum, count[..., None], out=self.mean_value)
 
     @classmethod
     def zeros(
@@ -169,11 +171,7 @@ def accumulate_one(stats: MomentStats, keys: torch.Tensor, values: torch.Tensor,
     stats.count.add_(1)
     stats.key_sum.add_(k[:, :, 0])
     stats.value_sum.add_(v[:, :, 0])
-    count = stats.count.clamp(min=1)
-    torch.log(stats.count, out=stats.log_count)
-    torch.reciprocal(count, out=stats.inverse_count)
-    torch.div(stats.key_sum, count[..., None], out=stats.mean_key)
-    torch.div(stats.value_sum, count[..., None], out=stats.mean_value)
+    stats.derive()
 
 
 # -- moment-informed eviction -------------------------------------------------------------
