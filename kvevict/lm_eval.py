@@ -120,9 +120,8 @@ class CacheSettings:
             raise ValueError(self.unchunked())
 
     def unchunked(self) -> str:
-        return (
-            f"policy {self.policy!r} evicts the prefill once the whole prompt ran through every layer, so it cannot "
-            "compress a prompt chunk by chunk (model arg prefill_chunk, loglikelihood_rolling requests)"
+        return make_policy(self.policy).chunk_refusal(
+            "leave out the model arg prefill_chunk, and run no loglikelihood_rolling requests"
         )
 
     def cache(self, model: PreTrainedModel) -> EvictionCache:

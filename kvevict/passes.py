@@ -158,10 +158,10 @@ class PassBookkeeping:
         """A later chunk of the prompt: its tokens are prompt tokens of ``row`` (``decode_step`` stays 0)."""
         if not self.policy.takes_chunks:
             raise ValueError(
-                f"policy {self.policy.name!r} scores the prompt with a pass of its own once the whole prompt has "
-                "run through every layer, and shares one budget across layers, so it cannot compress a prompt chunk "
-                "by chunk: prefill the prompt in one pass (no prefill_chunk_size / prefill_chunk), or give each "
-                "layer its own budget (per_layer=true)"
+                self.policy.chunk_refusal(
+                    "prefill the prompt in one pass (no prefill_chunk_size / prefill_chunk), or give each layer its "
+                    "own budget (per_layer=true)"
+                )
             )
         if self.owner.budget.keep is not None and self.owner.prompt_length is None:
             raise ValueError(

@@ -120,11 +120,8 @@ class BenchConfig:
         check_chunk(self.prefill_chunk)
         if self.prefill_chunk is not None:
             for name in evicting:
-                if not make_policy(name).takes_chunks:
-                    raise ValueError(
-                        f"policy {name!r} evicts the prefill once the whole prompt ran through every layer, so it "
-                        "cannot compress a prompt chunk by chunk: run it without --prefill-chunk"
-                    )
+                if not (policy := make_policy(name)).takes_chunks:
+                    raise ValueError(policy.chunk_refusal("run it without --prefill-chunk"))
         # full first: it is the reference for "% of full" and for fidelity
         needs_reference = self.fidelity or any(get_task(name).scored_by_fidelity for name in self.tasks)
         reference = [Setting("full")] if "full" in self.policies or needs_reference else []

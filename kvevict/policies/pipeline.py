@@ -321,6 +321,15 @@ class Policy:
         or its deferred eviction runs after every chunk (:attr:`rescores_chunks`)."""
         return not self.deferred_prefill or self.rescores_chunks
 
+    def chunk_refusal(self, remedy: str) -> str:
+        """The one message of every refusal of a prompt fed in chunks (a policy that does not
+        :attr:`takes_chunks`), ending with ``remedy``: what the caller can do instead."""
+        return (
+            f"policy {self.name!r} evicts the prefill once the whole prompt has run through every layer (it scores the "
+            f"prompt with a pass of its own, or shares one budget across layers), so it cannot compress a prompt chunk "
+            f"by chunk: {remedy}"
+        )
+
     def select_layers(self, deferred: Sequence[tuple[EntryView, Signals]]) -> list[torch.Tensor]:
         """A deferred prefill eviction: the keep mask of every layer (given with its prefill
         signals), the allocator first seeing the selection scores of all of them."""
