@@ -6,9 +6,13 @@ Per (batch, KV head), in fp32, over the evicted set ``E`` (Eq. 22)::
     n_e = |E|,   s_k = Σ k,   s_v = Σ v,   S = Σ v kᵀ   (d_v × d_k)
     k̄ = s_k / n_e,   v̄ = s_v / n_e,   S̃ = S − s_v s_kᵀ / n_e          (Eq. 24)
 
-Storage is ``3 + 2·d_k + 2·d_v + d_v·d_k`` floats per KV head whatever the context length (the
-sums, and the means and counts NC reads, derived once per update; :attr:`MomentStats.nbytes`;
-SmolLM2-135M, 30 layers × 3 KV heads × d=64: 1.58 MB in fp32).
+``S`` itself is never held: ``S̃ = Σ (v − v̄)(k − k̄)ᵀ`` is, updated by the pairwise (Chan et al.)
+rule when entries join (:func:`accumulate`, :func:`accumulate_one`). Both methods read ``S̃``, and
+in fp32 ``S − s_v s_kᵀ / n_e`` cancels away the digits of ``S̃`` wherever the means outweigh the
+spread (keys' means often do); a centred sum keeps them, and NC's product needs no
+correction term. Storage is ``3 + 2·d_k + 2·d_v + d_v·d_k`` floats per KV head whatever the
+context length (the sums, and the means and counts NC reads, derived once per update;
+:attr:`MomentStats.nbytes`; SmolLM2-135M, 30 layers × 3 KV heads × d=64: 1.58 MB in fp32).
 
 - **MI** (Eq. 10, Algorithm 1 lines 6-18): residual ``r_j = v_j − v̄ − S̃ k_j·c / n_e``
   (``c`` = the attention's logit scale, 1/√d), score ``α_j·‖r_j‖``, evict the argmin, update
@@ -47,8 +51,9 @@ class MomentStats:
     """``s_k = Σ k``, ``[B, Hkv, d_k]``."""
     value_sum: torch.Tensor
     """``s_v = Σ v``, ``[B, Hkv, d_v]``."""
-    outer: torch.Tensor | None
-    """``S = Σ v kᵀ``, ``[B, Hkv, d_v, d_k]``; None for the zeroth order."""
+    centered: torch.Tensor | None
+    """``S̃ = Σ (v − v̄)(k − k̄)ᵀ`` ``[B, Hkv, d_v, d_k]`` (the module's docstring: why centred); None for
+    the zeroth order."""
     log_count: torch.Tensor
     """``log n_e`` ``[B, Hkv]`` (``−∞`` for a head that evicted nothing), derived: NC reads it every pass."""
     inverse_count: torch.Tensor
@@ -60,12 +65,12 @@ class MomentStats:
 
     @classmethod
     def of(
-        cls, count: torch.Tensor, key_sum: torch.Tensor, value_sum: torch.Tensor, outer: torch.Tensor | None
+        cls, count: torch.Tensor, key_sum: torch.Tensor, value_sum: torch.Tensor, centered: torch.Tensor | None
     ) -> MomentStats:
         """The statistics of these sums, with the means and counts NC reads derived once (every
         pass until the next update reads them)."""
         empty = torch.empty_like
-        stats = cls(count, key_sum, value_sum, outer, empty(count), empty(count), empty(key_sum), empty(value_sum))
+        stats = cls(count, key_sum, value_sum, centered, empty(count), empty(count), empty(key_sum), empty(value_sum))
         stats.derive()
         return stats
 
@@ -85,17 +90,17 @@ class MomentStats:
         if order not in (0, 1):
             raise ValueError(f"moment order must be 0 (mean value) or 1 (mean + covariance), got {order!r}")
         options = {"dtype": torch.float32, "device": device}
-        outer = torch.zeros(batch, heads, value_dim, key_dim, **options) if order == 1 else None
+        centered = torch.zeros(batch, heads, value_dim, key_dim, **options) if order == 1 else None
         return cls.of(
             torch.zeros(batch, heads, **options),
             torch.zeros(batch, heads, key_dim, **options),
             torch.zeros(batch, heads, value_dim, **options),
-            outer,
+            centered,
         )
 
     @property
     def order(self) -> int:
-        return 0 if self.outer is None else 1
+        return 0 if self.centered is None else 1
 
     @property
     def nbytes(self) -> int:
@@ -105,17 +110,17 @@ class MomentStats:
     @cached_property
     def nc_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Views of the fields NC reads, one batch entry per (batch, KV head), shaped for its
-        products: ``k̄`` ``[B·Hkv, d_k, 1]``, ``log n_e`` and ``1/n_e`` ``[B·Hkv, 1, 1]``, ``v̄``
-        ``[B·Hkv, 1, d_v]``, ``Sᵀ`` ``[B·Hkv, d_k, d_v]`` (None for the zeroth order). Made once:
+        products: ``k̄`` ``[B·Hkv, d_k, 1]``, ``log n_e`` and ``1/n_e`` ``[B·Hkv, 1, 1]``, ``S̃ᵀ``
+        ``[B·Hkv, d_k, d_v]`` (None for the zeroth order), ``v̄`` ``[B·Hkv, 1, d_v]``. Made once:
         a decode step's update writes the fields in place (:func:`accumulate_one`), so the views
         stay current, and every layer's every step is spared making them again."""
         heads = self.count.numel()
-        outer = None if self.outer is None else self.outer.view(heads, *self.outer.shape[2:]).transpose(1, 2)
+        centered = self.centered
         return (
             self.mean_key.view(heads, -1, 1),
             self.log_count.view(heads, 1, 1),
             self.inverse_count.view(heads, 1, 1),
-            outer,
+            None if centered is None else centered.view(heads, *centered.shape[2:]).transpose(1, 2),
             self.mean_value.view(heads, 1, -1),
         )
 
@@ -134,9 +139,10 @@ class MomentStats:
 def accumulate(stats: MomentStats, keys: torch.Tensor, values: torch.Tensor, evicted: torch.Tensor) -> MomentStats:
     """Statistics after adding the entries flagged in ``evicted`` ``[B, Hkv, n]`` (Eq. 25).
 
-    Purely additive: the evicted entries are never needed again. When each head drops a few
-    of its entries (a decode step drops one), only those are gathered and summed: adding the
-    others' zero weights changes nothing but the cost (``O(n·d²)`` for the outer product).
+    The evicted entries are never needed again: their own count, sums and centred ``S̃`` are
+    merged into the statistics (:func:`_merge_centered`). When each head drops a few of its
+    entries (a decode step drops one), only those are gathered and summed: adding the others'
+    zero weights changes nothing but the cost (``O(n·d²)`` for the outer product).
     """
     most = int(evicted.sum(dim=-1).max()) if evicted.numel() else 0
     if 0 < 4 * most <= evicted.shape[-1]:
@@ -146,32 +152,52 @@ def accumulate(stats: MomentStats, keys: torch.Tensor, values: torch.Tensor, evi
     weight = evicted.float()
     k, v = keys.float().flatten(0, 1), values.float().flatten(0, 1)  # [B·Hkv, m, d]: one batched product each
     rows = weight.flatten(0, 1)[:, None]
-    outer = None
-    if stats.outer is not None:
-        weighted = (v * rows.transpose(1, 2)).transpose(1, 2)
-        outer = torch.baddbmm(stats.outer.flatten(0, 1), weighted, k).view_as(stats.outer)
-    return MomentStats.of(
-        count=stats.count + weight.sum(-1),
-        key_sum=torch.baddbmm(stats.key_sum.flatten(0, 1)[:, None], rows, k).view_as(stats.key_sum),
-        value_sum=torch.baddbmm(stats.value_sum.flatten(0, 1)[:, None], rows, v).view_as(stats.value_sum),
-        outer=outer,
-    )
+    added = weight.sum(-1)
+    key_sum, value_sum = (torch.bmm(rows, x).view(*weight.shape[:2], -1) for x in (k, v))  # the evicted ones'
+    centered = None
+    if stats.centered is not None:
+        inverse = added.clamp(min=1).reciprocal().flatten()[:, None, None]
+        weighted = ((v - value_sum.flatten(0, 1)[:, None] * inverse) * rows.transpose(1, 2)).transpose(1, 2)
+        centered = torch.baddbmm(stats.centered.flatten(0, 1), weighted, k - key_sum.flatten(0, 1)[:, None] * inverse)
+        centered = centered.view_as(stats.centered)
+        _merge_centered(centered, stats, added, key_sum, value_sum)
+    return MomentStats.of(stats.count + added, stats.key_sum + key_sum, stats.value_sum + value_sum, centered)
 
 
 def accumulate_one(stats: MomentStats, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
     """:func:`accumulate` of entry ``slots[b, h]`` ``[B, Hkv]`` of every head (a decode step's
-    eviction), **in place**: the same sums, bit for bit, from the entries gathered by their slots
-    (no mask to build), and the derived fields recomputed into their own tensors. In place because
-    a decode step of 30 layers in lockstep updates one stacked whole whose rows' statistics are
-    views of it (:class:`~kvevict.rows.StackedRows`): nothing to split back, step after step."""
+    eviction), **in place**: the same statistics, bit for bit, from the entries gathered by their
+    slots (no mask to build; one entry's own ``S̃`` is zero), and the derived fields recomputed
+    into their own tensors. In place because a decode step of 30 layers in lockstep updates one
+    stacked whole whose rows' statistics are views of it (:class:`~kvevict.rows.StackedRows`):
+    nothing to split back, step after step."""
     index = slots[..., None, None]
-    k, v = (x.gather(2, index.expand(-1, -1, 1, x.shape[-1])).float() for x in (keys, values))  # [B, Hkv, 1, d]
-    if stats.outer is not None:
-        stats.outer.view(-1, *stats.outer.shape[2:]).baddbmm_(v.flatten(0, 1).transpose(1, 2), k.flatten(0, 1))
+    k, v = (x.gather(2, index.expand(-1, -1, 1, x.shape[-1])).float()[:, :, 0] for x in (keys, values))  # [B, Hkv, d]
+    if stats.centered is not None:  # (before the means move)
+        _merge_centered(stats.centered, stats, 1.0, k, v)
     stats.count.add_(1)
-    stats.key_sum.add_(k[:, :, 0])
-    stats.value_sum.add_(v[:, :, 0])
+    stats.key_sum.add_(k)
+    stats.value_sum.add_(v)
     stats.derive()
+
+
+def _merge_centered(
+    centered: torch.Tensor,
+    stats: MomentStats,
+    count: torch.Tensor | float,
+    key_sum: torch.Tensor,
+    value_sum: torch.Tensor,
+) -> None:
+    """Add to ``centered`` (``S̃`` of ``stats`` plus that of the joining entries) the pairwise
+    term of merging ``count`` entries with sums ``key_sum``, ``value_sum`` into ``stats``:
+    ``n_a n_b / (n_a + n_b) · (v̄_b − v̄_a)(k̄_b − k̄_a)ᵀ``, in place (Chan, Golub & LeVeque)."""
+    total = (stats.count + count).clamp(min=1)
+    share = stats.count * count / total  # n_a n_b / n: 0 where either side is empty
+    inverse = 1 / max(count, 1) if isinstance(count, float) else count.clamp(min=1).reciprocal()[..., None]
+    value_gap = (value_sum * inverse - stats.mean_value).mul_(share[..., None])
+    key_gap = key_sum * inverse - stats.mean_key
+    dv, dk = centered.shape[2:]
+    centered.view(-1, dv, dk).baddbmm_(value_gap.view(-1, dv, 1), key_gap.view(-1, 1, dk))
 
 
 # -- moment-informed eviction -------------------------------------------------------------
@@ -179,16 +205,15 @@ def mi_residual_norms(keys: torch.Tensor, values: torch.Tensor, stats: MomentSta
     """``‖r_j‖`` of every entry, ``r_j = v_j − v̄ − S̃ k_j·c / n_e`` (Eq. 10), ``[B, Hkv, n]``.
 
     With nothing evicted yet ``v̄ = 0`` and ``S̃ = 0`` (Algorithm 1, line 7): ``r_j = v_j``.
-    ``S̃ = S − s_v s_kᵀ / n_e`` is formed (``d_v × d_k`` per head) and scaled by ``c / n_e``
-    first, so every entry's residual takes one batched product and one subtraction: the
-    ``n × d`` work is three passes, not one per term of the expansion.
+    ``S̃`` (``d_v × d_k`` per head) is scaled by ``c / n_e`` first, so every entry's residual
+    takes one batched product and one subtraction: the ``n × d`` work is three passes, not one
+    per term of the expansion.
     """
     k, v = keys.float(), values.float()
     v_mean = stats.mean_value[..., None, :]
-    if stats.outer is None:
+    if stats.centered is None:
         return (v - v_mean).norm(dim=-1)
-    count = stats.count.clamp(min=1)[..., None, None]
-    centered = (stats.outer - stats.value_sum[..., :, None] * stats.key_sum[..., None, :] / count) * (scaling / count)
+    centered = stats.centered * (scaling * stats.inverse_count)[..., None, None]
     residual = torch.baddbmm(v.flatten(0, 1), k.flatten(0, 1), centered.transpose(-1, -2).flatten(0, 1), alpha=-1)
     return residual.view_as(v).sub_(v_mean).norm(dim=-1)
 
@@ -282,8 +307,11 @@ def _exact_loop(
     """:func:`mi_evict` one entry per update, with the scalars of its docstring's Cost."""
     k, v, a = keys.double(), values.double(), alpha.double()
     count, key_sum, value_sum = stats.count.double(), stats.key_sum.double(), stats.value_sum.double()
-    first_order = stats.outer is not None
-    outer = stats.outer.double() if first_order else torch.zeros(*value_sum.shape, k.shape[-1]).to(k)
+    first_order = stats.centered is not None
+    if first_order:  # the loop's scalars expand the raw sums: S = S̃ + s_v k̄ᵀ
+        outer = stats.centered.double() + value_sum[..., :, None] * stats.mean_key.double()[..., None, :]
+    else:
+        outer = torch.zeros(*value_sum.shape, k.shape[-1]).to(k)
     projected = k @ outer.transpose(-1, -2)  # P_j = S k_j, only to start the scalars below
     v_norm2 = (v * v).sum(-1)  # ‖v_j‖²
     v_dot_p = (v * projected).sum(-1)  # v_j·P_j
@@ -357,21 +385,19 @@ def nc_correct(
     ``output`` is ``f_R`` ``[B, Hq, q, d_v]`` (attention over the retained entries),
     ``log_z_retained`` its ``log Z_R`` ``[B, Hq, q]``, ``query`` ``[B, Hq, q, d_k]``. From the
     statistics' derived means: ``log Ẑ_E = log n_e + c·k̄·x`` (Jensen, Eq. 11) and
-    ``f̂_E = v̄ + (c/n_e)·S̃ x = v̄ + c·(S x / n_e − v̄ k̄·x)`` (Eq. 9), no ``S̃`` built. Mixing in the log
+    ``f̂_E = v̄ + (c/n_e)·S̃ x`` (Eq. 9): two products and three element-wise operations a layer. Mixing in the log
     domain, ``w_R = σ(log Z_R − log Ẑ_E)``, output ``f̂_E + w_R (f_R − f̂_E)``, stays finite for
     any logit size; fp32 inside. Heads with nothing evicted (``log n_e = −∞``, ``w_R = 1``) are
     returned bit for bit.
     """
     b, hq, q, dv = output.shape
     heads = stats.count.numel()
-    mean_key, log_count, inverse_count, outer, mean_value = stats.nc_operands
+    mean_key, log_count, inverse_count, centered, mean_value = stats.nc_operands
     rows = as_float32(query.reshape(heads, -1, query.shape[-1]))  # [B·Hkv, G·q, d_k]: the group's queries
-    key_dot = torch.bmm(rows, mean_key)  # k̄·x [B·Hkv, G·q, 1]
-    log_z_evicted = torch.add(log_count, key_dot, alpha=scaling)
-    f_evicted = mean_value
-    if outer is not None:  # v̄ + c·(S x / n_e − v̄ k̄·x)
-        moment = torch.bmm(rows, outer).mul_(inverse_count).addcmul_(mean_value, key_dot, value=-1)
-        f_evicted = torch.add(mean_value, moment, alpha=scaling)
+    log_z_evicted = torch.baddbmm(log_count, rows, mean_key, alpha=scaling)  # log n_e + c·k̄·x
+    f_evicted = (
+        mean_value if centered is None else torch.baddbmm(mean_value, rows * inverse_count, centered, alpha=scaling)
+    )
     weight = torch.sub(as_float32(log_z_retained.reshape(heads, -1, 1)), log_z_evicted).sigmoid_()
     mixed = torch.lerp(f_evicted, as_float32(output.reshape(heads, -1, dv)), weight).view(b, hq, q, dv)
     return as_dtype(mixed, output.dtype)

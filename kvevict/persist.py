@@ -31,7 +31,8 @@ from transformers import PreTrainedModel
 from kvevict.rows import RowState, SequenceState
 
 FORMAT = "kvevict-cache"
-VERSION = 1
+VERSION = 2
+"""2: MomentKV's statistics hold the centred ``S̃`` (``MomentStats.centered``) instead of ``S``."""
 LAYER_FIELDS = ("tokens", "passes", "prompt_pass", "prompt_open", "compacted", "_num_new")
 ROW_FIELDS = ("start", "width", "peak", "decode_peak")
 

@@ -239,8 +239,8 @@ def reference_attention(
         k_bar, v_bar = s_k / n_e, s_v / n_e
         z_e = n_e * torch.exp(q @ k_bar.transpose(-1, -2) * scaling)
         f_e = v_bar
-        if moments.outer is not None:
-            s_tilde = moments.outer.double().repeat_interleave(group, 1) - s_v.transpose(-1, -2) @ s_k / n_e
+        if moments.centered is not None:
+            s_tilde = moments.centered.double().repeat_interleave(group, 1)
             f_e = f_e + q @ s_tilde.transpose(-1, -2) * scaling / n_e
         w_r = z_r / (z_r + z_e)
         output = torch.where(n_e > 0, w_r * output + (1 - w_r) * f_e, output)

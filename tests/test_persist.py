@@ -88,8 +88,8 @@ def test_bad_files_are_refused_with_one_line(tmp_path) -> None:
     with pytest.raises(ValueError, match="not a readable kvevict cache"):
         kvevict.EvictionCache.load(corrupted, model)
     newer = tmp_path / "newer.kv"
-    newer.write_bytes(data.replace(b'"version":"1"', b'"version":"9"', 1))
-    with pytest.raises(ValueError, match="format version '9'; this kvevict reads version 1"):
+    newer.write_bytes(data.replace(b'"version":"2"', b'"version":"9"', 1))
+    with pytest.raises(ValueError, match="format version '9'; this kvevict reads version 2"):
         kvevict.EvictionCache.load(newer, model)
     with pytest.raises(OSError, match="no such file"):
         kvevict.EvictionCache.load(tmp_path / "missing.kv", model)

@@ -48,7 +48,7 @@ def test_rows_read_back_what_a_batch_wrote_without_a_copy() -> None:
     rows[1]["sums"] = rows[1]["sums"] + 1  # a row's own value now
     rows[2]["stats"] = MomentStats.zeros(1, 2, 4, 4)
     again = stacked["stats"]
-    assert again is not stats and torch.equal(again.count, stats.count) and torch.equal(again.outer, stats.outer)
+    assert again is not stats and torch.equal(again.count, stats.count) and torch.equal(again.centered, stats.centered)
     assert torch.equal(stacked["sums"], torch.tensor([[0.0, 1.0], [3.0, 4.0], [4.0, 5.0]]))
 
 

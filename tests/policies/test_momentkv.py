@@ -106,7 +106,7 @@ def test_momentkv_prefill_evicts_by_the_mi_loop_and_records_the_evicted_moments(
         assert stats.count[0, head] == PROMPT - counts[0, head]
         torch.testing.assert_close(stats.key_sum[0, head], k.sum(0))
         torch.testing.assert_close(stats.value_sum[0, head], v.sum(0))
-        torch.testing.assert_close(stats.outer[0, head], v.T @ k)
+        torch.testing.assert_close(stats.centered[0, head], (v - v.mean(0)).T @ (k - k.mean(0)))
 
 
 @pytest.mark.parametrize("policy", ["moment-nc+h2o", "moment-nc+tova"])
@@ -130,7 +130,7 @@ def test_decode_time_statistics_equal_sums_over_every_evicted_token(policy: str)
         k = torch.stack([keys[head, p] for p in gone])
         v = torch.stack([values[head, p] for p in gone])
         torch.testing.assert_close(stats.key_sum[0, head], k.sum(0))
-        torch.testing.assert_close(stats.outer[0, head], v.T @ k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(stats.centered[0, head], (v - v.mean(0)).T @ (k - k.mean(0)), rtol=1e-5, atol=1e-5)
 
 
 def test_nc_corrects_the_question_tokens_after_context_compression() -> None:
@@ -178,7 +178,7 @@ def test_variants() -> None:
     assert not torch.equal(runs["full"].layers[0].positions, runs["nc_only"].layers[0].positions)
     assert recorded(runs["neither"]) is None  # no statistics when nothing uses them
     assert not any(isinstance(stage, MomentStatistics) for stage in runs["neither"].policy.stages)
-    assert recorded(runs["order0"]).outer is None
+    assert recorded(runs["order0"]).centered is None
     assert runs["mi_only"].policy.corrects_output is False and runs["full"].policy.corrects_output is True
     question = prompt(3, seed=7)
     expected = reference_logits(model, runs["mi_only"], question, corrected=False)
@@ -198,7 +198,7 @@ def test_statistics_stay_fp32_under_half_precision(dtype: torch.dtype) -> None:
     _, logits = greedy(model, prompt(PROMPT), cache, new_tokens=4)
     assert torch.isfinite(logits).all()
     stats = recorded(cache)
-    assert {stats.count.dtype, stats.key_sum.dtype, stats.value_sum.dtype, stats.outer.dtype} == {torch.float32}
+    assert {stats.count.dtype, stats.key_sum.dtype, stats.value_sum.dtype, stats.centered.dtype} == {torch.float32}
 
 
 def test_nc_stage_composes_by_name_over_the_method() -> None:

@@ -83,7 +83,7 @@ def test_every_stage_keeps_its_state_under_its_own_namespace(models) -> None:
     greedy(model, prompt(64), cache, new_tokens=2)
     memo = cache.layers[0].memo
     assert set(memo) == {"moments/moments", "moments#2/moments"}
-    assert memo["moments/moments"].outer is not None and memo["moments#2/moments"].outer is None
+    assert memo["moments/moments"].centered is not None and memo["moments#2/moments"].centered is None
 
 
 def test_params_rebuild_the_same_policy() -> None:
