@@ -355,6 +355,12 @@ class Policy:
         return scores if layer.valid is None else torch.where(layer.valid, scores, float("-inf"))
 
     @cached_property
+    def observes(self) -> bool:
+        """Whether a stage observes a pass (:meth:`observe`): otherwise what a pass brings the
+        policy is its new entries' state and, at an eviction, the pass's signals."""
+        return bool(self._overriding("observe"))
+
+    @cached_property
     def watches_evictions(self) -> bool:
         """Whether a stage reads the evicted entries (:meth:`on_evict`): otherwise the cache
         does not build the mask of them."""
