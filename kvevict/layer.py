@@ -38,9 +38,9 @@ from transformers.cache_utils import DynamicLayer
 
 from kvevict.attention import mark_pending
 from kvevict.driver import PolicyDriver
-from kvevict.packedpass import PackedPasses
+from kvevict.packedpass import PackedPasses, PackedRowView
 from kvevict.passes import PassBookkeeping, PendingPass, SteadyRecord
-from kvevict.rows import PackedRowView, RowState, RowView, SequenceState, phase_of, uniform
+from kvevict.rows import RowState, RowView, SequenceState, phase_of, uniform
 from kvevict.signals import Signals
 from kvevict.storage import ColumnBytes, Columns, LayerStorage
 
@@ -302,7 +302,7 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, PackedPasses, DynamicLayer):
         return self._view_type()(self, row)
 
     def _view_type(self) -> type[RowView]:
-        """A packed layer's views read it when they read it (:class:`~kvevict.rows.PackedRowView`)."""
+        """A packed layer's views read it when they read it (:class:`~kvevict.packedpass.PackedRowView`)."""
         return RowView if self.storage.packed is None else PackedRowView
 
     def views(self) -> list[RowView]:

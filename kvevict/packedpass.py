@@ -24,18 +24,53 @@ tensors other than through :class:`~kvevict.storage.LayerStorage`.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from kvevict.attention import mark_pending
-from kvevict.rows import RowState, RowView
+from kvevict.rows import RowState, RowView, padding_of
 from kvevict.signals import compute_signals
 from kvevict.storage import Columns, LayerStorage
 
 NOTHING_EXPOSED = Columns(LayerStorage(), 0)
 """What a layer exposes between passes, when its storage is packed or quantized (its properties
 read the storage then): views of no tensor of its own, made once."""
+
+
+class PackedRowView(RowView):
+    """A :class:`RowView` of a layer whose entries are packed (:class:`~kvevict.packed.PackedEntries`:
+    a prompt chunk that stayed packed, this module, until its pooled eviction), the
+    same view but for when it reads the layer: the padded layout's positions, validity and state
+    (a few numbers per entry) when first read, then kept; the keys and values anew at every read,
+    never kept. Why: a pooled eviction holds a view of every layer at once, and keys and values
+    kept by each would hold every layer padded to its longest head at once, the very peak a
+    packed pass avoids (a scorer that reads keys, ``knorm``, makes one layer's at a time)."""
+
+    def _read(self, cut: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._cut = cut
+
+    keys = property(lambda self: self._cut(self.layer.keys))  # type: ignore[assignment]
+    values = property(lambda self: self._cut(self.layer.values))  # type: ignore[assignment]
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:  # type: ignore[override]
+        return self._cut(self.layer.positions)
+
+    @functools.cached_property
+    def valid(self) -> torch.Tensor | None:  # type: ignore[override]
+        valid = self.layer.valid
+        return padding_of(None if valid is None else self._cut(valid))
+
+    @functools.cached_property
+    def _state(self) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return {name: self._cut(value) for name, value in self.layer.state.items()}
+
+    @functools.cached_property
+    def state(self) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        return dict(self._state)
 
 
 def chunks_stay_packed(policy: Any) -> bool:
@@ -151,7 +186,7 @@ class PackedPasses:
         """A prompt chunk that stayed packed, for the policy (:func:`chunks_stay_packed`): each
         view's new entries' state, written where they lie, and the pooled eviction, deferred to
         the end of the pass (:meth:`~kvevict.passes.PassEnds.finish_prefill`) as after a padded
-        pass. The views read nothing of the layer's entries here (:class:`~kvevict.rows.PackedRowView`)."""
+        pass. The views read nothing of the layer's entries here (:class:`PackedRowView`)."""
         policy = self.policy
         for view in self.views():
             values = policy.new_tokens(view, view.num_new)

@@ -15,7 +15,6 @@ the structural :class:`ViewedLayer` and :class:`RowsCache`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from typing import Any, Protocol
 
@@ -214,7 +213,7 @@ class RowView:
         """Take the view's part ``cut`` of the layer's entries, validity and state."""
         layer = self.layer
         self.keys, self.values, self.positions = cut(layer.keys), cut(layer.values), cut(layer.positions)
-        self.valid = _some_padding(None if layer.valid is None else cut(layer.valid))
+        self.valid = padding_of(None if layer.valid is None else cut(layer.valid))
         self._state = {name: cut(value) for name, value in layer.state.items()}
         self.state = dict(self._state)
 
@@ -290,42 +289,9 @@ class RowView:
                 self._state[name] = value
 
 
-def _some_padding(valid: torch.Tensor | None) -> torch.Tensor | None:
+def padding_of(valid: torch.Tensor | None) -> torch.Tensor | None:
     """A view's validity mask, or None when every entry it holds is real."""
     return None if valid is None or bool(valid.all()) else valid
-
-
-class PackedRowView(RowView):
-    """A :class:`RowView` of a layer whose entries are packed (:class:`~kvevict.packed.PackedEntries`:
-    a prompt chunk that stayed packed, :mod:`kvevict.packedpass`, until its pooled eviction), the
-    same view but for when it reads the layer: the padded layout's positions, validity and state
-    (a few numbers per entry) when first read, then kept; the keys and values anew at every read,
-    never kept. Why: a pooled eviction holds a view of every layer at once, and keys and values
-    kept by each would hold every layer padded to its longest head at once, the very peak a
-    packed pass avoids (a scorer that reads keys, ``knorm``, makes one layer's at a time)."""
-
-    def _read(self, cut: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self._cut = cut
-
-    keys = property(lambda self: self._cut(self.layer.keys))  # type: ignore[assignment]
-    values = property(lambda self: self._cut(self.layer.values))  # type: ignore[assignment]
-
-    @functools.cached_property
-    def positions(self) -> torch.Tensor:  # type: ignore[override]
-        return self._cut(self.layer.positions)
-
-    @functools.cached_property
-    def valid(self) -> torch.Tensor | None:  # type: ignore[override]
-        valid = self.layer.valid
-        return _some_padding(None if valid is None else self._cut(valid))
-
-    @functools.cached_property
-    def _state(self) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        return {name: self._cut(value) for name, value in self.layer.state.items()}
-
-    @functools.cached_property
-    def state(self) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        return dict(self._state)
 
 
 class LayerStack:
