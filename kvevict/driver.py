@@ -187,7 +187,7 @@ class PolicyDriver:
             dropped = view.drop_outside_window()
             deferred = due and phase == "prefill" and self.policy.deferred_prefill
             if deferred:
-                self.owner.deferred.append((view, signals))
+                self.owner.deferred.append((view, self.policy.deferred_signals(signals)))
             elif due and not dropped and self._holds_everything(view):  # one view: every row, every entry
                 if phase == "decode" and self.owner.ends_passes:  # at the end of the pass (module docstring)
                     self.pending_eviction = (view, signals)

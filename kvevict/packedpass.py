@@ -196,7 +196,7 @@ class PackedPasses:
             if view.eviction_due(phase, view.num_new):
                 rows = query if view.rows == slice(0, len(self.rows)) else query[view.rows]
                 signals = compute_signals(policy.requirements(phase, True), view, phase, rows, scaling)
-                self.owner.deferred.append((view, signals))
+                self.owner.deferred.append((view, policy.deferred_signals(signals)))
 
     def keep_packed(self, counts: torch.Tensor, holes: torch.Tensor, movers: torch.Tensor) -> None:
         """:meth:`~kvevict.driver.PolicyDriver.keep_rows` of a packed layer (a chunk that stayed
