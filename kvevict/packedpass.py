@@ -95,23 +95,23 @@ class PackedPasses:
     """The packed passes of :class:`~kvevict.layer.EvictionLayer` (a mixin: it reads the layer's
     rows, storage and pass state, declared below)."""
 
-    storage: LayerStorage
-    rows: list[RowState]
-    n: int
-    window: int | None
-    compacted: bool
-    packed_pass: bool
-    prompt_pass: bool
-    passes: int
-    device: torch.device
     owner: Any
     policy: Any
+    device: torch.device
+    storage: LayerStorage
+    keys: torch.Tensor
+    values: torch.Tensor
+    rows: list[RowState]
+    window: int | None
+    n: int
+    passes: int
+    prompt_pass: bool
+    packed_pass: bool
+    compacted: bool
     _exposed: Columns
     _state_views: dict[str, torch.Tensor]
     _steady: Any
     _row_log_partition: torch.Tensor | None
-    keys: torch.Tensor
-    values: torch.Tensor
 
     def continues_prompt(self, num_new: int) -> bool: ...
     def _is_prompt_pass(self, num_new: int) -> bool: ...
