@@ -365,7 +365,10 @@ class Policy:
         the prefill forward: without the queries (none, ``[B, Hq, 0, d]``) unless a stage reads
         them when it selects. Every layer keeps its signals until then, and its queries
         ``[B, Hq, q, d]`` are as large as the pass (a chunk of 256 tokens: 590 KB a layer of SmolLM2)."""
-        return signals if self.reads_query else replace(signals, query=signals.query[:, :, :0])
+        if self.reads_query:
+            return signals
+        b, hq, _, d = signals.query.shape
+        return replace(signals, query=signals.query.new_empty(b, hq, 0, d))  # (no view: it would keep them)
 
     @cached_property
     def observes(self) -> bool:
