@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from kvevict.attention import mark_pending
-from kvevict.rows import RowState, RowView, padding_of
+from kvevict.rows import RowState, RowView, mask_if_padded
 from kvevict.signals import compute_signals
 from kvevict.storage import Columns, LayerStorage
 
@@ -62,7 +62,7 @@ class PackedRowView(RowView):
     @functools.cached_property
     def valid(self) -> torch.Tensor | None:  # type: ignore[override]
         valid = self.layer.valid
-        return padding_of(None if valid is None else self._cut(valid))
+        return mask_if_padded(None if valid is None else self._cut(valid))
 
     @functools.cached_property
     def _state(self) -> dict[str, torch.Tensor]:  # type: ignore[override]

@@ -213,7 +213,7 @@ class RowView:
         """Take the view's part ``cut`` of the layer's entries, validity and state."""
         layer = self.layer
         self.keys, self.values, self.positions = cut(layer.keys), cut(layer.values), cut(layer.positions)
-        self.valid = padding_of(None if layer.valid is None else cut(layer.valid))
+        self.valid = mask_if_padded(None if layer.valid is None else cut(layer.valid))
         self._state = {name: cut(value) for name, value in layer.state.items()}
         self.state = dict(self._state)
 
@@ -289,7 +289,7 @@ class RowView:
                 self._state[name] = value
 
 
-def padding_of(valid: torch.Tensor | None) -> torch.Tensor | None:
+def mask_if_padded(valid: torch.Tensor | None) -> torch.Tensor | None:
     """A view's validity mask, or None when every entry it holds is real."""
     return None if valid is None or bool(valid.all()) else valid
 
