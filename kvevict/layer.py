@@ -20,8 +20,9 @@ full layer; its mask is built from positions (:mod:`kvevict.attention`).
 Owns: transformers' layer API (``update``, ``get_seq_length``, ...), the rows of the batch
 in this layer, appending a pass's entries, exposing the storage's first ``n`` columns as
 ``keys``, ``values``, ``positions``, ``valid`` and ``state``, splicing and removing rows, and
-the layer's byte counts. The pass bookkeeping (:mod:`kvevict.passes`) and the policy driver
-(:mod:`kvevict.driver`) are its two mixins; the tensors are its :class:`~kvevict.storage.LayerStorage`.
+the layer's byte counts. The pass bookkeeping (:mod:`kvevict.passes`), the policy driver
+(:mod:`kvevict.driver`) and the passes that leave a ragged layer packed (:mod:`kvevict.packedpass`)
+are its mixins; the tensors are its :class:`~kvevict.storage.LayerStorage`.
 
 Must not touch: the cache's other layers, or tensors other than through its storage.
 """
