@@ -130,10 +130,10 @@ def _make_attention(base: str) -> Callable:
         if layer is None:  # not an eviction cache: pure pass-through
             return base_kernel(base, module)(module, query, key, value, attention_mask, **kwargs)
         spec = kernel_spec(query, kwargs)
-        if layer.packed_pass and not _attends_packed(base, module, spec, attention_mask, query.shape[0]):
+        if layer.packed_pass and not _attends_packed(base, module, spec, attention_mask, query.shape):
             key, value = layer.leave_packed_pass()
         layer.begin_pass(attention_mask)
-        if layer.packed_pass:  # nothing for the policy to do in this decode step: the entries as they lie
+        if layer.packed_pass:  # the entries as they lie (a prompt chunk's part for the policy follows there)
             return layer.attend_packed(query, spec.scaling), None
         row = None if base not in ROW_KERNELS or module.training else layer.decode_row(query, spec)
         side = layer.side_attention(query, spec, module)  # a policy's own scoring pass (KVzip's) may attend itself
@@ -154,17 +154,20 @@ def _make_attention(base: str) -> Callable:
     return kvevict_attention
 
 
-def _attends_packed(base: str, module: torch.nn.Module, spec: LogitSpec, mask: torch.Tensor | None, batch: int) -> bool:
-    """Whether a decode step that left its layer packed may attend the packed entries
-    (:meth:`~kvevict.layer.EvictionLayer.attend_packed`): a kernel kvevict may stand in for,
+def _attends_packed(
+    base: str, module: torch.nn.Module, spec: LogitSpec, mask: torch.Tensor | None, shape: torch.Size
+) -> bool:
+    """Whether a pass that left its layer packed (a decode step, a prompt chunk: ``shape`` is its
+    queries' ``[B, Hq, q, d]``) may attend the packed entries
+    (:meth:`~kvevict.packedpass.PackedPasses.attend_packed`): a kernel kvevict may stand in for,
     not training (no dropout), plain scaled logits (no soft cap, no learned sinks), and a real
-    token in every row (a row whose step is padding sees only its own column)."""
+    token in every column of every row (a padding query sees only its own column)."""
     return (
         base in ROW_KERNELS
         and not module.training
         and spec.softcap is None
         and spec.sinks is None
-        and real_columns(mask, 1, batch) is None
+        and real_columns(mask, shape[2], shape[0]) is None
     )
 
 

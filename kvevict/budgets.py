@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass(frozen=True)
@@ -70,17 +69,34 @@ def adakv_counts(scores: torch.Tensor, budget: int | torch.Tensor, safeguard: fl
     The layer's total stays ``H × budget`` (or everything, when heads hold less). ``budget``
     may be given per head, ``[B, H]``.
     """
-    protected = torch.isposinf(scores)
-    free = torch.isfinite(scores)
-    held = protected.sum(dim=-1)
-    spare = (budget - held).clamp(min=0)
-    floor = (safeguard * spare).floor().long()
-    guaranteed = free & (descending_ranks(scores.masked_fill(~free, float("-inf"))) < floor[..., None])
-    contest = scores.masked_fill(~free | guaranteed, float("-inf"))
-    slots = (spare - floor).sum(dim=-1)  # [B]
-    flat = contest.flatten(1)
+    return pooled_counts([scores], [budget], safeguard)[0]
+
+
+def pooled_counts(
+    scores: Sequence[torch.Tensor], budgets: Sequence[int | torch.Tensor], safeguard: float
+) -> list[torch.Tensor]:
+    """:func:`adakv_counts` of the heads of several layers at once, as if they were the heads of one
+    layer (layer ``l``'s scores ``[B, H_l, n_l]`` and budget, an int or ``[B, H_l]``), without padding
+    every layer to the longest: each layer's heads are flattened as they are and the layers'
+    flattened scores ranked together (the same order of real entries, so the same counts)."""
+    held, guaranteed, contests, slots = [], [], [], 0
+    for layer, budget in zip(scores, budgets, strict=True):
+        protected = torch.isposinf(layer)
+        free = torch.isfinite(layer)
+        held.append(protected.sum(dim=-1))
+        spare = (budget - held[-1]).clamp(min=0)
+        floor = (safeguard * spare).floor().long()
+        kept = free & (descending_ranks(layer.masked_fill(~free, float("-inf"))) < floor[..., None])
+        guaranteed.append(kept.sum(dim=-1))
+        contests.append(layer.masked_fill(~free | kept, float("-inf")).flatten(1))
+        slots = slots + (spare - floor).sum(dim=-1)  # [B]
+    flat = contests[0] if len(contests) == 1 else torch.cat(contests, dim=1)
     wins = (descending_ranks(flat) < slots[:, None]) & torch.isfinite(flat)
-    return held + guaranteed.sum(dim=-1) + wins.view_as(scores).sum(dim=-1)
+    won = wins.split([contest.shape[1] for contest in contests], dim=1)
+    return [
+        own + kept + layer_wins.view_as(layer).sum(dim=-1)
+        for own, kept, layer_wins, layer in zip(held, guaranteed, won, scores)
+    ]
 
 
 def global_counts(
@@ -94,7 +110,8 @@ def global_counts(
     layer keeps, ``[B, H]`` int64 per layer.
 
     The layers' selection scores ``[B, H, n_l]`` are ranked together as if their heads were
-    the heads of one layer (:func:`adakv_counts`): the pool is what the heads would keep under
+    the heads of one layer (:func:`pooled_counts`, each layer padded to its own longest head
+    only): the pool is what the heads would keep under
     their own budgets, ``Σ min(budget, n_h)`` over every head's ``n_h`` entries (``L·H·budget``
     when each holds more than the budget), and each head keeps its protected entries plus at
     least ``⌊safeguard·(min(budget, n_h) − protected)⌋`` of its own. A sliding-window layer whose
@@ -109,19 +126,13 @@ def global_counts(
     entries compete, so the pool goes to other heads' next best rather than growing one head
     with the context.
     """
-    width = max(layer.shape[-1] for layer in scores)
-    padded = torch.cat([F.pad(layer, (0, width - layer.shape[-1]), value=float("-inf")) for layer in scores], dim=1)
-    if reach is None:
-        own = (padded > float("-inf")).sum(dim=-1).clamp(max=budget)  # [B, H]: what each head keeps on its own
+    if reach is None:  # [B, H]: what each head keeps on its own
+        own: list[int | torch.Tensor] = [(layer > float("-inf")).sum(dim=-1).clamp(max=budget) for layer in scores]
     else:
-        own = torch.cat(
-            [torch.full(layer.shape[:2], min(budget, n), device=padded.device) for layer, n in zip(scores, reach)],
-            dim=1,
-        )
+        own = [min(budget, n) for n in reach]
     if cap is not None:  # (protected entries, at +inf, rank first)
-        padded = padded.masked_fill(descending_ranks(padded) >= cap, float("-inf"))
-    counts = adakv_counts(padded, own, safeguard)
-    return list(counts.split([layer.shape[1] for layer in scores], dim=1))
+        scores = [layer.masked_fill(descending_ranks(layer) >= cap, float("-inf")) for layer in scores]
+    return pooled_counts(scores, own, safeguard)
 
 
 def descending_ranks(scores: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ or how tensors are replaced (every replacement goes through :class:`~kvevict.sto
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,6 +42,9 @@ class PolicyDriver:
     owner: Any
     policy: Any
     num_kv_heads: int
+
+    keep_packed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+    """A packed layer's :meth:`keep_rows` (:meth:`~kvevict.packedpass.PackedPasses.keep_packed`)."""
 
     def refresh(self, n: int | None = None) -> None: ...
     def unpack(self) -> None: ...
@@ -183,7 +187,7 @@ class PolicyDriver:
             dropped = view.drop_outside_window()
             deferred = due and phase == "prefill" and self.policy.deferred_prefill
             if deferred:
-                self.owner.deferred.append((view, signals))
+                self.owner.deferred.append((view, self.policy.deferred_signals(signals)))
             elif due and not dropped and self._holds_everything(view):  # one view: every row, every entry
                 if phase == "decode" and self.owner.ends_passes:  # at the end of the pass (module docstring)
                     self.pending_eviction = (view, signals)
@@ -251,6 +255,7 @@ class PolicyDriver:
             whole
             and rows[0][1] is not None
             and self.storage.valid is None
+            and self.storage.packed is None
             and width == self.n
             and self._drop_one(kept[0])
         ):
@@ -265,6 +270,9 @@ class PolicyDriver:
         index = torch.arange(width, device=self.device)
         prefix = index < counts[..., None]
         holes, movers = (prefix & ~relative).nonzero(), (~prefix & relative).nonzero()
+        if self.storage.packed is not None:  # a prompt chunk that stayed packed (kvevict.packedpass)
+            self.keep_packed(counts, holes, movers)
+            return
         new_n = int(counts.max())
         aligned = all(row.start == 0 for row in self.rows)
         ordered = all(keep is None for _, keep in rows)  # only entries that left a sliding window go

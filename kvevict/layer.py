@@ -20,8 +20,9 @@ full layer; its mask is built from positions (:mod:`kvevict.attention`).
 Owns: transformers' layer API (``update``, ``get_seq_length``, ...), the rows of the batch
 in this layer, appending a pass's entries, exposing the storage's first ``n`` columns as
 ``keys``, ``values``, ``positions``, ``valid`` and ``state``, splicing and removing rows, and
-the layer's byte counts. The pass bookkeeping (:mod:`kvevict.passes`) and the policy driver
-(:mod:`kvevict.driver`) are its two mixins; the tensors are its :class:`~kvevict.storage.LayerStorage`.
+the layer's byte counts. The pass bookkeeping (:mod:`kvevict.passes`), the policy driver
+(:mod:`kvevict.driver`) and the passes that leave a ragged layer packed (:mod:`kvevict.packedpass`)
+are its mixins; the tensors are its :class:`~kvevict.storage.LayerStorage`.
 
 Must not touch: the cache's other layers, or tensors other than through its storage.
 """
@@ -38,17 +39,14 @@ from transformers.cache_utils import DynamicLayer
 
 from kvevict.attention import mark_pending
 from kvevict.driver import PolicyDriver
+from kvevict.packedpass import PackedPasses, PackedRowView
 from kvevict.passes import PassBookkeeping, PendingPass, SteadyRecord
 from kvevict.rows import RowState, RowView, SequenceState, phase_of, uniform
 from kvevict.signals import Signals
 from kvevict.storage import ColumnBytes, Columns, LayerStorage
 
-NOTHING_EXPOSED = Columns(LayerStorage(), 0)
-"""What a layer exposes between passes, when its storage is packed or quantized (its properties
-read the storage then): views of no tensor of its own, made once."""
 
-
-class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
+class EvictionLayer(PassBookkeeping, PolicyDriver, PackedPasses, DynamicLayer):
     """One attention layer of an eviction cache: full attention, or a sliding window of
     ``window`` positions (a query at ``p`` sees keys at ``> p − window``).
 
@@ -200,8 +198,7 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
             self.quantize()
         elif self.is_initialized and self.storage.valid is not None and self.storage.packed is None:
             self.storage.pack(self.n, [row.start + row.width for row in self.rows])
-            self._steady = self._pass_views = None
-            self._exposed, self._state_views = NOTHING_EXPOSED, {}  # no view of the old tensors
+            self.expose_nothing()  # no view of the old tensors
 
     def quantize(self) -> None:
         """A quantized cache's layer holds its keys and values as codes until its next pass
@@ -210,8 +207,8 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         if self.owner.quant is not None and self.is_initialized and self.n and self.storage.quantized is None:
             spans = [(row.start, row.width) for row in self.rows]
             self.storage.quantize(self.n, spans, self.owner.quant)
-            self._steady = self._pass_views = None
-            self._exposed, self._state_views = NOTHING_EXPOSED, {}  # no view of the old tensors
+            self._pass_views = None
+            self.expose_nothing()  # no view of the old tensors
 
     def attended(self) -> None:
         """Called by the attention path once this layer's pass attended and its policy ran: a
@@ -303,7 +300,11 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
 
     def row_view(self, row: int) -> RowView:
         """Row ``row`` as a batch-1 layer holding that sequence alone (what policies see)."""
-        return RowView(self, row)
+        return self._view_type()(self, row)
+
+    def _view_type(self) -> type[RowView]:
+        """A packed layer's views read it when they read it (:class:`~kvevict.packedpass.PackedRowView`)."""
+        return RowView if self.storage.packed is None else PackedRowView
 
     def views(self) -> list[RowView]:
         """What the policy's hooks run on in this pass: one view of every row at once when the
@@ -340,8 +341,8 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
                 for i, row in enumerate(rows)
             )
             if lockstep:
-                return [RowView(self, 0, len(rows))]
-        return [RowView(self, i) for i in range(len(rows))]
+                return [self._view_type()(self, 0, len(rows))]
+        return [self._view_type()(self, i) for i in range(len(rows))]
 
     # -- transformers' layer API ------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -373,14 +374,7 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
             self.observe_pending()
             self.evict_pending()
         if self._stays_packed(key_states):  # appended where its entries lie, attended there (attend_packed)
-            positions = torch.tensor([row.sequence.start_seen for row in self.rows], device=self.device)
-            storage.append_packed(key_states, value_states, positions)
-            self.prompt_pass = self._is_prompt_pass(1)  # (False: this step closes the prompt)
-            self.n = max(row.start + row.width for row in self.rows) + 1
-            self._count_appended(1)
-            self.packed_pass = True
-            mark_pending(self, key_states)
-            return key_states, value_states
+            return self.append_packed(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, num_new = key_states.shape[0], key_states.shape[2]
@@ -430,47 +424,6 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, DynamicLayer):
         self._num_new = num_new
         self._pass_views = None
         self._steady = None
-
-    def _stays_packed(self, key_states: torch.Tensor) -> bool:
-        """Whether this pass is a decode step that may leave the layer packed: one token per row
-        into a packed (ragged) full-attention layer, on a CPU, under a policy that has nothing
-        to do while decoding but, maybe, correct the output from its own data (it evicts only
-        at prefill: its state of decode tokens would never be read), every row past its prompt.
-        Then the step appends each head's entry where its entries lie and attends them there
-        (:meth:`attend_packed`), instead of spreading the layer into padded storage and packing
-        it again."""
-        owner, policy = self.owner, self.policy
-        if not (
-            self.storage.packed is not None
-            and self.compacted  # (until an eviction the model's own kernel runs: bit-identical to no eviction)
-            and key_states.shape[2] == 1
-            and key_states.shape[0] == len(self.rows)
-            and key_states.is_cpu  # (on a GPU the padded layout costs little and a product per head a launch)
-            and self.window is None
-            and owner.side_pass is None
-            and owner.hidden is None
-            and not policy.evicts_in("decode")
-        ):
-            return False
-        owner.advance(self.passes + 1, 1)  # (once per pass: the padded path's call is then a no-op)
-        return all(row.sequence.start_passes for row in self.rows) and not self.continues_prompt(1)
-
-    def leave_packed_pass(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step :meth:`_stays_packed` let append into packed entries cannot attend them there
-        (padding in the model's mask, a kernel or logit recipe :meth:`attend_packed` does not
-        follow): spread them, its entries included, into padded storage as :meth:`update` would
-        have, and return the keys and values to attend."""
-        self.packed_pass = False
-        self.refresh(self.storage.unpack(max(row.interval for row in self.rows), self._free_positions(True)))
-        return self.keys, self.values
-
-    def attend_packed(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """The output ``[B, 1, Hq, d]`` of this step's query ``[B, Hq, 1, d]`` over the packed
-        entries, corrected by the policy (MomentKV's NC) from the ``log Z`` computed with it."""
-        assert self.storage.packed is not None
-        corrects = self.policy.corrects_output
-        output, self._row_log_partition = self.storage.packed.attend(query, scaling, corrects)
-        return self.correct_output(query, output, scaling) if corrects else output
 
     def get_seq_length(self) -> int:
         return self.tokens

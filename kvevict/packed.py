@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from itertools import accumulate, pairwise
 
 import torch
+import torch.nn.functional as F
 
 from kvevict.signals import as_dtype, as_float32
 
@@ -50,7 +51,7 @@ class PackedEntries:
     def __init__(self, held: torch.Tensor, entries: dict[str, torch.Tensor], ends: list[int]):
         self._held, self.entries, self._ends = held, entries, ends
         self.appended = 0
-        """Entries each head gained since it was packed (one per decode step)."""
+        """Entries each head gained since it was packed (one per decode step, a chunk's per prompt chunk)."""
         self.lengths: list[int] = held.flatten(0, 1).sum(dim=-1).tolist()
         """Real entries of each head (segment), row-major over ``[B, Hkv]``."""
         self.starts = starts_of(self.lengths)
@@ -114,24 +115,29 @@ class PackedEntries:
         return torch.repeat_interleave(shift, lengths) + torch.arange(sum(self.lengths), device=device)
 
     def append(self, new: dict[str, torch.Tensor], capacity: Callable[[int], int]) -> None:
-        """One decode step: entry ``new[name]`` ``[B, Hkv, 1, ...]`` of every head at the end of its
-        segment (every entry of the layer is given). A full segment makes every segment move
-        into new tensors, each with room up to ``capacity(its length)``: O(1) amortised per
-        step, within the storage's bounded slack (:func:`~kvevict.storage.capacity_bound`)."""
+        """One pass's ``q`` entries ``new[name]`` ``[B, Hkv, q, ...]`` of every head at the end of its
+        segment (every entry of the layer is given): a decode step's one, or a prompt chunk's
+        (:meth:`attend_chunk`). A segment without room for them makes every segment move into new
+        tensors, each with room up to ``capacity(its length)`` (at least ``q``): for decode steps
+        O(1) amortised per step, within the storage's bounded slack
+        (:func:`~kvevict.storage.capacity_bound`)."""
+        q = new["keys"].shape[2]
         if (
             self._next is None
             or (self._next.is_inference() and not torch.is_inference_mode_enabled())
-            or not self._room
+            or self._room < q
         ):
             self._grow(capacity)  # (new tensors, also for entries made under inference_mode: written in place here)
         assert self._next is not None and self._heads is not None and self._segment_heads is not None
+        assert self._room >= q, "capacity() gives every segment room for the pass"
+        slots = self._next if q == 1 else (self._next[:, None] + torch.arange(q, device=self._next.device)).flatten()
         for name, x in self.entries.items():
-            x.index_copy_(0, self._next, new[name].reshape(self._next.shape[0], *x.shape[1:]))
-        self._heads.index_copy_(0, self._next, self._segment_heads)
-        self._next += 1
-        self._room -= 1
-        self.lengths = [length + 1 for length in self.lengths]
-        self.appended += 1
+            x.index_copy_(0, slots, new[name].reshape(slots.shape[0], *x.shape[1:]))
+        self._heads.index_copy_(0, slots, self._segment_heads if q == 1 else self._segment_heads.repeat_interleave(q))
+        self._next += q
+        self._room -= q
+        self.lengths = [length + q for length in self.lengths]
+        self.appended += q
 
     def _grow(self, capacity: Callable[[int], int]) -> None:
         extra = [capacity(length) - length for length in self.lengths]
@@ -146,6 +152,18 @@ class PackedEntries:
         self._segment_heads = torch.arange(len(lengths), device=device).remainder_(self._held.shape[1]).to(torch.int16)
         held_heads = torch.repeat_interleave(self._segment_heads, lengths)
         self._heads = torch.full((capacity,), -1, dtype=torch.int16, device=device).index_copy_(0, index, held_heads)
+
+    def write_last(self, name: str, rows: slice, value: torch.Tensor) -> None:
+        """Entry ``name`` of the last ``q`` entries appended to the segments of batch rows ``rows``:
+        ``value`` ``[b, Hkv, q, ...]`` (an entry new to the layer: zeros elsewhere)."""
+        assert self._next is not None, "write after an append"
+        heads, q = self._held.shape[1], value.shape[2]
+        ends = self._next[rows.start * heads : rows.stop * heads]
+        slots = (ends[:, None] - q + torch.arange(q, device=ends.device)).flatten()
+        if name not in self.entries:
+            self.entries[name] = value.new_zeros(self.capacity, *value.shape[3:])
+        entry = self.entries[name]
+        entry.index_copy_(0, slots, value.reshape(slots.shape[0], *value.shape[3:]).to(entry.dtype))
 
     def attend(
         self, query: torch.Tensor, scaling: float, log_partition: bool = False
@@ -174,6 +192,40 @@ class PackedEntries:
             if log_z is not None:  # from the softmax (max logit − log of the largest probability): no second exp
                 torch.sub(logits.amax(dim=-1), probs.amax(dim=-1).log_(), out=log_z[row])
         return as_dtype(output.view(b, 1, hq, -1), values.dtype), None if log_z is None else log_z.view(b, hq, 1)
+
+    def attend_chunk(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The attention output ``[B, q, Hq, d]`` (the kernel's layout) of a prompt chunk's ``q``
+        queries ``[B, Hq, q, d]`` (query head ``h`` reads KV head ``h // (Hq / Hkv)``), the chunk's
+        entries being the last ``q`` appended to every segment: every earlier entry of a head is
+        visible to every query (all lie before the chunk), the chunk's own causally. Per (row, KV
+        head), one scaled dot-product attention of its query heads over its own segment as it
+        lies: no head is padded to the longest (its keys cost what it holds)."""
+        b, hq, q, _ = query.shape
+        heads = self._held.shape[1]
+        group = hq // heads
+        keys, values = self.entries["keys"], self.entries["values"]
+        causal = torch.ones(q, q, dtype=torch.bool, device=query.device).tril_()
+        output = query.new_empty(b, q, hq, values.shape[-1])
+        for segment, (start, length) in enumerate(zip(self.starts, self.lengths)):
+            row, head = divmod(segment, heads)
+            mask = torch.cat([causal.new_ones(q, length - q), causal], dim=1)
+            own = slice(head * group, (head + 1) * group)
+            attended = F.scaled_dot_product_attention(
+                query[row, own].unsqueeze(0),
+                keys[start : start + length].expand(1, group, length, -1),
+                values[start : start + length].expand(1, group, length, -1),
+                attn_mask=mask,
+                scale=scaling,
+            )
+            output[row, :, own] = attended[0].transpose(0, 1)
+        return output
+
+    def slots(self) -> torch.Tensor:
+        """``[B, Hkv, width]``: where the entry of each slot of the padded layout (:attr:`held`)
+        lies in :attr:`entries` (meaningless where no entry is held)."""
+        held = self.held
+        starts = torch.tensor(self.starts, device=held.device).view(*held.shape[:2], 1)
+        return held.cumsum(dim=-1).add_(starts - 1)
 
     def _query_heads(self, hq: int) -> torch.Tensor:
         """``[Hq, 1]``: the KV head each query head reads (made once: every decode step masks by it)."""

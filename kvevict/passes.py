@@ -194,7 +194,7 @@ class PassBookkeeping:
                     self._start_row(sequence)
                 elif self.prompt_pass and self.owner.side_pass is None:
                     self._continue_prompt(sequence)
-        if self.packed_pass:  # a decode step with nothing for the policy to do (EvictionLayer._stays_packed)
+        if self.packed_pass:  # it stays packed: its part for the policy, if any, once it attended (packedpass)
             self._pass_views = None
         else:
             self._begin_views(steady)

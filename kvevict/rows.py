@@ -182,11 +182,7 @@ class RowView:
             cut = _whole  # the usual case, one row or rows in lockstep: the layer's own views
         else:
             cut = _narrowing(rows, columns)
-        self.keys, self.values, self.positions = cut(layer.keys), cut(layer.values), cut(layer.positions)
-        valid = None if layer.valid is None else cut(layer.valid)
-        self.valid = None if valid is None or bool(valid.all()) else valid
-        self._state = {name: cut(value) for name, value in layer.state.items()}
-        self.state = dict(self._state)
+        self._read(cut)
         self.interval = info.interval
         if stop - row == 1:
             self.seen, self.prompt_length, self.budget = info.seen, info.prompt_length, info.budget
@@ -213,6 +209,14 @@ class RowView:
             first = torch.tensor(ends, device=layer.device)[:, None] - info.new
             self.new_columns = first + torch.arange(info.new, device=layer.device)
 
+    def _read(self, cut: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Take the view's part ``cut`` of the layer's entries, validity and state."""
+        layer = self.layer
+        self.keys, self.values, self.positions = cut(layer.keys), cut(layer.values), cut(layer.positions)
+        self.valid = mask_if_padded(None if layer.valid is None else cut(layer.valid))
+        self._state = {name: cut(value) for name, value in layer.state.items()}
+        self.state = dict(self._state)
+
     @property
     def memo(self) -> MutableMapping[str, object]:
         """Per-layer policy data of this row; of rows in lockstep, every row's data stacked
@@ -221,8 +225,8 @@ class RowView:
         return rows_memo(self.layer.rows, self.rows)
 
     policy = property(lambda self: self.layer.policy)
-    num_kv_heads = property(lambda self: self.keys.shape[1])
-    length = property(lambda self: self.keys.shape[2])
+    num_kv_heads = property(lambda self: self.positions.shape[1])
+    length = property(lambda self: self.positions.shape[2])
     decode_step = property(lambda self: self.info.seen - self.info.prompt_length)  # the same for every row
     decode_peak = property(lambda self: self.info.decode_peak)
 
@@ -232,7 +236,7 @@ class RowView:
     def head_lengths(self) -> torch.Tensor:
         if self.valid is not None:
             return self.valid.sum(dim=-1)
-        return torch.full(self.keys.shape[:2], self.length, dtype=torch.long, device=self.device)
+        return torch.full(self.positions.shape[:2], self.length, dtype=torch.long, device=self.device)
 
     def outside_window(self) -> torch.Tensor | None:
         """``[1, Hkv, n]``: entries no later query can see (positions ``≤ seen − window``);
@@ -283,6 +287,11 @@ class RowView:
             if value is not self._state.get(name):
                 self.layer.storage.write_state(name, self.rows, self.columns, value)
                 self._state[name] = value
+
+
+def mask_if_padded(valid: torch.Tensor | None) -> torch.Tensor | None:
+    """A view's validity mask, or None when every entry it holds is real."""
+    return None if valid is None or bool(valid.all()) else valid
 
 
 class LayerStack:

@@ -259,16 +259,56 @@ class LayerStorage:
         self.replaced()
 
     def append_packed(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor) -> None:
-        """A decode step into packed entries, left packed: keys and values ``[B, Hkv, 1, d]``, each
-        row's position ``[B]``; per-token state entries start at zero, as in padded storage."""
+        """A pass into packed entries, left packed: keys and values ``[B, Hkv, q, d]`` (a decode
+        step's one, a prompt chunk's ``q``), each row's position of the first ``[B]``; per-token
+        state entries start at zero, as in padded storage."""
         packed = self.packed
         assert packed is not None
-        new = {"keys": keys, "values": values, "positions": positions.view(-1, 1, 1).expand(*keys.shape[:3])}
+        q = keys.shape[2]
+        new = {"keys": keys, "values": values}
+        new["positions"] = (positions.view(-1, 1, 1) + torch.arange(q, device=positions.device)).expand(*keys.shape[:3])
         for name, value in self.state.items():
             new[name] = value.new_zeros(*keys.shape[:3], *value.shape[3:])
-        # room for 16 entries or a 16th more, whichever is more: moves every 16+ steps,
-        # resident ≤ 1.0625× + 16 per head
-        packed.append(new, lambda length: length + max(SLACK, length // 16))
+        if q == 1:  # room for 16 entries or a 16th more, whichever is more: moves every 16+ steps,
+            # resident ≤ 1.0625× + 16 per head
+            packed.append(new, lambda length: length + max(SLACK, length // 16))
+        else:  # a chunk's entries, and no more: the eviction at the end of the pass packs the layer anew
+            packed.append(new, lambda length: length + q)
+
+    def write_packed(self, rows: slice, values: dict[str, torch.Tensor]) -> None:
+        """The state ``values[name]`` ``[b, Hkv, q, ...]`` of the ``q`` entries just appended to the
+        packed segments of batch rows ``rows`` (a state entry new to the layer starts at zero elsewhere)."""
+        packed = self.packed
+        assert packed is not None
+        for name, value in values.items():
+            if name not in self.state:
+                self.state[name] = value.new_empty(*self.keys.shape[:2], 0, *value.shape[3:])
+            packed.write_last(name, rows, value)
+        self.replaced()
+
+    def keep_packed(self, source: torch.Tensor, kept: torch.Tensor, room: int) -> None:
+        """Keep, of the packed entries, those at the padded layout's columns ``source`` ``[B, Hkv,
+        m]`` where ``kept`` ``[B, Hkv, m]`` (each head's first entries: what :meth:`gather` and
+        :meth:`set_valid` leave in padded storage), in that order: packed anew when the heads
+        keep different numbers, else in padded storage with ``room`` columns to grow. Only the
+        kept entries are copied (no padded copy of the layer is made)."""
+        packed = self.packed
+        assert packed is not None
+        index = packed.slots().gather(2, source)[kept]
+        entries = {name: x.index_select(0, index) for name, x in packed.entries.items()}
+        counts = kept.sum(dim=-1)
+        if bool((counts == kept.shape[-1]).all()):  # every head the same: no padding, no packing
+            self.packed, m = None, kept.shape[-1]
+            self.capacity = m + room
+            dense = {
+                name: spread(x, kept, self.capacity, held_slots(kept, self.capacity), None)
+                for name, x in entries.items()
+            }
+            self.keys, self.values, self.positions = dense.pop("keys"), dense.pop("values"), dense.pop("positions")
+            self.state = dense
+        else:
+            self.packed = PackedEntries(kept, entries, counts.amax(dim=1).tolist())
+        self.replaced()
 
     def unpack(self, room: int, free: torch.Tensor) -> int:
         """The packed entries back in padded storage with ``room`` columns to grow, before a

@@ -2,8 +2,9 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from kvevict.budgets import Budget, adakv_counts, headkv_capacities, load_head_profile, pyramid_budgets
+from kvevict.budgets import Budget, adakv_counts, headkv_capacities, load_head_profile, pooled_counts, pyramid_budgets
 
 INF = float("inf")
 
@@ -110,3 +111,23 @@ def test_a_chunked_pool_counts_each_head_by_its_reach_and_caps_the_longest() -> 
     # short head's next best, however low
     capped = global_counts([short, long], 4, safeguard=0.0, reach=[8, 8], cap=5)
     assert [c.tolist() for c in capped] == [[[3]], [[5]]]
+
+
+@pytest.mark.parametrize("safeguard", [0.0, 0.2])
+def test_layers_pooled_as_they_are_count_as_every_layer_padded_to_the_widest(safeguard: float) -> None:
+    """``pooled_counts`` ranks each layer padded to its own longest head only: the same counts as
+    AdaKV over every layer's heads padded to the widest (the real entries in the same order, so the
+    same ties), protected entries (+inf) and padding (-inf) included."""
+    generator = torch.Generator().manual_seed(0)
+    layers = []
+    for width in (7, 19, 12):
+        scores = torch.randn(2, 3, width, generator=generator).round(decimals=1)  # ties across layers
+        scores[..., :2] = float("inf")
+        scores[torch.rand(2, 3, width, generator=generator) < 0.3] = float("-inf")
+        layers.append(scores)
+    budgets = [torch.tensor([[5, 4, 6], [3, 8, 2]]), 6, torch.tensor([[1, 9, 4], [7, 5, 5]])]
+    padded = torch.cat([F.pad(scores, (0, 19 - scores.shape[-1]), value=float("-inf")) for scores in layers], dim=1)
+    wide = torch.cat([torch.as_tensor(b).expand(2, 3) for b in budgets], dim=1)
+    expected = adakv_counts(padded, wide, safeguard).split(3, dim=1)
+    for counts, want in zip(pooled_counts(layers, budgets, safeguard), expected, strict=True):
+        assert torch.equal(counts, want)

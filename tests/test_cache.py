@@ -7,7 +7,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import kvevict
-from kvevict.layer import NOTHING_EXPOSED
+from kvevict.packedpass import NOTHING_EXPOSED
 from kvevict.policies.h2o import ACCUMULATED, H2O
 from kvevict.rows import LayerStack
 from kvevict.storage import Columns, capacity_bound

@@ -138,3 +138,101 @@ def test_a_ragged_layer_that_never_evicted_decodes_through_the_models_kernel() -
     cache = kvevict.EvictionCache(model, build_policy("snapkv"), budget=100)
     assert torch.equal(decode(model, cache, ids, mask, 4, padded_path=False), expected)
     assert all(layer.storage.packed.appended == 0 for layer in cache.eviction_layers)  # each step unpacked
+
+
+def test_a_chunk_appended_to_packed_segments_attends_as_the_padded_layout_with_a_causal_mask() -> None:
+    """A prompt chunk's ``q`` entries land at columns ``ends[b] .. ends[b] + q`` of the padded layout (where
+    the padded path appends them), the segments with room for exactly the chunk; each query attends every
+    earlier entry of its KV head and the chunk's own up to itself, as the padded path's mask allows."""
+    held, dense, packed = ragged(heads=2, dim=8)
+    batch, heads, n, dim = dense["keys"].shape
+    q = 4
+    new = {"keys": torch.randn(batch, heads, q, dim), "values": torch.randn(batch, heads, q, dim)}
+    new["positions"] = (100 + torch.arange(q)).expand(batch, heads, q)
+    packed.append(new, lambda length: length + q)
+    grown = torch.zeros(batch, heads, n + q, dtype=torch.bool)
+    grown[..., :n] = held
+    expected = {name: torch.cat([x, x.new_zeros(batch, heads, q, *x.shape[3:])], 2) for name, x in dense.items()}
+    for row, end in enumerate((n, n - 3)):
+        grown[row, :, end : end + q] = True
+        for name, x in new.items():
+            expected[name][row, :, end : end + q] = x[row]
+    assert torch.equal(packed.held, grown)
+    assert packed.capacity == sum(packed.lengths)  # room for the chunk and no more
+    query = torch.randn(batch, 6, q, dim)  # three query heads per KV head
+    visible = grown[:, :, None, :] & (expected["positions"][:, :, None, :] <= (100 + torch.arange(q))[:, None])
+    logits = (query.double() @ expected["keys"].double().repeat_interleave(3, 1).transpose(-1, -2)) * 0.3
+    logits = logits.masked_fill(~visible.repeat_interleave(3, 1), float("-inf"))
+    reference = (logits.softmax(-1) @ expected["values"].double().repeat_interleave(3, 1)).transpose(1, 2)
+    torch.testing.assert_close(packed.attend_chunk(query, 0.3).double(), reference, rtol=0, atol=1e-6)
+    slots = packed.slots()  # where each held slot of the padded layout lies in the entries
+    for name, x in expected.items():
+        assert torch.equal(packed.entries[name][slots[grown]], x[grown])
+
+
+def chunks(model, cache, ids, chunk: int, padded_path: bool, during=None):
+    """``ids`` fed ``chunk`` tokens per pass; with ``padded_path`` every ragged layer is unpacked before
+    each pass (so it takes the padded path); ``during(cache)`` runs once every layer attended a pass,
+    before its pooled eviction. Returns the logits of every token ``[1, n, V]``."""
+    hook = model.model.norm.register_forward_hook(lambda *_: during(cache)) if during else None
+    logits = []
+    with torch.no_grad():
+        for start in range(0, ids.shape[1], chunk):
+            if padded_path:
+                for layer in cache.eviction_layers:
+                    layer.unpack()
+            logits.append(model(input_ids=ids[:, start : start + chunk], past_key_values=cache).logits)
+    if hook is not None:
+        hook.remove()
+    return torch.cat(logits, dim=1)
+
+
+@pytest.mark.parametrize("policy", ["fastkvzip", "global+knorm"])
+def test_prompt_chunks_over_packed_layers_stay_packed_and_leave_what_the_padded_path_leaves(policy: str) -> None:
+    """A 160-token prompt fed 16 tokens per pass at budget 40, under one budget pooled across layers and
+    no cap: each chunk's pass over a ragged layer stays packed (no layer padded to its longest head: its
+    storage holds each head's retained entries and the chunk's, nothing else, and the pass keeps no
+    chunk queries for the eviction), attends as the padded path does (logits of every token within
+    1e-5), and the pooled eviction, run from the packed entries, keeps the same entries in the same
+    layout (positions bit for bit)."""
+    model = tiny_model()
+    ids = prompt(160)
+    results, packed_passes, uneven = [], [], []
+
+    def during(cache: kvevict.EvictionCache) -> None:
+        layers = [layer for layer in cache.eviction_layers if layer.packed_pass]
+        for layer in layers:
+            packed = layer.storage.packed
+            assert layer.storage.keys.numel() == layer.storage.values.numel() == 0  # nothing padded
+            assert packed.capacity == sum(packed.lengths) == int(layer.head_lengths().sum())  # held + the chunk
+            uneven.append(sum(packed.lengths) < len(packed.lengths) * max(packed.lengths))  # padding would cost more
+        assert all(signals.query.untyped_storage().nbytes() == 0 for _, signals in cache.deferred)  # no queries kept
+        packed_passes.append(len(layers))
+
+    for padded_path in (False, True):
+        cache = kvevict.EvictionCache(model, build_policy(policy), budget=40, prompt_length=160)
+        logits = chunks(model, cache, ids, 16, padded_path, None if padded_path else during)
+        layers = cache.eviction_layers
+        results.append((logits, [(layer.keys, layer.values, layer.positions, layer.valid) for layer in layers]))
+    assert sum(packed_passes) > len(packed_passes) and max(packed_passes) == 2 and all(uneven)  # every layer
+    (packed_logits, packed_layers), (padded_logits, padded_layers) = results
+    torch.testing.assert_close(packed_logits, padded_logits, rtol=0, atol=1e-5)
+    for (*packed_kv, positions, valid), (*padded_kv, expected_positions, expected_valid) in zip(
+        packed_layers, padded_layers, strict=True
+    ):
+        assert torch.equal(positions, expected_positions)
+        assert (valid is None and expected_valid is None) or torch.equal(valid, expected_valid)
+        for mine, theirs in zip(packed_kv, padded_kv, strict=True):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5)
+
+
+def test_chunks_of_a_policy_that_reads_attention_take_the_padded_path() -> None:
+    """``global+snapkv`` scores by the chunk's attention over the padded layout: its chunks unpack the
+    layers (the cap still bounds the longest head), and the pass keeps its queries only for the stages that read them."""
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, build_policy("global+snapkv"), budget=40, prompt_length=160)
+    packed = []
+    chunks(model, cache, prompt(160), 16, False, lambda c: packed.append(any(x.packed_pass for x in c.eviction_layers)))
+    assert not any(packed)
+    assert cache.policy.allocator.chunk_cap(cache.policy, model.device) == 4
+    assert build_policy("fastkvzip").allocator.chunk_cap(build_policy("fastkvzip"), model.device) == 0

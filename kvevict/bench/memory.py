@@ -23,9 +23,10 @@ scoring costs during the pass. Three more paths prefill in chunks with eviction 
   ``--chunk`` ≤ ``--budget`` (:class:`~kvevict.policies.selection.PromptKeeping`).
   ``chunked-fastkvzip`` (named only, not run by default: it needs the model's gates) is the
   default ``fastkvzip``, each chunk scored by the gates as it passes (attention-free), its one
-  budget pooled over every layer and head allocated after each chunk, a head keeping at most
-  ``4·budget`` entries (docs/fastkvzip.md, round 8): at most ``4·budget + chunk`` columns per
-  layer during a pass. ``chunked-fastkvzip-per-layer`` (named only) is
+  budget pooled over every layer and head allocated after each chunk (docs/fastkvzip.md, round
+  8); on a CPU each chunk's pass over a ragged layer stays packed and no head is capped (a head
+  costs its own entries: round 9), on a GPU a head keeps at most ``4·budget`` entries (at most
+  ``4·budget + chunk`` columns per layer during a pass). ``chunked-fastkvzip-per-layer`` (named only) is
   ``fastkvzip[per_layer=true]``: ``budget + chunk`` per KV head, as SnapKV's.
 
 Every pass computes the logits of the last token only (``logits_to_keep=1``, as ``generate``

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvevict.budgets import adakv_counts, global_counts, headkv_capacities, load_head_profile, pyramid_budgets
+from kvevict.packedpass import chunks_stay_packed
 from kvevict.policies.base import Allocator, Assembly
 from kvevict.policies.params import Param, declare, integer, is_number, number
 from kvevict.signals import row_lengths
@@ -175,8 +176,11 @@ class HeadKV(Allocator):
 
 
 CHUNK_CAP = 4.0
-"""``global``'s default ``cap``: with a prompt fed in chunks, a head keeps at most ``4·B``
-entries after each pooled eviction (docs/fastkvzip.md, round 8)."""
+"""``global``'s default ``cap`` where a prompt chunk's pass pads each layer to its longest head
+(on a GPU, or under a policy whose chunks do not stay packed): a head keeps at most ``4·B``
+entries after each pooled eviction (docs/fastkvzip.md, round 8). Where every chunk's pass stays
+packed (:func:`~kvevict.packedpass.chunks_stay_packed`, on a CPU) a head costs only its own
+entries, and the default is no cap (round 9)."""
 
 
 def reach(layer: EntryView) -> int:
@@ -211,9 +215,11 @@ class GlobalBudget(Allocator):
     takes it over the budget: once the chunk has passed every layer, all layers evict at once,
     each head's retained and new entries ranked together, each head bringing to the pool what
     it would hold alone (``min(B, tokens seen)``, a sliding layer its window), so the pool stays
-    ``L·H·B``; and at those later chunks a head keeps at most ``⌈cap·B⌉`` entries (``cap = 4``),
-    so the longest head of a layer, to which a pass pads the layer, cannot grow with the
-    context: a pass holds at most ``⌈cap·B⌉ + chunk`` columns per layer. Re-ranking after each
+    ``L·H·B``. Where a chunk's pass pads each layer to its longest head, a head keeps at most
+    ``⌈cap·B⌉`` entries at those later chunks (``cap = 4``), so that head cannot grow with the
+    context: a pass holds at most ``⌈cap·B⌉ + chunk`` columns per layer. Where the passes stay
+    packed (:func:`~kvevict.packedpass.chunks_stay_packed`, on a CPU: round 9) a head costs its
+    own entries only, and there is no cap unless one is given. Re-ranking after each
     chunk chooses what one allocation at the end would, for scores that are per-token state
     (Fast KVzip's gates, ``knorm``) up to the hidden states earlier evictions moved; an
     attention scorer (``snapkv``) scores every retained and new entry with the chunk's own
@@ -231,11 +237,15 @@ class GlobalBudget(Allocator):
 
     name = "global"
     batched = True
-    summary = "one budget pool over all layers and heads ranked by the scorer (floor 0.2·B per head; prefill; chunks: a head ≤ 4·B)"
+    summary = "one budget pool over all layers and heads ranked by the scorer (floor 0.2·B per head; prefill; padded chunks: a head ≤ 4·B)"
     PARAMS = declare(
         safeguard=number(0.2, 0, 1),
         cap=Param(
-            CHUNK_CAP, "a number >= 1, or 0 (no cap)", lambda v: is_number(v) and (v == 0 or v >= 1), None, float
+            None,
+            "a number >= 1, or 0 (no cap)",
+            lambda v: is_number(v) and (v == 0 or v >= 1),
+            "no cap where a chunk's pass stays packed, else 4",
+            float,
         ),
     )
     across_layers = True
@@ -261,9 +271,19 @@ class GlobalBudget(Allocator):
         budget = layers[0].budget
         chunked = layers[0].passes > 1  # (a pass of the prompt after its first: the layers were pooled before)
         reaches = [reach(layer) for layer in layers] if chunked else None
-        cap = math.ceil(self.cap * budget) if chunked and self.cap else None
+        cap = self.chunk_cap(layers[0].policy, layers[0].device)
+        cap = math.ceil(cap * budget) if chunked and cap else None
         for layer, counts in zip(layers, global_counts(ranked, budget, self.safeguard, reaches, cap)):
             self.memo(layer)["counts"] = counts
+
+    def chunk_cap(self, policy: Assembly, device: torch.device) -> float:
+        """The cap (0: none) at a later chunk: :attr:`cap`, or when unset none where the chunks'
+        passes stay packed (:func:`~kvevict.packedpass.chunks_stay_packed`, on a CPU: a head that
+        keeps its whole context costs its own entries), else :data:`CHUNK_CAP` (each pass pads
+        every layer to its longest head)."""
+        if self.cap is not None:
+            return self.cap
+        return 0.0 if device.type == "cpu" and chunks_stay_packed(policy) else CHUNK_CAP
 
     def counts(
         self, layer: EntryView, scores: torch.Tensor | None, protected: torch.Tensor, budget: int

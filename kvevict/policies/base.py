@@ -113,6 +113,11 @@ class Stage:
     and written back split, :class:`~kvevict.rows.StackedRows`).
     Only the class's own declaration counts (a subclass re-declares it), see
     :attr:`~kvevict.policies.Policy.batched`."""
+    reads_query: ClassVar[bool] = False
+    """The stage reads the pass's queries (:attr:`~kvevict.signals.Signals.query`) when it
+    selects (:meth:`Scorer.score`, :meth:`Selector.keep`, ...), not only when it observes the
+    pass: a deferred prefill eviction keeps every layer's queries until the end of the prefill
+    forward only for such a stage (:meth:`~kvevict.policies.Policy.deferred_signals`)."""
     stackable: ClassVar[bool] = False
     """The stage's per-token hooks (:meth:`new_tokens`, :meth:`observe`, :meth:`Scorer.score`,
     :meth:`Protector.protected`) are the same function in every layer, treat rows

@@ -112,6 +112,7 @@ class ExpectedAttention(Method):
     summary = "keep what future queries are expected to read: Gaussian query statistics, averaged RoPE (query-agnostic)"
     regimes = ("prefill", "decode", "both")
     comparable_scores = True
+    reads_query = True  # its scores at selection: the prompt's statistics and the pass's own queries
 
     PARAMS = declare(
         n_future=integer(512, low=1),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import cached_property, reduce
 from typing import TYPE_CHECKING
 
@@ -362,6 +363,27 @@ class Policy:
         # eviction fills every head of every stacked layer, every step)
         scores = torch.where(protected, float("inf"), scores)
         return scores if layer.valid is None else torch.where(layer.valid, scores, float("-inf"))
+
+    @cached_property
+    def reads_query(self) -> bool:
+        """Whether a stage reads the pass's queries when it selects (:attr:`~kvevict.policies.base.Stage.reads_query`)."""
+        return any(stage.reads_query for stage in self.stages)
+
+    def deferred_signals(self, signals: Signals) -> Signals:
+        """What a layer's deferred prefill eviction keeps of its pass's ``signals`` until the end of
+        the prefill forward: without the queries (none, ``[B, Hq, 0, d]``) unless a stage reads
+        them when it selects. Every layer keeps its signals until then, and its queries
+        ``[B, Hq, q, d]`` are as large as the pass (a chunk of 256 tokens: 590 KB a layer of SmolLM2)."""
+        if self.reads_query:
+            return signals
+        b, hq, _, d = signals.query.shape
+        return replace(signals, query=signals.query.new_empty(b, hq, 0, d))  # (no view: it would keep them)
+
+    @cached_property
+    def observes(self) -> bool:
+        """Whether a stage observes a pass (:meth:`observe`): otherwise what a pass brings the
+        policy is its new entries' state and, at an eviction, the pass's signals."""
+        return bool(self._overriding("observe"))
 
     @cached_property
     def watches_evictions(self) -> bool:
