@@ -43,7 +43,7 @@ class PolicyDriver:
     policy: Any
     num_kv_heads: int
 
-    keep_packed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+    keep_packed: Callable[[torch.Tensor, torch.Tensor], None]
     """A packed layer's :meth:`keep_rows` (:meth:`~kvevict.packedpass.PackedPasses.keep_packed`)."""
 
     def refresh(self, n: int | None = None) -> None: ...
@@ -270,10 +270,10 @@ class PolicyDriver:
         index = torch.arange(width, device=self.device)
         prefix = index < counts[..., None]
         holes, movers = (prefix & ~relative).nonzero(), (~prefix & relative).nonzero()
-        if self.storage.packed is not None:  # a prompt chunk that stayed packed (kvevict.packedpass)
-            self.keep_packed(counts, holes, movers)
-            return
         new_n = int(counts.max())
+        if self.storage.packed is not None:  # a prompt chunk that stayed packed (kvevict.packedpass)
+            self.keep_packed(counts, refill_sources(width, counts, holes, movers)[..., :new_n])
+            return
         aligned = all(row.start == 0 for row in self.rows)
         ordered = all(keep is None for _, keep in rows)  # only entries that left a sliding window go
         if aligned and not ordered:  # in place: each mover fills a hole
@@ -284,8 +284,7 @@ class PolicyDriver:
             if ordered:  # as transformers' sliding layer (O(window)): a layer that never evicted stays bit-identical
                 source = relative.to(torch.int8).argsort(dim=-1, descending=True, stable=True)
             else:
-                source = index.expand(*counts.shape, width).clone()
-                source[holes[:, 0], holes[:, 1], holes[:, 2]] = movers[:, 2]
+                source = refill_sources(width, counts, holes, movers)
             starts = torch.tensor([row.start for row in self.rows], device=self.device)[:, None, None]
             source = (source[..., :new_n] + starts).clamp(max=self.n - 1)  # beyond a head's count: unused
             self.storage.gather(source, new_n + max(row.interval for row in self.rows))
@@ -339,3 +338,12 @@ class PolicyDriver:
             row.width = last
         self.compacted = True
         self.refresh(last)
+
+
+def refill_sources(width: int, counts: torch.Tensor, holes: torch.Tensor, movers: torch.Tensor) -> torch.Tensor:
+    """``[B, Hkv, width]``: the column each slot of a head takes its entry from when the head keeps
+    its first ``counts`` slots in place and its kept entries beyond them (``movers``, ``[k, 3]``)
+    fill, in order, the dropped slots below (``holes``); slots from ``counts`` on keep their own column."""
+    source = torch.arange(width, device=counts.device).expand(*counts.shape, width).clone()
+    source[holes[:, 0], holes[:, 1], holes[:, 2]] = movers[:, 2]
+    return source

@@ -198,16 +198,14 @@ class PackedPasses:
                 signals = compute_signals(policy.requirements(phase, True), view, phase, rows, scaling)
                 self.owner.deferred.append((view, policy.deferred_signals(signals)))
 
-    def keep_packed(self, counts: torch.Tensor, holes: torch.Tensor, movers: torch.Tensor) -> None:
+    def keep_packed(self, counts: torch.Tensor, source: torch.Tensor) -> None:
         """:meth:`~kvevict.driver.PolicyDriver.keep_rows` of a packed layer (a chunk that stayed
-        packed): head ``(b, h)`` keeps ``counts[b, h]`` entries, those of its columns below that
-        count that it keeps in place and its kept ones above it (``movers``, ``[k, 3]``) in the
-        others (``holes``), in order: the entries and the order the padded path leaves, copied
-        from the packed entries (no padded copy of the layer); packed anew, or in padded storage
-        when every head keeps as many."""
-        kept_n = int(counts.max())
-        source = torch.arange(kept_n, device=self.device).expand(*counts.shape, kept_n).clone()
-        source[holes[:, 0], holes[:, 1], holes[:, 2]] = movers[:, 2]
+        packed): head ``(b, h)`` keeps ``counts[b, h]`` entries, slot ``j`` below that count the one
+        at column ``source[b, h, j]`` (:func:`~kvevict.driver.refill_sources`: its kept ones in
+        place, the kept ones above the count in the others, in order): the entries and the order
+        the padded path leaves, copied from the packed entries (no padded copy of the layer);
+        packed anew, or in padded storage when every head keeps as many."""
+        kept_n = source.shape[-1]
         kept = torch.arange(kept_n, device=self.device) < counts[..., None]
         self.storage.keep_packed(source, kept, max(row.interval for row in self.rows))
         for row, longest in zip(self.rows, counts.max(dim=1).values.tolist()):
