@@ -156,11 +156,12 @@ def accumulate(stats: MomentStats, keys: torch.Tensor, values: torch.Tensor, evi
     key_sum, value_sum = (torch.bmm(rows, x).view(*weight.shape[:2], -1) for x in (k, v))  # the evicted ones'
     centered = None
     if stats.centered is not None:
-        inverse = added.clamp(min=1).reciprocal().flatten()[:, None, None]
-        weighted = ((v - value_sum.flatten(0, 1)[:, None] * inverse) * rows.transpose(1, 2)).transpose(1, 2)
-        centered = torch.baddbmm(stats.centered.flatten(0, 1), weighted, k - key_sum.flatten(0, 1)[:, None] * inverse)
+        inverse = added.clamp(min=1).reciprocal()[..., None]
+        mean_key, mean_value = key_sum * inverse, value_sum * inverse  # the evicted ones' (0 where none)
+        weighted = ((v - mean_value.flatten(0, 1)[:, None]) * rows.transpose(1, 2)).transpose(1, 2)
+        centered = torch.baddbmm(stats.centered.flatten(0, 1), weighted, k - mean_key.flatten(0, 1)[:, None])
         centered = centered.view_as(stats.centered)
-        _merge_centered(centered, stats, added, key_sum, value_sum)
+        _merge_centered(centered, stats, added, mean_key, mean_value)
     return MomentStats.of(stats.count + added, stats.key_sum + key_sum, stats.value_sum + value_sum, centered)
 
 
@@ -174,7 +175,7 @@ def accumulate_one(stats: MomentStats, keys: torch.Tensor, values: torch.Tensor,
     index = slots[..., None, None]
     k, v = (x.gather(2, index.expand(-1, -1, 1, x.shape[-1])).float()[:, :, 0] for x in (keys, values))  # [B, Hkv, d]
     if stats.centered is not None:  # (before the means move)
-        _merge_centered(stats.centered, stats, 1.0, k, v)
+        _merge_centered(stats.centered, stats, 1.0, k, v)  # (one entry: its own means)
     stats.count.add_(1)
     stats.key_sum.add_(k)
     stats.value_sum.add_(v)
@@ -185,17 +186,16 @@ def _merge_centered(
     centered: torch.Tensor,
     stats: MomentStats,
     count: torch.Tensor | float,
-    key_sum: torch.Tensor,
-    value_sum: torch.Tensor,
+    mean_key: torch.Tensor,
+    mean_value: torch.Tensor,
 ) -> None:
     """Add to ``centered`` (``S̃`` of ``stats`` plus that of the joining entries) the pairwise
-    term of merging ``count`` entries with sums ``key_sum``, ``value_sum`` into ``stats``:
+    term of merging ``count`` entries with means ``mean_key``, ``mean_value`` into ``stats``:
     ``n_a n_b / (n_a + n_b) · (v̄_b − v̄_a)(k̄_b − k̄_a)ᵀ``, in place (Chan, Golub & LeVeque)."""
     total = (stats.count + count).clamp(min=1)
     share = stats.count * count / total  # n_a n_b / n: 0 where either side is empty
-    inverse = 1 / max(count, 1) if isinstance(count, float) else count.clamp(min=1).reciprocal()[..., None]
-    value_gap = (value_sum * inverse - stats.mean_value).mul_(share[..., None])
-    key_gap = key_sum * inverse - stats.mean_key
+    value_gap = (mean_value - stats.mean_value).mul_(share[..., None])
+    key_gap = mean_key - stats.mean_key
     dv, dk = centered.shape[2:]
     centered.view(-1, dv, dk).baddbmm_(value_gap.view(-1, dv, 1), key_gap.view(-1, 1, dk))
 
