@@ -228,7 +228,8 @@ def test_prompt_chunks_over_packed_layers_stay_packed_and_leave_what_the_padded_
 
 def test_chunks_of_a_policy_that_reads_attention_take_the_padded_path() -> None:
     """``global+snapkv`` scores by the chunk's attention over the padded layout: its chunks unpack the
-    layers (the cap still bounds the longest head), and the pass keeps its queries only for the stages that read them."""
+    layers (the cap still bounds the longest head), and the pass keeps its queries only for the stages
+    that read them."""
     model = tiny_model()
     cache = kvevict.EvictionCache(model, build_policy("global+snapkv"), budget=40, prompt_length=160)
     packed = []

@@ -237,7 +237,10 @@ class GlobalBudget(Allocator):
 
     name = "global"
     batched = True
-    summary = "one budget pool over all layers and heads ranked by the scorer (floor 0.2·B per head; prefill; padded chunks: a head ≤ 4·B)"
+    summary = (
+        "one budget pool over all layers and heads ranked by the scorer "
+        "(floor 0.2·B per head; prefill; padded chunks: a head ≤ 4·B)"
+    )
     PARAMS = declare(
         safeguard=number(0.2, 0, 1),
         cap=Param(

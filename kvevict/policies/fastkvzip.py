@@ -12,8 +12,8 @@ in chunks is pooled after each chunk, the retained and new entries of every laye
 by their gate scores; each chunk's pass over a ragged layer stays packed on a CPU (each head
 costs its own entries: no cap), and where it cannot (a GPU) a head keeps at most ``4·budget``
 entries, so a pass never holds more than ``4·budget + chunk`` columns per layer however long
-the prompt (docs/fastkvzip.md, rounds 8 and 9). ``per_layer=true`` gives each head its budget, and another allocator (``adakv+``,
-``pyramidkv+``, ``global+`` with its floor) may be named over it. ``regime=decode|both``
+the prompt (docs/fastkvzip.md, rounds 8 and 9). ``per_layer=true`` gives each head its budget,
+and another allocator (``adakv+``, ``pyramidkv+``, ``global+`` with its floor) may be named over it. ``regime=decode|both``
 evicts while decoding too (each head keeping its budget): every generated token is scored as it
 passes, and the cache is evicted back to its budget every ``interval`` tokens (the paper's 128,
 ``min(128, budget // 2)`` for small budgets), so a decode step pays for an eviction once per

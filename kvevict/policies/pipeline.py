@@ -366,7 +366,8 @@ class Policy:
 
     @cached_property
     def reads_query(self) -> bool:
-        """Whether a stage reads the pass's queries when it selects (:attr:`~kvevict.policies.base.Stage.reads_query`)."""
+        """Whether a stage reads the pass's queries when it selects
+        (:attr:`~kvevict.policies.base.Stage.reads_query`)."""
         return any(stage.reads_query for stage in self.stages)
 
     def deferred_signals(self, signals: Signals) -> Signals:
