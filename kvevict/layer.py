@@ -373,14 +373,14 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, PackedPasses, DynamicLayer):
         if self.pending_pass is not None or self.pending_eviction is not None:  # a pass that raised
             self.observe_pending()
             self.evict_pending()
-        if self._stays_packed(key_states):  # appended where its entries lie, attended there (attend_packed)
-            return self.append_packed(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, num_new = key_states.shape[0], key_states.shape[2]
         if b != len(self.rows):
             raise ValueError(f"batch size changed from {len(self.rows)} to {b}: an EvictionCache holds one batch")
         owner.advance(self.passes + 1, num_new)
+        if self._stays_packed(num_new):  # appended where its entries lie, attended there (attend_packed)
+            return self.append_packed(key_states, value_states)
         self.unpack(before_pass=True)
         storage.leave_inference_mode()
         if owner.side_pass is None:  # a policy's own scoring pass is part of the pass it scores

@@ -121,7 +121,7 @@ class PackedPasses:
     def views(self) -> list[RowView]: ...
     def correct_output(self, query: torch.Tensor, output: torch.Tensor, scaling: float) -> torch.Tensor: ...
 
-    def _stays_packed(self, key_states: torch.Tensor) -> bool:
+    def _stays_packed(self, num_new: int) -> bool:
         """Whether this pass may leave the layer packed: a packed (ragged) full-attention layer,
         on a CPU (on a GPU the padded layout costs little and a product per head a launch), no
         scoring pass of the policy's own nor hidden states read by column, every row past its
@@ -130,21 +130,20 @@ class PackedPasses:
         own data (it evicts only at prefill: its state of decode tokens would never be read), or
         a later chunk of the prompt under a policy whose chunks may stay packed
         (:func:`chunks_stay_packed`). Then the pass appends each head's entries where its
-        entries lie and attends them there (:meth:`attend_packed`)."""
-        owner, num_new = self.owner, key_states.shape[2]
-        if not (
+        entries lie and attends them there (:meth:`attend_packed`). Asked once the counters
+        moved to this pass (:meth:`~kvevict.cache.EvictionCache.advance`)."""
+        owner = self.owner
+        return (
             self.storage.packed is not None
             and self.compacted  # (until an eviction the model's own kernel runs: bit-identical to no eviction)
-            and key_states.shape[0] == len(self.rows)
-            and key_states.is_cpu
+            and self.device.type == "cpu"
             and self.window is None  # (a sliding layer holds at most its window anyway)
             and owner.side_pass is None
             and owner.hidden is None
             and (not self.policy.evicts_in("decode") if num_new == 1 else chunks_stay_packed(self.policy))
-        ):
-            return False
-        owner.advance(self.passes + 1, num_new)  # (once per pass: the padded path's call is then a no-op)
-        return all(row.sequence.start_passes for row in self.rows) and self.continues_prompt(num_new) == (num_new > 1)
+            and all(row.sequence.start_passes for row in self.rows)
+            and self.continues_prompt(num_new) == (num_new > 1)
+        )
 
     def append_packed(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The pass :meth:`_stays_packed` allowed: its entries at the end of each head's segment;
