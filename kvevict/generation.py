@@ -218,8 +218,8 @@ def answer(
     """Answer ``question`` about ``context`` with a KV cache compressed by ``policy``.
 
     The context is compressed once on its own (*context-only*); with ``query_aware`` the
-    question is part of the compressed prompt (all of it but its last token). Question and answer prefix are then fed and
-    the answer is decoded greedily; decode-time policies keep evicting while it is written.
+    question is part of the compressed prompt (all of it but its last token). Question and answer
+    prefix are then fed and the answer is decoded greedily; decode-time policies keep evicting while it is written.
     Pass ``cache`` to inspect the cache afterwards (its policy and budget are used).
 
     Lists of contexts and/or questions (a single string goes with every item of the other

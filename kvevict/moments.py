@@ -321,7 +321,8 @@ def _exact_loop(
     sk_dot_k = (k @ key_sum[..., None]).squeeze(-1)  # s_k·k_j
     evicted = torch.zeros_like(candidate)
     while bool((remaining > 0).any()):
-        # ‖r_j‖² = ‖v_j − βP_j‖² − 2λ_j m·(v_j − βP_j) + λ_j² ‖m‖²,  m = s_v/n_e, β = c/n_e, λ_j = 1 − β s_k·k_j
+        # ‖r_j‖² = ‖v_j − βP_j‖² − 2λ_j m·(v_j − βP_j) + λ_j² ‖m‖²,
+        # with m = s_v/n_e, β = c/n_e, λ_j = 1 − β s_k·k_j
         n_e = count.clamp(min=1)[..., None]
         beta = scaling / n_e if first_order else torch.zeros_like(n_e)
         lam = 1 - beta * sk_dot_k

@@ -177,7 +177,8 @@ class RowView:
         columns = slice(0, layer.n) if lockstep else slice(info.start, info.start + info.width)
         rows = slice(row, stop)
         self.rows = rows
-        """The batch rows this view holds: one, or (:meth:`~kvevict.layer.EvictionLayer.views`) every row in lockstep."""
+        """The batch rows this view holds: one, or every row in lockstep
+        (:meth:`~kvevict.layer.EvictionLayer.views`)."""
         if row == 0 and stop == len(layer.rows) and columns == slice(0, layer.n):
             cut = _whole  # the usual case, one row or rows in lockstep: the layer's own views
         else:

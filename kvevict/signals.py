@@ -183,8 +183,8 @@ def heads_mask(valid: torch.Tensor, num_query_heads: int) -> torch.Tensor:
 def window_mask(key_positions: torch.Tensor, query_positions: torch.Tensor, window: int) -> torch.Tensor:
     """``[B, Hkv, r, n]``: which keys (at ``key_positions`` ``[B, Hkv, n]``) lie inside the
     sliding window of each query (at ``query_positions`` ``[r]``, or ``[B, 1, r]`` per row):
-    ``key > query − window``, transformers' sliding-window rule. Causality is not part of it. Built from positions, not
-    indices, because a layer that evicted holds a non-contiguous set of positions."""
+    ``key > query − window``, transformers' sliding-window rule. Causality is not part of it.
+    Built from positions, not indices, because a layer that evicted holds a non-contiguous set of positions."""
     return key_positions[:, :, None, :] > (query_positions - window)[..., None]
 
 

@@ -562,7 +562,8 @@ class LayerArena:
 
     @staticmethod
     def stacked(block: torch.Tensor, n: int) -> torch.Tensor:
-        """``block`` ``[L, B, ...]``'s first ``n`` entries with the layers' rows stacked: ``[L·B, Hkv, n, ...]`` (a view)."""
+        """``block`` ``[L, B, ...]``'s first ``n`` entries with the layers' rows stacked:
+        ``[L·B, Hkv, n, ...]`` (a view)."""
         return block.narrow(3, 0, n).flatten(0, 1)
 
     def write_new(self, length: int, num_new: int, values: dict[str, torch.Tensor]) -> None:

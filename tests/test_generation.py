@@ -67,7 +67,8 @@ def test_decode_time_policy_holds_the_budget_while_answering(smollm2) -> None:
         cache=cache,
     )
     assert set(cache.layer_lengths()) == {96}
-    assert cache.retained_bytes() == 30 * 2 * 3 * 96 * 64 * 4  # layers × (K, V) × KV heads × budget × head_dim × fp32
+    # layers × (K, V) × KV heads × budget × head_dim × fp32
+    assert cache.retained_bytes() == 30 * 2 * 3 * 96 * 64 * 4
     capacities = [layer.storage.capacity for layer in cache.eviction_layers]
     assert all(96 <= capacity <= 97 for capacity in capacities)  # the budget and one column of room
     assert cache.kv_bytes() == sum(capacities) * 3 * (2 * 64 * 4 + 8 + 4)  # + int64 position, H2O's fp32 state

@@ -1,11 +1,11 @@
 """Long greedy generations for decode-time eviction, scored by fidelity (no labels).
 
-``longgen`` asks for a long essay on a seeded topic and lets the model write ``1024`` new
-tokens greedily, without repeating a 4-gram or ending early (the decode-time benchmark of
-LazyEviction-style methods, offline): the full cache's generation is replayed under each policy, token by token, evicting as generation
-would, and each sample's score is its top-1 agreement with the full cache (KL and
-perplexity are recorded too). The prompt is short on purpose (tens of tokens, like a
-reasoning problem): ``length`` is not used; the memory at stake is the generated text's.
+``longgen`` asks for a long essay on a seeded topic and lets the model write ``1024`` new tokens
+greedily, without repeating a 4-gram or ending early (the decode-time benchmark of
+LazyEviction-style methods, offline): the full cache's generation is replayed under each policy,
+token by token, evicting as generation would, and each sample's score is its top-1 agreement with
+the full cache (KL and perplexity are recorded too). The prompt is short on purpose (tens of tokens,
+like a reasoning problem): ``length`` is not used; the memory at stake is the generated text's.
 """
 
 from __future__ import annotations

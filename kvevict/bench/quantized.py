@@ -17,7 +17,8 @@ Each row: top-1 agreement and mean KL(reference ‖ run) over the answer positio
 held after the replay and their mean over its decode steps (kvevict: ``kv_bytes()``; a
 transformers cache: every tensor its layers hold, quanto's packed codes, scales and shifts
 included; the mean is what to compare, over a whole number of flushes: each cache flushes its
-full-precision residual at its own step), and the median over decode steps of a step's time over the paired ``DynamicCache`` step's. A benchmark, never a test: timings depend on the machine.
+full-precision residual at its own step), and the median over decode steps of a step's time
+over the paired ``DynamicCache`` step's. A benchmark, never a test: timings depend on the machine.
 """
 
 from __future__ import annotations

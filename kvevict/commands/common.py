@@ -105,7 +105,10 @@ def model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default="smollm2",
-        help="'smollm2' or 'gemma3' (embedded, offline; gemma3: `make gemma3`), a local directory with a config.json, or a hub id",
+        help=(
+            "'smollm2' or 'gemma3' (embedded, offline; gemma3: `make gemma3`), a local directory with a "
+            "config.json, or a hub id"
+        ),
     )
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16 or auto")
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where the model loads)")

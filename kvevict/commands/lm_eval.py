@@ -13,7 +13,8 @@ LM_EVAL = "lm-eval"
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    """Listed in ``kvevict --help``; ``kvevict lm-eval ...`` itself never reaches this parser (:func:`run_passthrough`)."""
+    """Listed in ``kvevict --help``; ``kvevict lm-eval ...`` itself never reaches this parser
+    (:func:`run_passthrough`)."""
     parser = commands.add_parser(
         LM_EVAL,
         help="evaluate a policy on lm-evaluation-harness tasks (`kvevict lm-eval --help`)",

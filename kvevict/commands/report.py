@@ -11,7 +11,9 @@ from kvevict.commands.common import BENCH, Subcommands
 
 def add_parser(commands: Subcommands) -> None:
     parser = commands.add_parser(
-        "report", help="summarise a results directory", description="Mean score per task × policy × budget, % of full."
+        "report",
+        help="summarise a results directory",
+        description="Mean score per task × policy × budget, % of full.",
     )
     parser.add_argument("directory", type=Path, help="a directory written by `kvevict bench`")
     parser.add_argument("--plot", type=Path, default=None, help="also draw score vs budget into this PNG")

@@ -109,7 +109,7 @@ class ExpectedAttention(Method):
     """
 
     name = "expected-attention"
-    summary = "keep what future queries are expected to read: Gaussian query statistics, averaged RoPE (query-agnostic)"
+    summary = "what future queries are expected to read: Gaussian query statistics, averaged RoPE (query-agnostic)"
     regimes = ("prefill", "decode", "both")
     comparable_scores = True
     reads_query = True  # its scores at selection: the prompt's statistics and the pass's own queries

@@ -1,23 +1,22 @@
 """Fast KVzip (Kim, Han, Yun 2026, "Fast KVzip: Efficient and Accurate LLM Inference with
 Gated KV Eviction", arXiv 2601.17668; DESIGN §3).
 
-KVzip's quality at a plain prefill's cost: a small gate per layer (:mod:`kvevict.gates`)
-reads the layer's input hidden states and predicts every token's KVzip score per KV head,
-with no attention matrix and no repeat pass. Each entry's score is computed once, when its
-token passes the layer (prefill, every chunk of a chunked prefill, every decode step), kept
-as the entry's per-token state, and read at every eviction. The sinks (4) and a recent
-window (32 tokens) are kept. As KVzip, the prompt is compressed at prefill by default, with
-one budget pooled over every layer and head (``global`` with no per-head floor); a prompt fed
-in chunks is pooled after each chunk, the retained and new entries of every layer re-ranked
-by their gate scores; each chunk's pass over a ragged layer stays packed on a CPU (each head
-costs its own entries: no cap), and where it cannot (a GPU) a head keeps at most ``4·budget``
-entries, so a pass never holds more than ``4·budget + chunk`` columns per layer however long
-the prompt (docs/fastkvzip.md, rounds 8 and 9). ``per_layer=true`` gives each head its budget,
-and another allocator (``adakv+``, ``pyramidkv+``, ``global+`` with its floor) may be named over it. ``regime=decode|both``
-evicts while decoding too (each head keeping its budget): every generated token is scored as it
-passes, and the cache is evicted back to its budget every ``interval`` tokens (the paper's 128,
-``min(128, budget // 2)`` for small budgets), so a decode step pays for an eviction once per
-interval.
+KVzip's quality at a plain prefill's cost: a small gate per layer (:mod:`kvevict.gates`) reads the
+layer's input hidden states and predicts every token's KVzip score per KV head, with no attention
+matrix and no repeat pass. Each entry's score is computed once, when its token passes the layer
+(prefill, every chunk of a chunked prefill, every decode step), kept as the entry's per-token state,
+and read at every eviction. The sinks (4) and a recent window (32 tokens) are kept. As KVzip, the
+prompt is compressed at prefill by default, with one budget pooled over every layer and head
+(``global`` with no per-head floor); a prompt fed in chunks is pooled after each chunk, the retained
+and new entries of every layer re-ranked by their gate scores; each chunk's pass over a ragged layer
+stays packed on a CPU (each head costs its own entries: no cap), and where it cannot (a GPU) a head
+keeps at most ``4·budget`` entries, so a pass never holds more than ``4·budget + chunk`` columns per
+layer however long the prompt (docs/fastkvzip.md, rounds 8 and 9). ``per_layer=true`` gives each
+head its budget, and another allocator (``adakv+``, ``pyramidkv+``, ``global+`` with its floor) may
+be named over it. ``regime=decode|both`` evicts while decoding too (each head keeping its budget):
+every generated token is scored as it passes, and the cache is evicted back to its budget every
+``interval`` tokens (the paper's 128, ``min(128, budget // 2)`` for small budgets), so a decode step
+pays for an eviction once per interval.
 """
 
 from __future__ import annotations

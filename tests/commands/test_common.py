@@ -32,7 +32,10 @@ def test_a_command_without_its_extra_exits_2_naming_it(command, module, monkeypa
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.splitlines() == [
-        f"kvevict {command}: error: this command needs the bench extra ({module} not installed): pip install 'kvevict[bench]'"
+        (
+            f"kvevict {command}: error: this command needs the bench extra ({module} not installed): "
+            "pip install 'kvevict[bench]'"
+        )
     ]
 
 

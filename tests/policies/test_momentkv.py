@@ -49,7 +49,8 @@ def test_prefill_alpha_is_window_votes_then_chunk_means_by_hand() -> None:
             [[0.0, 0.2, 0.2, 0.2, 0.2, 0.2, 0.0], [0.2, 0.2, 0.2, 0.0, 0.2, 0.0, 0.2]],
         ]
     )[None]
-    # head votes [.2 .2 .1 .1 .1], [.1 .2 .2 .1 .2] → GQA mean [.15 .2 .15 .1 .15] → chunks of 2: [.175 .175 .125 .125 .15]
+    # head votes [.2 .2 .1 .1 .1], [.1 .2 .2 .1 .2] → GQA mean [.15 .2 .15 .1 .15]
+    # → chunks of 2: [.175 .175 .125 .125 .15]
     policy = MomentKV(kernel=1, pool_chunk=2, window=2)
     layer = SimpleNamespace(num_kv_heads=1, positions=torch.arange(7)[None, None], valid=None)
     signals = Signals(phase="prefill", num_new=7, query=None, scaling=1.0, window_attention=window)
