@@ -298,14 +298,8 @@ class LayerStorage:
         entries = {name: x.index_select(0, index) for name, x in packed.entries.items()}
         counts = kept.sum(dim=-1)
         if bool((counts == kept.shape[-1]).all()):  # every head the same: no padding, no packing
-            self.packed, m = None, kept.shape[-1]
-            self.capacity = m + room
-            dense = {
-                name: spread(x, kept, self.capacity, held_slots(kept, self.capacity), None)
-                for name, x in entries.items()
-            }
-            self.keys, self.values, self.positions = dense.pop("keys"), dense.pop("values"), dense.pop("positions")
-            self.state = dense
+            self.packed = None
+            self._spread(entries, kept, room, free=None)
         else:
             self.packed = PackedEntries(kept, entries, counts.amax(dim=1).tolist())
         self.replaced()
@@ -319,15 +313,26 @@ class LayerStorage:
         self.packed = None
         held = packed.held
         n = held.shape[-1]
-        self.capacity = n + room
-        slots, real = held_slots(held, self.capacity), packed.real()
-        self.keys, self.values = (spread(real[name], held, self.capacity, slots, None) for name in ("keys", "values"))
-        self.positions = spread(real["positions"], held, self.capacity, slots, free)
-        self.state = {name: spread(real[name], held, self.capacity, slots, None) for name in self.state}
+        self._spread(packed.real(), held, room, free)
         self.valid = torch.zeros(*held.shape[:2], self.capacity, dtype=torch.bool, device=held.device)
         self.valid[:, :, :n] = held
         self.replaced()
         return n
+
+    def _spread(
+        self, entries: dict[str, torch.Tensor], held: torch.Tensor, room: int, free: torch.Tensor | None
+    ) -> None:
+        """Hold ``entries`` (every kind, real entries only, in storage order) in padded storage
+        where ``held`` ``[B, Hkv, n]`` is true, with ``room`` columns to grow; a free slot's
+        position is ``free`` (None: 0)."""
+        self.capacity = held.shape[-1] + room
+        slots = held_slots(held, self.capacity)
+        dense = {
+            name: spread(x, held, self.capacity, slots, free if name == "positions" else None)
+            for name, x in entries.items()
+        }
+        self.keys, self.values, self.positions = dense.pop("keys"), dense.pop("values"), dense.pop("positions")
+        self.state = dense
 
     def quantize(self, n: int, spans: Sequence[tuple[int, int]], config: QuantConfig) -> None:
         """Between passes, hold the first ``n`` columns' keys and values quantized
