@@ -174,19 +174,20 @@ class PackedEntries:
         ``[B, Hq, 1]`` over them (else None). Per row, one product of its queries with every slot
         of its segments as they lie, each query masked to its own KV head's filled slots: the
         segments differ in length, and padding them would copy the layer (a query's products
-        with other heads' entries are the price: ``Hkv``× a padded step's, at one query)."""
+        with other heads' entries are the price: ``Hkv``× a padded step's, at one query). The
+        mask is one additive bias for every row, made once a step: ``addmm`` adds its zeros
+        exactly, bit for bit the masked product, without a mask per row."""
         assert self._heads is not None, "attend after an append"
         b, hq, _, d = query.shape
-        keys, values, heads = self.entries["keys"], self.entries["values"], self._heads
+        keys, values = self.entries["keys"], self.entries["values"]
         queries = as_float32(query).view(b, hq, d) * scaling
-        own = self._query_heads(hq)
+        bias = torch.where(self._heads == self._query_heads(hq), 0.0, float("-inf"))  # [Hq, slots]
         per_row = len(self.lengths) // b
         bounds = [*self.starts[::per_row], keys.shape[0]]
         output = torch.empty(b, hq, values.shape[-1], dtype=torch.float32, device=query.device)
         log_z = torch.empty(b, hq, dtype=torch.float32, device=query.device) if log_partition else None
         for row, (start, stop) in enumerate(pairwise(bounds)):
-            logits = torch.mm(queries[row], as_float32(keys[start:stop]).t())  # [Hq, the row's slots]
-            logits.masked_fill_(heads[start:stop] != own, float("-inf"))
+            logits = torch.addmm(bias[:, start:stop], queries[row], as_float32(keys[start:stop]).t())
             probs = logits.softmax(dim=-1)
             torch.mm(probs, as_float32(values[start:stop]), out=output[row])
             if log_z is not None:  # from the softmax (max logit − log of the largest probability): no second exp
