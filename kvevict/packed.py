@@ -127,7 +127,9 @@ class PackedEntries:
             or (self._next.is_inference() and not torch.is_inference_mode_enabled())
             or self._room < q
         ):
-            self._grow(capacity)  # (new tensors, also for entries made under inference_mode: written in place here)
+            self._grow(
+                capacity, even=q == 1
+            )  # (new tensors, also for entries made under inference_mode: written in place here)
         assert self._next is not None and self._heads is not None and self._segment_heads is not None
         assert self._room >= q, "capacity() gives every segment room for the pass"
         slots = self._next if q == 1 else (self._next[:, None] + torch.arange(q, device=self._next.device)).flatten()
@@ -139,9 +141,13 @@ class PackedEntries:
         self.lengths = [length + q for length in self.lengths]
         self.appended += q
 
-    def _grow(self, capacity: Callable[[int], int]) -> None:
+    def _grow(self, capacity: Callable[[int], int], even: bool) -> None:
+        """Every segment into new tensors with room up to ``capacity(its length)``; with ``even``
+        (decode steps), rows made one width where that is cheap (:meth:`_even_rows`)."""
         extra = [capacity(length) - length for length in self.lengths]
         capacities = [length + more for length, more in zip(self.lengths, extra)]
+        if even:
+            self._even_rows(capacities, extra)
         starts, capacity = starts_of(capacities), sum(capacities)
         real, index = self.real(), self._real_index(starts)
         self.entries = {name: x.new_zeros(capacity, *x.shape[1:]).index_copy_(0, index, x) for name, x in real.items()}
@@ -152,6 +158,22 @@ class PackedEntries:
         self._segment_heads = torch.arange(len(lengths), device=device).remainder_(self._held.shape[1]).to(torch.int16)
         held_heads = torch.repeat_interleave(self._segment_heads, lengths)
         self._heads = torch.full((capacity,), -1, dtype=torch.int16, device=device).index_copy_(0, index, held_heads)
+
+    def _even_rows(self, capacities: list[int], extra: list[int]) -> None:
+        """Give every row's last segment the room that brings the row to the widest row's slots,
+        where that at most doubles each row's room (rows of one budget, in lockstep, differ by a
+        few slots of rounding): rows of one width attend as one batched product (:meth:`attend`).
+        Rows far apart (a ragged batch of very different prompts) keep their own widths."""
+        rows, heads = self._held.shape[:2]
+        if rows < 2:
+            return
+        totals = [sum(capacities[row * heads : (row + 1) * heads]) for row in range(rows)]
+        rooms = [sum(extra[row * heads : (row + 1) * heads]) for row in range(rows)]
+        widest = max(totals)
+        if all(widest - total <= room for total, room in zip(totals, rooms)):
+            for row, total in enumerate(totals):
+                capacities[(row + 1) * heads - 1] += widest - total
+                extra[(row + 1) * heads - 1] += widest - total
 
     def write_last(self, name: str, rows: slice, value: torch.Tensor) -> None:
         """Entry ``name`` of the last ``q`` entries appended to the segments of batch rows ``rows``:
@@ -184,6 +206,15 @@ class PackedEntries:
         bias = torch.where(self._heads == self._query_heads(hq), 0.0, float("-inf"))  # [Hq, slots]
         per_row = len(self.lengths) // b
         bounds = [*self.starts[::per_row], keys.shape[0]]
+        width = keys.shape[0] // b
+        if b > 1 and bounds == list(range(0, keys.shape[0] + 1, width)):  # rows of one width: one product for all
+            logits = torch.baddbmm(
+                bias.view(hq, b, width).transpose(0, 1), queries, as_float32(keys).view(b, width, d).transpose(1, 2)
+            )
+            probs = logits.softmax(dim=-1)
+            output = torch.bmm(probs, as_float32(values).view(b, width, -1))
+            log_z = torch.sub(logits.amax(dim=-1), probs.amax(dim=-1).log_()) if log_partition else None
+            return as_dtype(output.view(b, 1, hq, -1), values.dtype), None if log_z is None else log_z.view(b, hq, 1)
         output = torch.empty(b, hq, values.shape[-1], dtype=torch.float32, device=query.device)
         log_z = torch.empty(b, hq, dtype=torch.float32, device=query.device) if log_partition else None
         for row, (start, stop) in enumerate(pairwise(bounds)):

@@ -77,6 +77,52 @@ def test_a_packed_step_attends_as_the_padded_layout_with_its_mask(steps: int) ->
     assert packed.attend(query, 0.3)[1] is None
 
 
+def counted(counts: list[list[int]], n: int = 8, dim: int = 8, seed: int = 0) -> PackedEntries:
+    """Packed entries whose row ``b``, head ``h`` holds its first ``counts[b][h]`` columns of ``n``."""
+    generator = torch.Generator().manual_seed(seed)
+    held = torch.tensor([[[column < count for column in range(n)] for count in row] for row in counts])
+    batch, heads = held.shape[:2]
+    keys, values = torch.randn(2, batch * heads * n, dim, generator=generator)
+    slots = held_slots(held, n)
+    positions = torch.arange(n).repeat(batch * heads)
+    entries = {"keys": keys[slots], "values": values[slots], "positions": positions[slots]}
+    return PackedEntries(held, entries, [max(row) for row in counts])
+
+
+def padded(packed: PackedEntries, name: str) -> torch.Tensor:
+    """Entry ``name`` of ``packed`` in the padded layout of :attr:`PackedEntries.held` (zeros elsewhere)."""
+    held, real = packed.held, packed.real()[name]
+    dense = real.new_zeros(held.numel(), *real.shape[1:])
+    dense[held_slots(held, held.shape[-1])] = real
+    return dense.view(*held.shape, *real.shape[1:])
+
+
+@pytest.mark.parametrize(
+    ("counts", "one_width"),
+    [([[5, 3], [4, 3], [2, 6]], True), ([[8, 8], [1, 1], [2, 1]], False)],
+    ids=["rows of one budget", "rows far apart"],
+)
+def test_rows_of_one_budget_are_evened_and_attend_as_one_product(counts: list[list[int]], one_width: bool) -> None:
+    """Rows whose slots differ by less than their room get room up to the widest (their last
+    segment's), so a decode step attends them as one batched product; rows far apart keep their
+    own widths (no room made for nothing). Either way each query sees its own KV head's entries."""
+    packed = counted(counts)
+    new = {name: torch.randn(3, 2, 1, *x.shape[1:]) for name, x in packed.entries.items() if name != "positions"}
+    new["positions"] = torch.full((3, 2, 1), 50)
+    packed.append(new, lambda length: length + 2)  # room for 2 more per head: 4 per row
+    widths = packed.row_capacities(3)
+    assert (len(set(widths)) == 1) == one_width
+    assert sum(widths) == packed.capacity
+    if one_width:  # 23 entries and 2 more slots per head made 12, 11 and 12: the middle row's last segment took 1
+        assert widths == [12, 12, 12] and packed.capacity == 23 + 6 * 2 + 1
+    query = torch.randn(3, 6, 1, 8)
+    held, keys = packed.held, padded(packed, "keys")
+    output, log_z = packed.attend(query, 0.3, log_partition=True)
+    rows = attention_rows(query, keys, 0.3, held)
+    torch.testing.assert_close(output, attend(rows, padded(packed, "values")), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(log_z, attention_logits(query, keys, 0.3, held).logsumexp(-1), rtol=1e-6, atol=1e-6)
+
+
 def decode(model, cache, ids, mask, steps: int, padded_path: bool, padding_step: int | None = None):
     """``steps`` greedy decode steps after the prompt; with ``padded_path`` every ragged layer is
     unpacked before each step (so the step takes the padded path); ``padding_step``: that step
