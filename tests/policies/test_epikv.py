@@ -225,4 +225,3 @@ def test_a_layer_past_the_hooked_ones_ranks_the_chunk_in_flight_too() -> None:
         kept.append(held)
     last = set(range(length - chunk, length))
     assert last <= set(kept[0]) and not last <= set(kept[1])  # past the hook, the chunk is ranked too
-
