@@ -603,34 +603,3 @@ def test_a_row_never_holds_more_than_its_ceiling(policy: str, interval: int | No
         assert ceiling <= 40 + room + (72 if cache.policy.regime == "decode" else 0)
     else:
         assert ceiling == cache.decode_peak() == max(layer.rows[0].width for layer in cache.eviction_layers)
-
-
-class EvictionWatcher(H2O):
-    """H2O that records what it is told is evicted (by the mask: it does not read slots itself)."""
-
-    name = "h2o-watcher"
-
-    def __init__(self, **params: object):
-        super().__init__(**params)
-        self.told: list[torch.Tensor] = []
-
-    def on_evict(self, layer, evicted: torch.Tensor) -> None:
-        self.told.append(torch.where(evicted, layer.positions, -1))  # the positions evicted, -1 elsewhere
-
-
-def test_a_stage_that_watches_evictions_is_told_each_one_entry_drop_by_its_mask() -> None:
-    """A decode step drops one entry per head by its slot; a stage that only reads masks gets
-    that entry's mask (``Stage.on_evict_one``'s default), before the slot is refilled."""
-    model = tiny_model()
-    cache = kvevict.EvictionCache(model, kvevict.Policy(EvictionWatcher()), budget=24, interval=1)
-    watcher = cache.policy.scorer
-    greedy(model, prompt(40), cache, new_tokens=3)
-    watcher.told.clear()
-    kept = [layer.positions.clone() for layer in cache.eviction_layers]
-    with torch.no_grad():
-        model(input_ids=prompt(1), past_key_values=cache)
-    assert len(watcher.told) == len(cache.eviction_layers)  # one drop per layer, one entry per head
-    for before, layer, told in zip(kept, cache.eviction_layers, watcher.told):
-        assert bool(((told >= 0).sum(dim=-1) == 1).all())
-        gone = told.amax(dim=-1)  # [B, Hkv]: the one position each head was told of
-        assert torch.isin(gone, before).all() and not torch.isin(gone, layer.positions).any()
