@@ -344,3 +344,15 @@ def resident_storages(cache) -> dict[int, int]:
             continue
         stack.extend(gc.get_referents(obj))
     return storages
+
+
+def assert_same_storage(cache, expected, length: int) -> None:
+    """Every layer of ``cache`` holds ``length`` entries laid out as ``expected``'s: keys,
+    values, positions and the policy's state."""
+    for ours, theirs in zip(cache.eviction_layers, expected.eviction_layers):
+        assert ours.length == theirs.length == length
+        for name in ("keys", "values", "positions"):
+            assert torch.equal(getattr(ours, name), getattr(theirs, name))
+        assert ours.state.keys() == theirs.state.keys()
+        for key in ours.state:  # (a NaN marks a CriticalKV norm not computed yet)
+            torch.testing.assert_close(ours.state[key], theirs.state[key], rtol=0, atol=0, equal_nan=True)
