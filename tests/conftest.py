@@ -279,6 +279,13 @@ def capture_passes(layer) -> list[dict]:
     return passes
 
 
+@pytest.fixture
+def hub_offline(monkeypatch) -> None:
+    """Nothing is fetched from the Hugging Face hub: datasets and models come from local files."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded SmolLM2-135M-Instruct (loaded once per test session, offline)."""
