@@ -1,5 +1,5 @@
-"""``kvevict analyze ANALYSIS`` (kvevict.commands.analyze): help, and bad input refused in one line
-before a model loads (each analysis's own work: tests/analysis/)."""
+"""``kvevict analyze ANALYSIS`` (kvevict.commands.analyze): help, and bad input refused before a
+model loads, naming what was wrong (each analysis's own work: tests/analysis/)."""
 
 import pytest
 
