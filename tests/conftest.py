@@ -279,6 +279,13 @@ def capture_passes(layer) -> list[dict]:
     return passes
 
 
+@pytest.fixture
+def hub_offline(monkeypatch) -> None:
+    """Nothing is fetched from the Hugging Face hub: datasets and models come from local files."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded SmolLM2-135M-Instruct (loaded once per test session, offline)."""
@@ -344,3 +351,15 @@ def resident_storages(cache) -> dict[int, int]:
             continue
         stack.extend(gc.get_referents(obj))
     return storages
+
+
+def assert_same_storage(cache, expected, length: int) -> None:
+    """Every layer of ``cache`` holds ``length`` entries laid out as ``expected``'s: keys,
+    values, positions and the policy's state."""
+    for ours, theirs in zip(cache.eviction_layers, expected.eviction_layers):
+        assert ours.length == theirs.length == length
+        for name in ("keys", "values", "positions"):
+            assert torch.equal(getattr(ours, name), getattr(theirs, name))
+        assert ours.state.keys() == theirs.state.keys()
+        for key in ours.state:  # (a NaN marks a CriticalKV norm not computed yet)
+            torch.testing.assert_close(ours.state[key], theirs.state[key], rtol=0, atol=0, equal_nan=True)

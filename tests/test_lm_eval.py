@@ -1,4 +1,5 @@
-"""kvevict as an lm-evaluation-harness model, on the offline tasks of kvevict/lm_eval_tasks."""
+"""kvevict as an lm-evaluation-harness model, on the offline tasks of kvevict/lm_eval_tasks (its
+command line: tests/commands/test_lm_eval.py)."""
 
 from __future__ import annotations
 
@@ -11,22 +12,16 @@ import lm_eval
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 
-from kvevict.cli import main as cli_main
 from kvevict.lm_eval import TASKS, KvevictLM
 from tests.conftest import tiny_model
 
 LONG, SHORT, GENERATE, ROLLING = "kvevict_niah_long", "kvevict_niah_short", "kvevict_niah_long_gen", "kvevict_essays"
+pytestmark = pytest.mark.usefixtures("hub_offline")
 
 
 @pytest.fixture(scope="module")
 def tasks() -> TaskManager:
     return TaskManager(include_path=str(TASKS))
-
-
-@pytest.fixture(autouse=True)
-def offline(monkeypatch) -> None:
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="module")
@@ -110,22 +105,6 @@ def test_bad_model_args_are_refused_in_one_line(tiny, tokenizer, args, message) 
     with pytest.raises(ValueError, match=message) as refused:
         KvevictLM(pretrained=tiny, tokenizer=tokenizer, **args)
     assert "\n" not in str(refused.value)
-
-
-def test_the_command_line_refuses_bad_model_args_in_one_line(capsys) -> None:
-    assert cli_main(["lm-eval", "--model_args", "pretrained=smollm2,colour=red", "--tasks", SHORT]) == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert error.startswith("kvevict lm-eval: error: unknown model arg colour; allowed: pretrained,")
-    assert cli_main(["lm-eval", "--model", "hf", "--tasks", SHORT]) == 2
-
-
-@pytest.mark.slow
-def test_the_command_line_runs_an_offline_task_on_the_embedded_model(capsys, tmp_path) -> None:
-    argv = ["--model_args", "pretrained=smollm2,policy=snapkv[window=8],budget=48", "--tasks", SHORT, "--limit", "2"]
-    assert cli_main(["lm-eval", *argv, "--output_path", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
-    # lm-eval prints the model args as given or as a dict, depending on how they were parsed
-    assert "kvevict (" in out and "snapkv[window=8]" in out and "|acc" in out
 
 
 def test_a_pool_allocated_chunk_by_chunk_takes_chunks_where_kvzips_pool_is_refused(tiny, tokenizer) -> None:

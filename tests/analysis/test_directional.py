@@ -14,7 +14,6 @@ from kvevict.analysis.directional import (
     run_directional,
     write_directional,
 )
-from kvevict.cli import main
 from tests.conftest import prompt, tiny_model
 
 B, HKV, G, D = 1, 2, 2, 8
@@ -82,10 +81,3 @@ def test_format_counts_the_layers_nc_improves() -> None:
     worse = LayerDirectional(1, 1, 0.1, 0.0, 1.0, 0.1, 0.2)
     text = format_directional([better, worse])
     assert "in 1 of 2 layers" in text and "+50.0%" in text and "-100.0%" in text
-
-
-def test_cli_refuses_bad_input_before_loading_a_model(capsys) -> None:
-    assert main(["analyze", "directional", "--policy", "nope", "--budget", "64"]) == 2
-    assert "unknown policy 'nope'" in capsys.readouterr().err
-    assert main(["analyze", "directional", "--policy", "snapkv", "--budget", "8"]) == 2
-    assert "budget 8 is smaller than snapkv's" in capsys.readouterr().err

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-import kvevict
 from kvevict.analysis import recurrence
 from kvevict.analysis.recurrence import (
     BUILTIN_PROMPTS,
@@ -194,37 +193,7 @@ def test_task_prompt_set_uses_its_samples_and_explains_a_hub_failure(monkeypatch
         load_prompts("gsm8k", 2)
 
 
-# -- command line -------------------------------------------------------------------------
-@pytest.mark.parametrize("argv", [["analyze", "--help"], ["analyze", "recurrence", "--help"]])
-def test_analyze_help(argv, capsys) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 0 and f"usage: kvevict {' '.join(argv[:-1])}" in capsys.readouterr().out
-
-
-def test_analyze_needs_an_analysis(capsys) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main(["analyze"])
-    assert exit_info.value.code == 2 and "ANALYSIS" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--prompt-set", "nope"], "unknown prompt set 'nope'"),
-        (["--prompt-set", "missing.jsonl"], "prompt file missing.jsonl does not exist"),
-        (["--alpha", "2"], "parameter 'alpha' expects a number in (0, 1)"),
-        (["--samples", "0"], "--samples and --max-new-tokens must be >= 1"),
-        (["--max-new-tokens", "0"], "--samples and --max-new-tokens must be >= 1"),
-    ],
-)
-def test_bad_input_exits_2_before_loading(argv, message: str, capsys, monkeypatch) -> None:
-    monkeypatch.setattr(kvevict, "load_model", lambda *a, **k: pytest.fail("the model should not load"))
-    assert main(["analyze", "recurrence", *argv]) == 2
-    err = capsys.readouterr().err
-    assert "kvevict analyze: error:" in err and message in err
-
-
+# -- on the embedded model (its command line: tests/commands/test_analyze.py) -------------
 @pytest.mark.slow
 def test_recurrence_on_the_embedded_model(tmp_path, capsys) -> None:
     out, plot = tmp_path / "out", tmp_path / "mri.png"

@@ -61,3 +61,9 @@ def test_the_extras_modules_are_what_pyproject_declares() -> None:
     bench = names(project["optional-dependencies"]["bench"])
     assert set(EXTRAS["bench"]) <= bench
     assert not bench & names(project["dependencies"])
+
+
+def test_budget_and_keep_are_exclusive(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--budget", "64", "--keep", "0.5", "hi"])
+    assert exit_info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err

@@ -225,11 +225,3 @@ def test_a_layer_past_the_hooked_ones_ranks_the_chunk_in_flight_too() -> None:
         kept.append(held)
     last = set(range(length - chunk, length))
     assert last <= set(kept[0]) and not last <= set(kept[1])  # past the hook, the chunk is ranked too
-
-
-@pytest.mark.parametrize("policy", [*HIDDEN, "kv-key-var"])
-def test_a_prompt_chunk_larger_than_the_budget_is_refused(policy: str) -> None:
-    model = tiny_model()
-    cache = kvevict.EvictionCache(model, kvevict.make_policy(policy), budget=40)
-    with pytest.raises(ValueError, match=r"takes chunks of at most the budget: got a chunk of 48 tokens at budget 40"):
-        greedy(model, prompt(128), cache, new_tokens=1, chunk=48)

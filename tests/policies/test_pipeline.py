@@ -8,8 +8,6 @@ import torch
 from transformers import LlamaConfig, Qwen2Config
 
 import kvevict
-from kvevict.budgets import descending_ranks
-from kvevict.policies.base import keep_top, lowest_slots
 from kvevict.policies.h2o import H2O
 from kvevict.policies.lazyeviction import ALPHA_LLAMA, ALPHA_QWEN
 from tests.conftest import build_policy, greedy, prompt, tiny_model
@@ -94,45 +92,6 @@ def test_params_rebuild_the_same_policy() -> None:
             params["headkv"] = {**params["headkv"], "profile": build_policy(name).named[0].profile}
         rebuilt = kvevict.make_policy(policy.name, **params)
         assert (rebuilt.name, rebuilt.params()) == (policy.name, policy.params())
-
-
-def test_keep_top_drops_the_lowest_and_the_latest_of_ties_as_a_stable_sort_does() -> None:
-    """keep_top finds a few dropped entries by topk: the same entries as ranking all of them."""
-    generator = torch.Generator().manual_seed(0)
-    for trial in range(200):
-        n = 1 + trial % 37
-        scores = torch.randint(0, 4, (2, 3, n), generator=generator).double()
-        scores[scores == 3] = float("inf")  # protected
-        scores[scores == 0] = float("-inf")  # padding
-        counts = (n - torch.randint(0, n // 4 + 2, (2, 3), generator=generator)).clamp(min=0)
-        assert torch.equal(keep_top(scores, counts), descending_ranks(scores) < counts[..., None])
-    for trial in range(100):  # one drop per head at most (a decode step): found by a minimum, not topk
-        n = 2 + trial % 19
-        scores = torch.randint(0, 3, (2, 3, n), generator=generator).float()
-        if trial % 10 == 0:
-            scores[0, 0, trial % n] = float("nan")
-        counts = n - torch.randint(0, 2, (2, 3), generator=generator)
-        assert torch.equal(keep_top(scores, counts), descending_ranks(scores) < counts[..., None])
-    ties = torch.tensor([[[1.0, 0.0, 1.0, 0.0, 1.0, 2.0, 0.0, 2.0]]])
-    assert keep_top(ties, torch.tensor([[6]])).tolist() == [[[True, True, True, False, True, True, False, True]]]
-
-
-def test_lowest_slots_is_the_entry_a_stable_sort_ranks_last() -> None:
-    """Per head, the lowest score, the latest of those tied with it (what keeping all but one
-    by the stable descending sort drops); None when a score is NaN."""
-    ties = torch.tensor(
-        [[[1.0, 0.0, 1.0, 0.0, 1.0, 2.0, 0.0, 2.0], [float("inf"), 3.0, -1.0, 5.0, -1.0, 9.0, 0.0, 7.0]]]
-    )
-    assert lowest_slots(ties).tolist() == [[6, 4]]
-    generator = torch.Generator().manual_seed(1)
-    for trial in range(100):
-        scores = torch.randint(0, 3, (2, 3, 2 + trial % 19), generator=generator).float()
-        dropped = ~(descending_ranks(scores) < scores.shape[-1] - 1)
-        assert torch.equal(lowest_slots(scores), dropped.to(torch.uint8).argmax(dim=-1))
-    ties[0, 1, 3] = float("nan")
-    assert lowest_slots(ties) is None
-    distinct = torch.tensor([[[7.0, 3.0, float("inf"), 5.0], [float("inf"), 9.0, 8.0, 10.0]]])
-    assert lowest_slots(distinct, distinct=True).tolist() == lowest_slots(distinct).tolist() == [[1, 2]]
 
 
 def test_streamingllm_scores_are_declared_distinct_and_scores_that_tie_are_not() -> None:

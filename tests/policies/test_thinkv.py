@@ -23,16 +23,6 @@ def test_segments_are_classified_by_thirds() -> None:
     assert classify_by_thirds(torch.tensor([3.0, 1.0, 2.0])) == ["T", "E", "R"]
 
 
-def test_rank_within_groups_and_selection_by_tiers() -> None:
-    groups, values = torch.tensor([0, 0, 1, 1, 1]), torch.tensor([1.0, 2.0, 5.0, 3.0, 4.0])
-    assert within_group_rank(groups, values).tolist() == [1, 0, 0, 2, 1]
-    tiers, values = torch.tensor([[[0, 1, 1, 2]]]), torch.tensor([[[9.0, 1.0, 2.0, 0.0]]])
-    assert kept_indices(select_by_tiers(tiers, values, torch.tensor([[2]]))) == [[[2, 3]]]
-    # padding (valid false) comes last, whatever its tier
-    padded = select_by_tiers(tiers, values, torch.tensor([[2]]), torch.tensor([[[True, True, True, False]]]))
-    assert kept_indices(padded) == [[[1, 2]]]
-
-
 def fake_layer(policy, values: list[float], classes: dict[int, str], hidden=None):
     """A decode step (one new token) at budget 8."""
     n = len(values)
