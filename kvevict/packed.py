@@ -127,9 +127,8 @@ class PackedEntries:
             or (self._next.is_inference() and not torch.is_inference_mode_enabled())
             or self._room < q
         ):
-            self._grow(
-                capacity, even=q == 1
-            )  # (new tensors, also for entries made under inference_mode: written in place here)
+            # new tensors (also for entries made under inference_mode: they are written in place here)
+            self._grow(capacity, even=q == 1)
         assert self._next is not None and self._heads is not None and self._segment_heads is not None
         assert self._room >= q, "capacity() gives every segment room for the pass"
         slots = self._next if q == 1 else (self._next[:, None] + torch.arange(q, device=self._next.device)).flatten()
@@ -196,9 +195,11 @@ class PackedEntries:
         ``[B, Hq, 1]`` over them (else None). Per row, one product of its queries with every slot
         of its segments as they lie, each query masked to its own KV head's filled slots: the
         segments differ in length, and padding them would copy the layer (a query's products
-        with other heads' entries are the price: ``Hkv``× a padded step's, at one query). The
-        mask is one additive bias for every row, made once a step: ``addmm`` adds its zeros
-        exactly, bit for bit the masked product, without a mask per row."""
+        with other heads' entries are the price: ``Hkv``× a padded step's, at one query). Rows of
+        one width (:meth:`_even_rows`) take one batched product for all of them, which the BLAS
+        splits over rows rather than inside one row's small product. The mask is one additive
+        bias made once a step, which the product adds (its zeros exactly: bit for bit the masked
+        product), not a comparison and a masked fill per row."""
         assert self._heads is not None, "attend after an append"
         b, hq, _, d = query.shape
         keys, values = self.entries["keys"], self.entries["values"]
