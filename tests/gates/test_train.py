@@ -8,6 +8,7 @@ import torch
 
 from kvevict.gates import gate_scores, hook_attention_inputs, initial_gates, shape_of
 from kvevict.gates.train import (
+    PAIRED,
     TrainConfig,
     collect,
     contexts,
@@ -173,5 +174,10 @@ def test_the_training_loss_adds_the_weighted_ordering_loss_per_layer(data) -> No
     predicted = [
         gate_scores(features[layer][None].float(), gate)[0].clamp(1e-6, 1 - 1e-6) for layer, gate in enumerate(gates)
     ]
-    order = torch.stack([ordering_loss(p, targets[layer].clamp(0, 1)).sum() for layer, p in enumerate(predicted)])
+    order = torch.stack(
+        [
+            ordering_loss(p[:, :PAIRED], targets[layer, :, :PAIRED].clamp(0, 1)).sum()
+            for layer, p in enumerate(predicted)
+        ]
+    )
     assert torch.allclose(distillation_loss(gates, features, targets, 0.5), bce + 0.5 * order.mean(), atol=1e-5)
