@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         or config.steps < 1
     ):
         raise ValueError(
-            "--length must exceed 5, --tokens and --steps be >= 1, --top and --order >= 0 and --count >= 2 (one is held out)"
+            "--length must exceed 5, --tokens and --steps be >= 1, --top and --order >= 0 "
+            "and --count >= 2 (one is held out)"
         )
     torch.manual_seed(config.seed)
     torch.set_num_threads(1)  # the same arithmetic on every run: the same gates for a seed
