@@ -16,8 +16,9 @@
    in ``DIR/data/`` as it is done, so collection resumes (the same data, length, positions,
    ``top`` and seed; a given text list must then stay the same).
 3. **Training** (:func:`train`): every layer's gate at once with Adam on the binary
-   cross-entropy between gate and KVzip scores (the reference's loss), mini-batches drawn with
-   the seed; the last tenth of the contexts is held out. A checkpoint every 50 steps
+   cross-entropy between gate and KVzip scores (the reference's loss; with ``order``, plus a pairwise
+   ranking term, :func:`ordering_loss`), mini-batches drawn with the seed; the last tenth of the
+   contexts is held out. A checkpoint every 50 steps
    (``DIR/checkpoint.pt``) lets a run resume where it stopped, to the same result.
 4. The gates go to ``DIR/<model key>.safetensors`` (:func:`kvevict.gates.save_gates`).
 
@@ -264,8 +265,9 @@ def train(
 
 
 def _resumable(config: TrainConfig) -> dict[str, object]:
-    """What a checkpoint must have been trained with to resume from it (any ``steps``: a run may go on)."""
-    return {key: value for key, value in asdict(config).items() if key != "steps"}
+    """What a checkpoint must have been trained with to resume from it (any ``steps``: a run may go on); ``order``
+    only when used, so a checkpoint written before the option existed resumes."""
+    return {key: value for key, value in asdict(config).items() if key != "steps" and (key != "order" or value)}
 
 
 def recorded(config: TrainConfig) -> dict[str, str]:
