@@ -147,6 +147,13 @@ def test_the_bare_commands_metadata_is_the_shipped_gates_and_top_is_recorded_whe
     assert recorded(TrainConfig(model="smollm2", order=0.5)) == run | {"order": "0.5"}
 
 
+def test_a_checkpoint_names_order_only_when_used_so_one_written_before_the_option_resumes() -> None:
+    from kvevict.gates.train import _resumable
+
+    assert "order" not in _resumable(TrainConfig(model="smollm2"))
+    assert _resumable(TrainConfig(model="smollm2", order=1.0))["order"] == 1.0
+
+
 def test_the_ordering_loss_is_the_pairs_cross_entropy_by_hand() -> None:
     """One head, two tokens: gate logits (0, 1), KVzip's (1, 0); the four ordered pairs (two of a token with
     itself, target 1/2) by hand; a second head holding a NaN target keeps only its one valid token's pair."""
