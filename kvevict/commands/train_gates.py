@@ -35,6 +35,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     for key in ("count", "tokens", "top", "steps", "batch", "dim", "sinks", "rank", "seed"):
         parser.add_argument(f"--{key}", type=int, default=getattr(defaults, key))
     parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument(
+        "--order",
+        type=float,
+        default=defaults.order,
+        help=f"weight of a pairwise ranking term in the training loss (default: {defaults.order:g}: BCE alone)",
+    )
     parser.set_defaults(run=run, extra=BENCH)
 
 
@@ -42,11 +48,19 @@ def run(args: argparse.Namespace) -> int:
     from kvevict.gates.train import SINKS, build
     from kvevict.models import load_model
 
-    fields = ("count", "length", "tokens", "top", "steps", "batch", "dim", "sinks", "rank", "seed", "lr")
+    fields = ("count", "length", "tokens", "top", "steps", "batch", "dim", "sinks", "rank", "seed", "lr", "order")
     config = TrainConfig(model=args.model, **{key: getattr(args, key) for key in fields})
-    if min(config.length) <= SINKS + 1 or config.tokens < 1 or config.top < 0 or config.count < 2 or config.steps < 1:
+    if (
+        min(config.length) <= SINKS + 1
+        or config.tokens < 1
+        or config.top < 0
+        or config.order < 0
+        or config.count < 2
+        or config.steps < 1
+    ):
         raise ValueError(
-            "--length must exceed 5, --tokens and --steps be >= 1, --top >= 0 and --count >= 2 (one is held out)"
+            "--length must exceed 5, --tokens and --steps be >= 1, --top and --order >= 0 "
+            "and --count >= 2 (one is held out)"
         )
     torch.manual_seed(config.seed)
     torch.set_num_threads(1)  # the same arithmetic on every run: the same gates for a seed

@@ -16,8 +16,9 @@
    in ``DIR/data/`` as it is done, so collection resumes (the same data, length, positions,
    ``top`` and seed; a given text list must then stay the same).
 3. **Training** (:func:`train`): every layer's gate at once with Adam on the binary
-   cross-entropy between gate and KVzip scores (the reference's loss), mini-batches drawn with
-   the seed; the last tenth of the contexts is held out. A checkpoint every 50 steps
+   cross-entropy between gate and KVzip scores (the reference's loss; with ``order``, plus a pairwise
+   ranking term, :func:`ordering_loss`), mini-batches drawn with the seed; the last tenth of the
+   contexts is held out. A checkpoint every 50 steps
    (``DIR/checkpoint.pt``) lets a run resume where it stopped, to the same result.
 4. The gates go to ``DIR/<model key>.safetensors`` (:func:`kvevict.gates.save_gates`).
 
@@ -41,6 +42,9 @@ from kvevict.policies.kvzip import SCORES, KVzip
 OFFLINE_TASKS = ("niah_single_2", "niah_multikey_1", "niah_multivalue", "niah_multiquery", "vt", "cwe")
 SINKS = 4
 CHECKPOINT_EVERY = 50
+PAIRED = 128
+"""Tokens of a batch whose pairs the ranking term (``TrainConfig.order``) compares, the batch's first (drawn at random):
+all pairs of 512 made a training step 3.5 times as slow."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,9 @@ class TrainConfig:
     top: int = 0
     """More positions per context and layer: the layer's ``top`` highest-scored by KVzip (:func:`top_positions`),
     so the gates see the few entries each layer keeps under a small budget, not only random ones."""
+    order: float = 0.0
+    """Weight of a pairwise ranking term added to the training loss (:func:`ordering_loss`): what the pooled budget
+    needs is each layer's order of entries, not the calibration of its small scores. 0: BCE alone."""
     steps: int = 1000
     batch: int = 512
     lr: float = 1e-2
@@ -175,10 +182,12 @@ def collect(model: Any, ids: torch.Tensor, positions: torch.Tensor, top: int = 0
 
 
 def distillation_loss(
-    gates: list[dict[str, torch.Tensor]], features: torch.Tensor, targets: torch.Tensor
+    gates: list[dict[str, torch.Tensor]], features: torch.Tensor, targets: torch.Tensor, order: float = 0.0
 ) -> torch.Tensor:
     """Binary cross-entropy between each layer's gate scores on ``features`` ``[L, m, D]`` and
-    KVzip's ``targets`` ``[L, Hkv, m]``, summed over heads, averaged over tokens and layers."""
+    KVzip's ``targets`` ``[L, Hkv, m]``, summed over heads, averaged over tokens and layers; with ``order``, plus
+    ``order`` times each layer's :func:`ordering_loss` of its first ``PAIRED`` tokens, summed over heads (the
+    training loss; held-out losses are BCE alone)."""
     losses = []
     for layer, gate in enumerate(gates):
         predicted = gate_scores(features[layer][None].float(), gate)[0].clamp(1e-6, 1 - 1e-6)
@@ -189,8 +198,27 @@ def distillation_loss(
         else:
             loss = torch.nn.functional.binary_cross_entropy(predicted, target.nan_to_num(0.0), reduction="none")
             loss = loss.masked_fill(~held, 0.0).sum(-1) / held.sum(-1).clamp(min=1)
-        losses.append(loss.sum())
+        paired = ordering_loss(predicted[:, :PAIRED], target[:, :PAIRED]).sum() if order else 0.0
+        losses.append(loss.sum() + order * paired)
     return torch.stack(losses).mean()
+
+
+def ordering_loss(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per head ``[Hkv]``: the mean over ordered pairs ``(i, j)`` of tokens of the cross-entropy between the gate's
+    odds that ``i`` outranks ``j``, ``σ(z_i − z_j)``, and KVzip's, ``σ(y_i − y_j)`` (``z``, ``y`` the logits of
+    ``predicted`` and ``target`` ``[Hkv, m]``, in ``(0, 1)``; NaN targets, out of a sliding window, take no part).
+    Its minimum is where the gate's logits equal KVzip's up to a shift per head, as BCE's is at equality, but every
+    pair counts alike: mostly the many small scores whose order decides which ordinary tokens a budget keeps."""
+    logits = predicted.logit()
+    wanted = target.clamp(1e-6, 1 - 1e-6).logit()
+    pairs = torch.nn.functional.binary_cross_entropy_with_logits(
+        logits[:, :, None] - logits[:, None, :],
+        torch.sigmoid(wanted[:, :, None] - wanted[:, None, :]).nan_to_num(0.5),
+        reduction="none",
+    )
+    held = ~target.isnan()
+    both = (held[:, :, None] & held[:, None, :]).float()
+    return (pairs * both).sum((1, 2)) / both.sum((1, 2)).clamp(min=1)
 
 
 def train(
@@ -225,7 +253,7 @@ def train(
         range(start, config.steps), desc="training gates", disable=not progress, initial=start, total=config.steps
     ):
         batch = torch.randint(tokens, (min(config.batch, tokens),), generator=generator)
-        loss = distillation_loss(gates, features[:, batch], targets[:, :, batch])
+        loss = distillation_loss(gates, features[:, batch], targets[:, :, batch], config.order)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -237,14 +265,15 @@ def train(
 
 
 def _resumable(config: TrainConfig) -> dict[str, object]:
-    """What a checkpoint must have been trained with to resume from it (any ``steps``: a run may go on)."""
-    return {key: value for key, value in asdict(config).items() if key != "steps"}
+    """What a checkpoint must have been trained with to resume from it (any ``steps``: a run may go on); ``order``
+    only when used, so a checkpoint written before the option existed resumes."""
+    return {key: value for key, value in asdict(config).items() if key != "steps" and (key != "order" or value)}
 
 
 def recorded(config: TrainConfig) -> dict[str, str]:
-    """The training configuration as the gates file's metadata records it; ``top`` only when used, so a
-    run without it writes the bytes it wrote before the option existed (the shipped gates)."""
-    fields = {key: value for key, value in asdict(config).items() if key != "top" or value}
+    """The training configuration as the gates file's metadata records it; ``top`` and ``order`` only when used, so
+    a run without them writes the bytes it wrote before the options existed."""
+    fields = {key: value for key, value in asdict(config).items() if key not in ("top", "order") or value}
     return {key: str(value) for key, value in fields.items()} | {"length": ",".join(map(str, config.length))}
 
 
@@ -297,6 +326,7 @@ __all__ = [
     "contexts",
     "distillation_loss",
     "length_of",
+    "ordering_loss",
     "recorded",
     "top_positions",
     "train",

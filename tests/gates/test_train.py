@@ -6,8 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvevict.gates import hook_attention_inputs, initial_gates, shape_of
-from kvevict.gates.train import TrainConfig, collect, contexts, distillation_loss, recorded, top_positions, train
+from kvevict.gates import gate_scores, hook_attention_inputs, initial_gates, shape_of
+from kvevict.gates.train import (
+    PAIRED,
+    TrainConfig,
+    collect,
+    contexts,
+    distillation_loss,
+    ordering_loss,
+    recorded,
+    top_positions,
+    train,
+)
 from tests.conftest import prompt, tiny_model
 
 pytestmark = pytest.mark.filterwarnings("ignore:kvzip. no tokenizer")  # tiny models: the bare-context repeat
@@ -134,3 +144,47 @@ def test_the_bare_commands_metadata_is_the_shipped_gates_and_top_is_recorded_whe
     }
     assert recorded(TrainConfig(model="smollm2")) == run
     assert recorded(TrainConfig(model="smollm2", top=256)) == run | {"top": "256"}
+    assert recorded(TrainConfig(model="smollm2", order=0.5)) == run | {"order": "0.5"}
+
+
+def test_a_checkpoint_names_order_only_when_used_so_one_written_before_the_option_resumes() -> None:
+    from kvevict.gates.train import _resumable
+
+    assert "order" not in _resumable(TrainConfig(model="smollm2"))
+    assert _resumable(TrainConfig(model="smollm2", order=1.0))["order"] == 1.0
+
+
+def test_the_ordering_loss_is_the_pairs_cross_entropy_by_hand() -> None:
+    """One head, two tokens: gate logits (0, 1), KVzip's (1, 0); the four ordered pairs (two of a token with
+    itself, target 1/2) by hand; a second head holding a NaN target keeps only its one valid token's pair."""
+    half = torch.tensor(0.5)
+    one = torch.sigmoid(torch.tensor(1.0))
+    predicted = torch.stack([torch.stack([half, one]), torch.stack([half, one])])
+    target = torch.stack([torch.stack([one, half]), torch.tensor([float("nan"), 0.5])])
+    swapped = -(one * torch.log(torch.sigmoid(torch.tensor(-1.0))) + (1 - one) * torch.log(one))
+    wanted = (2 * torch.log(torch.tensor(2.0)) + 2 * swapped) / 4
+    loss = ordering_loss(predicted, target)
+    assert torch.allclose(loss, torch.stack([wanted, torch.log(torch.tensor(2.0))]), atol=1e-5)
+
+
+def test_the_ordering_loss_ignores_a_shift_of_the_logits_and_is_least_at_kvzips_order() -> None:
+    target = torch.tensor([[0.01, 0.2, 0.05, 0.6, 0.002]])
+    shifted = torch.sigmoid(target.logit() + 1.5)
+    assert torch.allclose(ordering_loss(shifted, target), ordering_loss(target, target), atol=1e-5)
+    assert float(ordering_loss(target.flip(-1), target)[0]) > float(ordering_loss(target, target)[0]) + 0.1
+
+
+def test_the_training_loss_adds_the_weighted_ordering_loss_per_layer(data) -> None:
+    config, features, targets, _, _ = data
+    gates = initial_gates(shape_of(config))
+    bce = distillation_loss(gates, features, targets)
+    predicted = [
+        gate_scores(features[layer][None].float(), gate)[0].clamp(1e-6, 1 - 1e-6) for layer, gate in enumerate(gates)
+    ]
+    order = torch.stack(
+        [
+            ordering_loss(p[:, :PAIRED], targets[layer, :, :PAIRED].clamp(0, 1)).sum()
+            for layer, p in enumerate(predicted)
+        ]
+    )
+    assert torch.allclose(distillation_loss(gates, features, targets, 0.5), bce + 0.5 * order.mean(), atol=1e-5)
