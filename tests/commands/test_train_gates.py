@@ -11,14 +11,22 @@ from kvevict.cli import main
 from kvevict.gates.train import TrainConfig
 
 REFUSAL = (
-    "kvevict train-gates: error: --length must exceed 5, --tokens and --steps be >= 1, --top >= 0 and --count >= 2 "
-    "(one is held out)\n"
+    "kvevict train-gates: error: --length must exceed 5, --tokens and --steps be >= 1, --top and --order >= 0 "
+    "and --count >= 2 (one is held out)\n"
 )
 
 
 @pytest.mark.parametrize(
     "argv",
-    [["--length", "5"], ["--length", "1024,5"], ["--tokens", "0"], ["--steps", "0"], ["--top", "-1"], ["--count", "1"]],
+    [
+        ["--length", "5"],
+        ["--length", "1024,5"],
+        ["--tokens", "0"],
+        ["--steps", "0"],
+        ["--top", "-1"],
+        ["--order", "-0.5"],
+        ["--count", "1"],
+    ],
 )
 def test_bad_settings_are_refused_in_one_line_before_a_model_loads(argv, monkeypatch, tmp_path, capsys) -> None:
     monkeypatch.setattr("kvevict.models.load_model", lambda *a, **k: pytest.fail("the model should not load"))
