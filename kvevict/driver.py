@@ -18,7 +18,15 @@ from typing import Any
 import torch
 
 from kvevict.rows import PackedRows, RowState, RowView
-from kvevict.signals import LogitSpec, Signals, attention_logits, compute_signals, softmax_rows, write_new_entries
+from kvevict.signals import (
+    LogitSpec,
+    Signals,
+    attention_logits,
+    compute_signals,
+    softmax_log_partition,
+    softmax_rows,
+    write_new_entries,
+)
 from kvevict.storage import LayerStorage
 
 
@@ -132,8 +140,8 @@ class PolicyDriver:
         logits = attention_logits(query, view.keys, spec, view.valid)
         row = softmax_rows(logits, spec)
         if self.policy.corrects_output and spec.softcap is None:  # log Z of the logits the correction reads
-            if spec.sinks is None:  # from the softmax: the largest probability is exp(max logit − log Z)
-                self._row_log_partition = logits.amax(dim=-1).sub_(row.amax(dim=-1).log_())
+            if spec.sinks is None:  # from the softmax
+                self._row_log_partition = softmax_log_partition(logits, row)
             else:
                 self._row_log_partition = logits.logsumexp(dim=-1)
         return row

@@ -20,7 +20,7 @@ from itertools import accumulate, pairwise
 import torch
 import torch.nn.functional as F
 
-from kvevict.signals import as_dtype, as_float32
+from kvevict.signals import as_dtype, as_float32, softmax_log_partition
 
 
 def starts_of(sizes: list[int]) -> list[int]:
@@ -214,16 +214,16 @@ class PackedEntries:
             )
             probs = logits.softmax(dim=-1)
             output = torch.bmm(probs, as_float32(values).view(b, width, -1))
-            log_z = torch.sub(logits.amax(dim=-1), probs.amax(dim=-1).log_()) if log_partition else None
-            return as_dtype(output.view(b, 1, hq, -1), values.dtype), None if log_z is None else log_z.view(b, hq, 1)
-        output = torch.empty(b, hq, values.shape[-1], dtype=torch.float32, device=query.device)
-        log_z = torch.empty(b, hq, dtype=torch.float32, device=query.device) if log_partition else None
-        for row, (start, stop) in enumerate(pairwise(bounds)):
-            logits = torch.addmm(bias[:, start:stop], queries[row], as_float32(keys[start:stop]).t())
-            probs = logits.softmax(dim=-1)
-            torch.mm(probs, as_float32(values[start:stop]), out=output[row])
-            if log_z is not None:  # from the softmax (max logit − log of the largest probability): no second exp
-                torch.sub(logits.amax(dim=-1), probs.amax(dim=-1).log_(), out=log_z[row])
+            log_z = softmax_log_partition(logits, probs) if log_partition else None
+        else:
+            output = torch.empty(b, hq, values.shape[-1], dtype=torch.float32, device=query.device)
+            log_z = torch.empty(b, hq, dtype=torch.float32, device=query.device) if log_partition else None
+            for row, (start, stop) in enumerate(pairwise(bounds)):
+                logits = torch.addmm(bias[:, start:stop], queries[row], as_float32(keys[start:stop]).t())
+                probs = logits.softmax(dim=-1)
+                torch.mm(probs, as_float32(values[start:stop]), out=output[row])
+                if log_z is not None:
+                    log_z[row] = softmax_log_partition(logits, probs)
         return as_dtype(output.view(b, 1, hq, -1), values.dtype), None if log_z is None else log_z.view(b, hq, 1)
 
     def attend_chunk(self, query: torch.Tensor, scaling: float) -> torch.Tensor:

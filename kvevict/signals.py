@@ -273,6 +273,13 @@ def softmax_rows(logits: torch.Tensor, scaling: float | LogitSpec) -> torch.Tens
     return (logits - torch.cat([logits, sink], dim=-1).logsumexp(dim=-1, keepdim=True)).exp()
 
 
+def softmax_log_partition(logits: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """``log Z`` of each row of ``logits`` ``[..., n]`` whose softmax is ``probs``: the largest
+    probability is ``exp(max logit − log Z)``, so ``log Z = max logit − log(max probability)``,
+    with no second ``exp`` over the row. ``[...]`` fp32."""
+    return logits.amax(dim=-1).sub_(probs.amax(dim=-1).log_())
+
+
 def attention_rows(
     query: torch.Tensor,
     keys: torch.Tensor,

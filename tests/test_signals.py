@@ -1,10 +1,12 @@
-"""kvevict/signals.py: reading and writing the entries a pass appended."""
+"""kvevict/signals.py: reading and writing the entries a pass appended, and log Z from a softmax."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from kvevict.signals import new_entries, row_lengths, write_new_entries
+from kvevict.signals import new_entries, row_lengths, softmax_log_partition, write_new_entries
 
 
 def test_the_last_columns_unless_each_row_says_where_its_own_lie() -> None:
@@ -25,3 +27,10 @@ def test_writes_land_in_each_rows_columns_and_nowhere_else() -> None:
     last = torch.zeros(2, 3, 5)
     write_new_entries(last, torch.ones(2, 3, 2))
     assert bool((last[:, :, 3:] == 1).all()) and int(last.sum()) == 2 * 3 * 2
+
+
+def test_log_z_from_the_softmax_is_the_log_sum_exp_of_the_row() -> None:
+    """Logits [0, ln 3] and [5, 5, −∞]: log Z = ln(1 + 3) = ln 4, and 5 + ln 2 (a masked entry adds nothing)."""
+    logits = torch.tensor([[0.0, math.log(3.0), float("-inf")], [5.0, 5.0, float("-inf")]])
+    log_z = softmax_log_partition(logits.clone(), logits.softmax(dim=-1))
+    torch.testing.assert_close(log_z, torch.tensor([math.log(4.0), 5.0 + math.log(2.0)]))
