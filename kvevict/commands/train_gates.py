@@ -39,7 +39,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--order",
         type=float,
         default=defaults.order,
-        help=f"weight of a pairwise ranking term in the training loss (default: {defaults.order:g}: BCE alone)",
+        help=f"weight of a pairwise ranking term in the training loss (default: {defaults.order:g}; 0: BCE alone)",
     )
     parser.set_defaults(run=run, extra=BENCH)
 

@@ -10,14 +10,14 @@
    is prefilled through an :class:`~kvevict.cache.EvictionCache` under kvevict's own ``kvzip``
    (its repeat pass scores every entry); the features are each layer's attention input over the
    context (what the gates read at inference), the targets KVzip's scores ``[L, Hkv, n]`` of
-   the same tokens. ``tokens`` positions per context (past the 4 sinks), drawn with the seed,
+   the same tokens. ``tokens`` positions per context (past the 4 sinks; by default all), drawn with the seed,
    are kept, and with ``top`` each layer's ``top`` positions KVzip scores highest
    (:func:`top_positions`; off by default, docs/fastkvzip.md round 8); each context is cached
    in ``DIR/data/`` as it is done, so collection resumes (the same data, length, positions,
    ``top`` and seed; a given text list must then stay the same).
 3. **Training** (:func:`train`): every layer's gate at once with Adam on the binary
-   cross-entropy between gate and KVzip scores (the reference's loss; with ``order``, plus a pairwise
-   ranking term, :func:`ordering_loss`), mini-batches drawn with the seed; the last tenth of the
+   cross-entropy between gate and KVzip scores (the reference's loss) plus ``order`` times a pairwise
+   ranking term (:func:`ordering_loss`; on by default), mini-batches drawn with the seed; the last tenth of the
    contexts is held out. A checkpoint every 50 steps
    (``DIR/checkpoint.pt``) lets a run resume where it stopped, to the same result.
 4. The gates go to ``DIR/<model key>.safetensors`` (:func:`kvevict.gates.save_gates`).
@@ -58,14 +58,17 @@ class TrainConfig:
     """Tokens per context; several: the contexts take them in turn (:func:`length_of`). The default
     mixes the lengths the gates serve (docs/fastkvzip.md, round 7: gates of 1,024-token contexts
     alone lost essay-haystack needles at 4k)."""
-    tokens: int = 256
-    """Positions per context kept for training, drawn at random."""
+    tokens: int = 4096
+    """Positions per context kept for training, drawn at random; the default keeps every position of the default
+    contexts (collecting them costs no more than a few: KVzip scores every entry anyway; docs/fastkvzip.md, round
+    10)."""
     top: int = 0
     """More positions per context and layer: the layer's ``top`` highest-scored by KVzip (:func:`top_positions`),
     so the gates see the few entries each layer keeps under a small budget, not only random ones."""
-    order: float = 0.0
+    order: float = 1.0
     """Weight of a pairwise ranking term added to the training loss (:func:`ordering_loss`): what the pooled budget
-    needs is each layer's order of entries, not the calibration of its small scores. 0: BCE alone."""
+    needs is each layer's order of entries, not the calibration of its small scores. 0: BCE alone (the gates shipped
+    before round 11)."""
     steps: int = 1000
     batch: int = 512
     lr: float = 1e-2
@@ -272,7 +275,7 @@ def _resumable(config: TrainConfig) -> dict[str, object]:
 
 def recorded(config: TrainConfig) -> dict[str, str]:
     """The training configuration as the gates file's metadata records it; ``top`` and ``order`` only when used, so
-    a run without them writes the bytes it wrote before the options existed."""
+    a run without them writes the metadata gates trained before the options existed hold."""
     fields = {key: value for key, value in asdict(config).items() if key not in ("top", "order") or value}
     return {key: str(value) for key, value in fields.items()} | {"length": ",".join(map(str, config.length))}
 

@@ -129,8 +129,9 @@ def test_collecting_top_positions_adds_each_layers_best_scored_tokens_after_the_
 
 
 def test_the_bare_commands_metadata_is_the_shipped_gates_and_top_is_recorded_when_used() -> None:
-    """``train-gates --model smollm2`` records what the shipped SmolLM2 gates hold (``top`` left out at 0,
-    so the bare command still writes them byte for byte); ``--top`` is recorded."""
+    """``train-gates --model smollm2`` records what the shipped SmolLM2 gates hold (``top`` left out at 0, ``order``
+    at 1 recorded), so the bare command still writes them byte for byte; ``--top`` is recorded, ``--order 0`` is not
+    (gates trained before the option hold no ``order``)."""
     from safetensors import safe_open
 
     from kvevict.gates import FOLDER
@@ -145,12 +146,13 @@ def test_the_bare_commands_metadata_is_the_shipped_gates_and_top_is_recorded_whe
     assert recorded(TrainConfig(model="smollm2")) == run
     assert recorded(TrainConfig(model="smollm2", top=256)) == run | {"top": "256"}
     assert recorded(TrainConfig(model="smollm2", order=0.5)) == run | {"order": "0.5"}
+    assert "order" not in recorded(TrainConfig(model="smollm2", order=0.0))
 
 
 def test_a_checkpoint_names_order_only_when_used_so_one_written_before_the_option_resumes() -> None:
     from kvevict.gates.train import _resumable
 
-    assert "order" not in _resumable(TrainConfig(model="smollm2"))
+    assert "order" not in _resumable(TrainConfig(model="smollm2", order=0.0))
     assert _resumable(TrainConfig(model="smollm2", order=1.0))["order"] == 1.0
 
 
