@@ -149,6 +149,23 @@ def test_the_bare_commands_metadata_is_the_shipped_gates_and_top_is_recorded_whe
     assert "order" not in recorded(TrainConfig(model="smollm2", order=0.0))
 
 
+def test_gemmas_shipped_gates_record_round_7s_recipe() -> None:
+    """Gemma-3-270M's gates are trained with ``--tokens 256 --order 0`` (docs/fastkvzip.md, round 11): their
+    metadata is that command's."""
+    from safetensors import safe_open
+
+    from kvevict.gates import FOLDER
+
+    with safe_open(str(FOLDER / "gemma3_text-L18-D640-H4-KV1.safetensors"), "pt") as shipped:
+        metadata = shipped.metadata()
+    run = {
+        key: value
+        for key, value in metadata.items()
+        if key not in ("model_key", "held_out_loss_initial", "held_out_loss")
+    }
+    assert recorded(TrainConfig(model="gemma3", tokens=256, order=0.0)) == run
+
+
 def test_a_checkpoint_names_order_only_when_used_so_one_written_before_the_option_resumes() -> None:
     from kvevict.gates.train import _resumable
 
