@@ -128,21 +128,26 @@ def test_collecting_top_positions_adds_each_layers_best_scored_tokens_after_the_
         assert float(targets[layer, :, m:].amax(0).min()) >= float(whole[1][layer][:, others].amax(0).max())
 
 
-def test_the_bare_commands_metadata_is_the_shipped_gates_and_top_is_recorded_when_used() -> None:
-    """``train-gates --model smollm2`` records what the shipped SmolLM2 gates hold (``top`` left out at 0, ``order``
-    at 1 recorded), so the bare command still writes them byte for byte; ``--top`` is recorded, ``--order 0`` is not
-    (gates trained before the option hold no ``order``)."""
+def shipped_run(filename: str) -> dict[str, str]:
+    """The training configuration a shipped gates file records (its metadata less what the run measured)."""
     from safetensors import safe_open
 
     from kvevict.gates import FOLDER
 
-    with safe_open(str(FOLDER / "llama-L30-D576-H9-KV3.safetensors"), "pt") as shipped:
+    with safe_open(str(FOLDER / filename), "pt") as shipped:
         metadata = shipped.metadata()
-    run = {
+    return {
         key: value
         for key, value in metadata.items()
         if key not in ("model_key", "held_out_loss_initial", "held_out_loss")
     }
+
+
+def test_the_bare_commands_metadata_is_the_shipped_gates_and_top_is_recorded_when_used() -> None:
+    """``train-gates --model smollm2`` records what the shipped SmolLM2 gates hold (``top`` left out at 0, ``order``
+    at 1 recorded), so the bare command still writes them byte for byte; ``--top`` is recorded, ``--order 0`` is not
+    (gates trained before the option hold no ``order``)."""
+    run = shipped_run("llama-L30-D576-H9-KV3.safetensors")
     assert recorded(TrainConfig(model="smollm2")) == run
     assert recorded(TrainConfig(model="smollm2", top=256)) == run | {"top": "256"}
     assert recorded(TrainConfig(model="smollm2", order=0.5)) == run | {"order": "0.5"}
@@ -152,18 +157,9 @@ def test_the_bare_commands_metadata_is_the_shipped_gates_and_top_is_recorded_whe
 def test_gemmas_shipped_gates_record_round_7s_recipe() -> None:
     """Gemma-3-270M's gates are trained with ``--tokens 256 --order 0`` (docs/fastkvzip.md, round 11): their
     metadata is that command's."""
-    from safetensors import safe_open
-
-    from kvevict.gates import FOLDER
-
-    with safe_open(str(FOLDER / "gemma3_text-L18-D640-H4-KV1.safetensors"), "pt") as shipped:
-        metadata = shipped.metadata()
-    run = {
-        key: value
-        for key, value in metadata.items()
-        if key not in ("model_key", "held_out_loss_initial", "held_out_loss")
-    }
-    assert recorded(TrainConfig(model="gemma3", tokens=256, order=0.0)) == run
+    assert recorded(TrainConfig(model="gemma3", tokens=256, order=0.0)) == shipped_run(
+        "gemma3_text-L18-D640-H4-KV1.safetensors"
+    )
 
 
 def test_a_checkpoint_names_order_only_when_used_so_one_written_before_the_option_resumes() -> None:
