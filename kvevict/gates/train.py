@@ -67,8 +67,8 @@ class TrainConfig:
     so the gates see the few entries each layer keeps under a small budget, not only random ones."""
     order: float = 1.0
     """Weight of a pairwise ranking term added to the training loss (:func:`ordering_loss`): what the pooled budget
-    needs is each layer's order of entries, not the calibration of its small scores. 0: BCE alone (the gates shipped
-    before round 11)."""
+    needs is each layer's order of entries, not the calibration of its small scores. 0: BCE alone (Gemma-3-270M's
+    shipped gates; docs/fastkvzip.md, round 11)."""
     steps: int = 1000
     batch: int = 512
     lr: float = 1e-2
