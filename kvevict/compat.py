@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import transformers
 from packaging.version import Version
 
@@ -28,3 +29,14 @@ def pass_cache(kwargs: dict[str, Any]) -> Any:
     ``past_key_values=`` before (None without one)."""
     cache = kwargs.get("cache")
     return kwargs.get("past_key_values") if cache is None else cache
+
+
+def multiplies_bf16_natively(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bf16 matrices in hardware: a CUDA device with bf16 support, or a CPU with
+    AVX512-BF16 or AMX tiles (torch's probes of them are private, so a release without one reads as no)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+    return False

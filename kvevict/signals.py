@@ -230,6 +230,7 @@ def attention_logits(
     *,
     causal: bool = True,
     visible: torch.Tensor | None = None,
+    products: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Attention logits (fp32) of ``r`` queries over ``n`` keys, ``-inf`` where a query may
     not look. The one grouped-query logits helper of kvevict.
@@ -242,15 +243,18 @@ def attention_logits(
     ``[B, Hkv, r, n]`` hides what else a query may not see (a sliding window, see
     :class:`SlidingWindow`). ``scaling`` is the logit scale or a :class:`LogitSpec`
     (soft-capping is applied here; sinks only enter the softmax, see :func:`softmax_rows`).
-    Returns ``[B, Hq, r, n]``.
+    ``products``: the dtype the query–key product takes (bf16: KVzip's ``precision``), its
+    result then read in fp32; None: fp32. Returns ``[B, Hq, r, n]``.
     """
     spec = as_spec(scaling)
     b, hq, r, d = query.shape
     hkv, n = keys.shape[1], keys.shape[2]
+    dtype = torch.float32 if products is None else products
     # one batched product over (row, KV head): flattening those two dims of the storage's
     # strided views makes no copy, and bmm takes fewer dispatches than a 4-D matmul
-    grouped = as_float32(query).reshape(b * hkv, (hq // hkv) * r, d)
-    logits = torch.bmm(grouped, as_float32(keys).flatten(0, 1).transpose(1, 2)).view(b, hq, r, n).mul_(spec.scaling)
+    grouped = as_dtype(query, dtype).reshape(b * hkv, (hq // hkv) * r, d)
+    logits = as_float32(torch.bmm(grouped, as_dtype(keys, dtype).flatten(0, 1).transpose(1, 2)))
+    logits = logits.view(b, hq, r, n).mul_(spec.scaling)
     if spec.softcap is not None:  # Gemma 2: the kernel caps the scaled logits before masking
         logits = torch.tanh(logits / spec.softcap) * spec.softcap
     if visible is not None:
@@ -286,10 +290,11 @@ def attention_rows(
     scaling: float | LogitSpec,
     valid: torch.Tensor | None = None,
     visible: torch.Tensor | None = None,
+    products: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Attention probabilities (fp32) of the last ``r`` queries over ``n`` keys, as the
     kernel computed them, ``[B, Hq, r, n]`` (see :func:`attention_logits`)."""
-    return softmax_rows(attention_logits(query, keys, scaling, valid, visible=visible), scaling)
+    return softmax_rows(attention_logits(query, keys, scaling, valid, visible=visible, products=products), scaling)
 
 
 def query_chunks(

@@ -1,10 +1,11 @@
 import warnings
 
+import torch
 import transformers
 from packaging.version import Version
 
 import kvevict
-from kvevict.compat import CACHE_ARGUMENT, pass_cache, with_cache
+from kvevict.compat import CACHE_ARGUMENT, multiplies_bf16_natively, pass_cache, with_cache
 from kvevict.generation import prefill
 from tests.conftest import prompt, tiny_model
 
@@ -31,3 +32,14 @@ def test_kvevict_own_calls_raise_no_warning_about_the_cache_argument() -> None:
             prefill(model, prompt(20), cache)
             assert max(cache.layer_lengths()) == 12  # the pass went through the cache, which evicted
     assert not [w for w in caught if "past_key_values" in str(w.message)]
+
+
+def test_bf16_in_hardware_is_read_from_the_cpu_and_never_claimed_elsewhere(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    assert multiplies_bf16_natively(torch.device("cpu"))
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert not multiplies_bf16_natively(torch.device("cpu"))
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")  # a torch without the probe reads as no
+    assert not multiplies_bf16_natively(torch.device("cpu"))
+    assert not multiplies_bf16_natively(torch.device("meta"))

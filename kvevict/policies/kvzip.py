@@ -26,14 +26,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvevict.batching import left_padded, padded_positions
-from kvevict.compat import with_cache
+from kvevict.compat import multiplies_bf16_natively, with_cache
 from kvevict.models import tokenizer_of
 from kvevict.policies.allocation import GlobalBudget
 from kvevict.policies.base import Method, SinksAndWindow, Stage, Stages
-from kvevict.policies.params import Param, declare, flag, integer
+from kvevict.policies.params import Param, choice, declare, flag, integer
 from kvevict.signals import (
     COLUMN_SUM_CHUNK,
     LogitSpec,
+    as_dtype,
+    as_float32,
     as_spec,
     attention_logits,
     attention_rows,
@@ -68,6 +70,7 @@ def reconstruction_scores(
     value_weights: torch.Tensor | None = None,
     query_weights: torch.Tensor | None = None,
     chunk: int = COLUMN_SUM_CHUNK,
+    products: torch.dtype | None = None,
 ) -> torch.Tensor:
     """KVzip's score of the first ``context`` entries from one repeat pass, ``[B, Hkv, context]`` fp32.
 
@@ -76,10 +79,11 @@ def reconstruction_scores(
     entry: the max over the repeat queries and the GQA group of its attention probability,
     each probability first multiplied by ``value_weights[b, h, i]`` and ``query_weights[b, j]``
     when given (KVzip+). Queries are taken ``chunk`` at a time: never an ``r × n`` matrix.
+    ``products``: the dtype of the query–key products (:func:`attention_logits`; None: fp32).
     """
     best = query.new_zeros(*query.shape[:2], context, dtype=torch.float32)
     for start, stop, rows, visible, _ in query_chunks(query, keys, None, chunk):
-        probs = attention_rows(rows, visible, scaling)[..., :context]  # [B, Hq, rows, context]
+        probs = attention_rows(rows, visible, scaling, products=products)[..., :context]  # [B, Hq, rows, context]
         if query_weights is not None:
             probs = probs * query_weights[:, None, start:stop, None]
         if value_weights is not None:
@@ -89,25 +93,30 @@ def reconstruction_scores(
 
 
 def causal_attention(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float, products: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of ``r`` queries ``[B, Hq, r, d]`` over their own ``r`` keys and values
     ``[B, Hkv, r, d]`` (GQA): the output ``[B, Hq, r, d]`` and each query's log-sum-exp of its
     logits ``[B, Hq, r]`` fp32. On a CPU, torch's fused flash kernel (it skips the blocks above
-    the diagonal and returns the log-sum-exp); elsewhere the explicit product."""
+    the diagonal and returns the log-sum-exp); elsewhere the explicit product. ``products``: the
+    dtype all three take (None: the query's; keys and values follow it)."""
     group = query.shape[1] // keys.shape[1]
+    dtype = query.dtype if products is None else products
+    query, keys, values = as_dtype(query, dtype), as_dtype(keys, dtype), as_dtype(values, dtype)
     if query.is_cpu:
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         output, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, keys, values, 0.0, True, scale=scaling
         )
         return output, lse.float()
-    logits = attention_logits(query, keys, scaling)
+    product = torch.float32 if products is None else products
+    logits = attention_logits(query, keys, scaling, products=product)
     lse = logits.logsumexp(dim=-1)
     probs = (logits - lse[..., None]).exp()
     b, hq, r, _ = probs.shape
-    output = torch.bmm(probs.reshape(b * keys.shape[1], group * r, r), values.float().flatten(0, 1))
-    return output.view(b, hq, r, -1).to(values.dtype), lse
+    grouped = as_dtype(probs, product).reshape(b * keys.shape[1], group * r, r)
+    output = torch.bmm(grouped, as_dtype(values, product).flatten(0, 1))
+    return as_dtype(output.view(b, hq, r, -1), values.dtype), lse
 
 
 def attend_and_score(
@@ -120,6 +129,7 @@ def attend_and_score(
     value_weights: torch.Tensor | None = None,
     query_weights: torch.Tensor | None = None,
     chunk: int = SCORING_CHUNK,
+    products: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The repeat pass's attention output ``[B, r, Hq, d]`` (the kernel's layout) and KVzip's
     scores ``[B, Hkv, context]`` (as :func:`reconstruction_scores`) from one computation, for
@@ -134,28 +144,34 @@ def attend_and_score(
     attention probability under query ``j`` is ``E_ji·c_j``, whose max over queries (and the GQA
     group) is the score. The logits over the context are computed once, not once by the kernel
     and once more to score them, and the repeat's columns, which KVzip does not score, only in
-    the fused kernel's causal half."""
+    the fused kernel's causal half.
+
+    ``products``: the dtype both blocks' matrix products take (bf16: KVzip's ``precision``);
+    their results, the ``exp`` and the scores stay fp32. None: the context block in fp32, the
+    causal block in the query's dtype."""
     b, hq, r, d = query.shape
     hkv = keys.shape[1]
     group = hq // hkv
-    own, own_lse = causal_attention(query, keys[:, :, context:], values[:, :, context:], scaling)
-    context_keys = keys[:, :, :context].float().flatten(0, 1).transpose(1, 2)  # [B·Hkv, d, n]
-    context_values = values[:, :, :context].float().flatten(0, 1)  # [B·Hkv, n, d]
+    dtype = torch.float32 if products is None else products
+    own, own_lse = causal_attention(query, keys[:, :, context:], values[:, :, context:], scaling, products)
+    context_keys = as_dtype(keys[:, :, :context], dtype).flatten(0, 1).transpose(1, 2)  # [B·Hkv, d, n]
+    context_values = as_dtype(values[:, :, :context], dtype).flatten(0, 1)  # [B·Hkv, n, d]
     best = query.new_zeros(b, hq, context, dtype=torch.float32)
     output = query.new_empty(b, r, hq, d, dtype=values.dtype)
-    scaled = query.float() * scaling  # (scaling the r × d queries, not the r × n logits: one pass fewer)
+    # (scaling the r × d queries, not the r × n logits: one pass fewer)
+    scaled = as_dtype(query.float() * scaling, dtype)
     for start in range(0, r, chunk):
         stop = min(start + chunk, r)
         rows = stop - start
         grouped = scaled[:, :, start:stop].reshape(b * hkv, group * rows, d)
-        logits = torch.bmm(grouped, context_keys)  # [B·Hkv, G·rows, n]
+        logits = as_float32(torch.bmm(grouped, context_keys))  # [B·Hkv, G·rows, n]
         top = logits.amax(dim=-1, keepdim=True)
         weights = logits.sub_(top).exp_()  # E, in place of the logits
         top, total = top.view(b, hq, rows), weights.sum(dim=-1).view(b, hq, rows)
         own_lse_rows = own_lse[:, :, start:stop]
         lse = torch.logaddexp(top + total.log(), own_lse_rows)
         scale = (top - lse).exp()[..., None]  # c_j
-        mixed = torch.bmm(weights, context_values).view(b, hq, rows, d) * scale
+        mixed = as_float32(torch.bmm(as_dtype(weights, dtype), context_values)).view(b, hq, rows, d) * scale
         mixed += own[:, :, start:stop].float() * (own_lse_rows - lse).exp()[..., None]
         output[:, start:stop] = mixed.transpose(1, 2).to(values.dtype)
         probs = weights.view(b, hq, rows, context).mul_(scale)
@@ -200,6 +216,15 @@ class KVzip(Method):
     context (a warning says so). Prefill only; costs about one more prefill per context
     (see docs/policies.md).
 
+    ``precision``: what the repeat pass computes in; the prefill's own entries are untouched.
+    ``fp32`` (default): the scoring products in fp32, the layers in the model's dtype.
+    ``bf16``: the layers run under bf16 autocast (a model in fp32) and the attention and
+    scoring products take bf16 operands, as the paper's GPU runs do; the softmax, the ``exp``
+    and the scores stay fp32. It is faster where bf16 is multiplied in hardware (a warning
+    says when it is not; docs/fastkvzip.md, round 12). It compresses one prompt at a time:
+    bf16 rounds the last-bit differences between a batched and a lone forward up to whole
+    bf16 steps, so a row in a batch could keep other near-tied entries than alone.
+
     Chunked prefill (``per_layer=True`` only; docs/fastkvzip.md, round 3): after each chunk's
     forward the chunk alone is repeated over the retained entries and the chunk, every entry
     keeps the max of its scores over the repeats it saw (per-token state), and each head is
@@ -220,6 +245,7 @@ class KVzip(Method):
         per_layer=flag(False),
         plus=flag(False),
         sinks=integer(4),
+        precision=choice("fp32", "fp32", "bf16"),
         instruction=Param(FIRST_INSTRUCTION, "a string", lambda v: isinstance(v, str)),
     )
 
@@ -253,6 +279,24 @@ class KVzip(Method):
         return best
 
     # -- the repeat pass --------------------------------------------------------------
+    def products(self, rows: int, device: torch.device) -> torch.dtype | None:
+        """The repeat pass's product dtype under ``precision`` (class docstring) for ``rows`` prompts:
+        bf16, or None (fp32 scoring)."""
+        if self.precision == "fp32":
+            return None
+        if rows > 1:
+            raise ValueError(
+                f"kvzip[precision=bf16] compresses one prompt at a time, got a batch of {rows} (bf16 rounding "
+                "would let a row keep other entries than alone); use precision=fp32 for batches"
+            )
+        if not multiplies_bf16_natively(device):
+            warnings.warn(
+                f"kvzip[precision=bf16]: this {device.type} does not multiply bf16 in hardware, so the repeat pass "
+                "runs slower than in fp32",
+                stacklevel=3,
+            )
+        return torch.bfloat16
+
     def repeat_inputs(self, decoder: torch.nn.Module, input_ids: torch.Tensor) -> list[torch.Tensor]:
         """The repeat pass's chunks for a prefilled ``input_ids`` ``[1, n]``."""
         tokenizer = self._tokenizer if self._tokenizer is not None else tokenizer_of(decoder)
@@ -291,6 +335,8 @@ class KVzip(Method):
         if input_ids is None:
             raise ValueError("kvzip needs the prefill's input_ids (not inputs_embeds) to run its repeat pass")
         prompts = {view.row: view.num_new for view, _ in cache.deferred}  # the prompt, or this chunk of it
+        products = self.products(len(prompts), input_ids.device)
+        layers_in_bf16 = products is not None and next(decoder.parameters()).dtype == torch.float32
         repeats = {
             row: self.repeat_inputs(decoder, input_ids[row : row + 1, input_ids.shape[-1] - length :])
             for row, length in prompts.items()
@@ -353,10 +399,17 @@ class KVzip(Method):
                     context,
                     value_weights=value_weights,
                     query_weights=query_weights,
+                    products=products,
                 )
             else:
                 scores = reconstruction_scores(
-                    query, view.keys, spec, context, value_weights=value_weights, query_weights=query_weights
+                    query,
+                    view.keys,
+                    spec,
+                    context,
+                    value_weights=value_weights,
+                    query_weights=query_weights,
+                    products=products,
                 )
             old = memo.get(SCORES)
             memo[SCORES] = scores if old is None else torch.maximum(old, scores)
@@ -367,7 +420,8 @@ class KVzip(Method):
                 pieces = [
                     repeats[row][chunk] if chunk < len(repeats.get(row, ())) else None for row in range(len(input_ids))
                 ]
-                with cache.scoring_pass(observe):
+                autocast = torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=layers_in_bf16)
+                with cache.scoring_pass(observe), autocast:
                     decoder(**_repeat_batch(cache, pieces), **with_cache(cache), use_cache=True)
         finally:
             for hook in hooks:

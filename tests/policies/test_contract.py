@@ -28,7 +28,10 @@ POLICIES = [
     "global+knorm",
     "kvzip[plus=true]",
     "kvzip[per_layer=true]",
+    "kvzip[precision=bf16]",
 ]
+ONE_PROMPT_AT_A_TIME = ("kvzip[precision=bf16]",)
+"""Refuse a batch of prompts (their docstrings say why)."""
 EVICTING = [name for name in POLICIES if name != "full"]
 PROMPT = 96
 BUDGET = 40
@@ -67,6 +70,10 @@ def test_a_left_padded_batch_gives_each_row_what_it_gets_alone(policy: str, attn
     ids, mask = left_padded(prompts)
     budget = None if policy == "full" else BUDGET
     batch_cache = kvevict.EvictionCache(model, build_policy(policy), budget=budget)
+    if policy in ONE_PROMPT_AT_A_TIME:
+        with pytest.raises(ValueError, match="one prompt at a time"):
+            greedy_batch(model, ids, mask, batch_cache, 7)
+        return
     batch_tokens, batch_logits = greedy_batch(model, ids, mask, batch_cache, 7)
     for row, ids_alone in enumerate(prompts):
         alone = kvevict.EvictionCache(model, build_policy(policy), budget=budget)
@@ -101,6 +108,10 @@ def test_questions_padded_after_compressed_contexts_give_each_row_what_it_gets_a
 
     if kvevict.EvictionCache(model, build_policy(policy), budget=budget).hidden is not None:
         with pytest.raises(ValueError, match="reads hidden states by column"):
+            run([0, 1, 2])
+        return
+    if policy in ONE_PROMPT_AT_A_TIME:
+        with pytest.raises(ValueError, match="one prompt at a time"):
             run([0, 1, 2])
         return
     tokens, logits = run([0, 1, 2])
@@ -206,6 +217,10 @@ def test_resident_bytes_follow_the_retained_entries(policy: str, batch: int) -> 
     ids, mask = left_padded(prompts)
     interval = 3
     cache = kvevict.EvictionCache(model, build_policy(policy), budget=BUDGET, interval=interval)
+    if policy in ONE_PROMPT_AT_A_TIME and batch > 1:
+        with pytest.raises(ValueError, match="one prompt at a time"):
+            model(input_ids=ids, attention_mask=mask, position_ids=padded_positions(mask), past_key_values=cache)
+        return
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=padded_positions(mask), past_key_values=cache)
         cache.end_prompt()

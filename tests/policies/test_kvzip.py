@@ -58,6 +58,60 @@ def test_one_pass_attends_as_the_kernel_and_scores_as_reconstruction_scores(weig
     torch.testing.assert_close(scores, reconstruction_scores(query, keys, 0.3, 11, **weights))
 
 
+def test_bf16_products_round_the_logits_as_a_bf16_product_and_score_in_fp32() -> None:
+    """precision=bf16: each logit is the bf16 product of the bf16 query and key (the exact fp32 sum of
+    their products, rounded once to bf16); the softmax and the max over queries are fp32. Both scoring
+    paths agree, and the scores are not fp32's."""
+    generator = torch.Generator().manual_seed(1)
+    query = torch.randn(1, 6, 13, 8, generator=generator) * 2
+    keys, values = torch.randn(2, 1, 2, 24, 8, generator=generator)
+    scaling = 0.25  # a power of two: scaling the query or the logits rounds alike
+    bf16 = torch.bfloat16
+    exact = query.to(bf16).double() @ keys.to(bf16).double().repeat_interleave(3, 1).transpose(-1, -2)
+    logits = (exact.to(bf16).float() * scaling).masked_fill(~causal_mask(13, 24, query.device), float("-inf"))
+    expected = logits.softmax(dim=-1)[..., :11].amax(dim=2).view(1, 2, 3, 11).amax(dim=2)
+    scores = reconstruction_scores(query, keys, scaling, 11, products=bf16)
+    torch.testing.assert_close(scores, expected, rtol=1e-6, atol=1e-7)
+    output, fused = attend_and_score(query, keys, values, scaling, 11, products=bf16)
+    torch.testing.assert_close(fused, scores, rtol=2e-2, atol=1e-4)  # the causal block: the kernel's bf16 path
+    assert output.dtype == torch.float32
+    assert not torch.allclose(scores, reconstruction_scores(query, keys, scaling, 11), rtol=1e-4, atol=0)
+
+
+def test_precision_bf16_repeats_in_bf16_and_keeps_the_prefill_entries_as_they_were() -> None:
+    """The repeat pass's projections run in bf16 (autocast), the prefill's in fp32; what the cache
+    keeps are the prefill's fp32 entries, and the next token attends over exactly them."""
+    model = tiny_model()
+    seen: list[torch.dtype] = []
+    hook = model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    cache = kvevict.EvictionCache(model, kvevict.make_policy("kvzip", precision="bf16"), budget=40)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no tokenizer for the tiny model
+        sequences, _ = greedy(model, prompt(96), cache, new_tokens=3)
+    hook.remove()
+    assert seen[:2] == [torch.float32, torch.bfloat16]  # the prefill, then the repeat
+    assert set(seen[2:]) == {torch.float32}  # decoding is the model's own
+    full = kvevict.EvictionCache(model, "full")
+    with torch.no_grad():
+        model(input_ids=prompt(96), past_key_values=full)
+    for kept, whole in zip(cache.eviction_layers, full.eviction_layers):
+        held = kept.positions < 96  # the prompt's entries (the decoded ones follow)
+        if kept.valid is not None:
+            held &= kept.valid
+        slots = kept.positions.clamp(max=95).long()[..., None].expand(*kept.positions.shape, kept.keys.shape[-1])
+        assert torch.equal(kept.keys[held], whole.keys.gather(2, slots)[held])  # fp32, as prefilled
+        assert int(held.sum()) < 2 * 96
+    assert_next_logits_match_reference(model, cache, sequences[:, -1:])
+
+
+def test_precision_bf16_warns_where_bf16_is_not_multiplied_in_hardware(monkeypatch) -> None:
+    monkeypatch.setattr("kvevict.policies.kvzip.multiplies_bf16_natively", lambda device: False)
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, kvevict.make_policy("kvzip", precision="bf16"), budget=40)
+    with pytest.warns(UserWarning, match="does not multiply bf16 in hardware"), torch.no_grad():
+        model(input_ids=prompt(96), past_key_values=cache)
+
+
 def test_causal_attention_returns_each_querys_log_sum_exp() -> None:
     generator = torch.Generator().manual_seed(1)
     query, keys, values = torch.randn(3, 1, 4, 7, 8, generator=generator)
@@ -198,6 +252,8 @@ def test_bad_parameters_say_what_is_allowed() -> None:
     with pytest.raises(ValueError, match="sinks"):
         kvevict.make_policy("kvzip", sinks=0)
     kvevict.make_policy("kvzip", sinks=0, per_layer=True)
+    with pytest.raises(ValueError, match="precision.*one of 'fp32', 'bf16'"):
+        kvevict.make_policy("kvzip", precision="fp16")
 
 
 def test_a_prompt_in_chunks_is_repeated_and_evicted_chunk_by_chunk() -> None:
