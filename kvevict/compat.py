@@ -5,6 +5,9 @@ transformers 5.24 renamed the cache argument of a model's, a decoder layer's and
 5.40, with a FutureWarning on every call. kvevict's own calls pass the name the installed
 release expects (:func:`with_cache`), and its hooks read either (:func:`pass_cache`). Users
 may pass either name: ``model.generate(..., past_key_values=cache)`` works on every release.
+
+It also reads what differs between machines that torch only probes privately: whether a device
+multiplies bf16 in hardware (:func:`multiplies_bf16_natively`).
 """
 
 from __future__ import annotations
