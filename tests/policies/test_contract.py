@@ -4,6 +4,8 @@ see ``reference_logits``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -32,6 +34,17 @@ POLICIES = [
 ]
 ONE_PROMPT_AT_A_TIME = ("kvzip[precision=bf16]",)
 """Refuse a batch of prompts (their docstrings say why)."""
+
+
+def refuses_batch(policy: str, run_batch: Callable[[], object]) -> bool:
+    """Whether ``policy`` takes one prompt at a time, having checked that ``run_batch`` is refused if so."""
+    if policy not in ONE_PROMPT_AT_A_TIME:
+        return False
+    with pytest.raises(ValueError, match="one prompt at a time"):
+        run_batch()
+    return True
+
+
 EVICTING = [name for name in POLICIES if name != "full"]
 PROMPT = 96
 BUDGET = 40
@@ -70,9 +83,7 @@ def test_a_left_padded_batch_gives_each_row_what_it_gets_alone(policy: str, attn
     ids, mask = left_padded(prompts)
     budget = None if policy == "full" else BUDGET
     batch_cache = kvevict.EvictionCache(model, build_policy(policy), budget=budget)
-    if policy in ONE_PROMPT_AT_A_TIME:
-        with pytest.raises(ValueError, match="one prompt at a time"):
-            greedy_batch(model, ids, mask, batch_cache, 7)
+    if refuses_batch(policy, lambda: greedy_batch(model, ids, mask, batch_cache, 7)):
         return
     batch_tokens, batch_logits = greedy_batch(model, ids, mask, batch_cache, 7)
     for row, ids_alone in enumerate(prompts):
@@ -110,9 +121,7 @@ def test_questions_padded_after_compressed_contexts_give_each_row_what_it_gets_a
         with pytest.raises(ValueError, match="reads hidden states by column"):
             run([0, 1, 2])
         return
-    if policy in ONE_PROMPT_AT_A_TIME:
-        with pytest.raises(ValueError, match="one prompt at a time"):
-            run([0, 1, 2])
+    if refuses_batch(policy, lambda: run([0, 1, 2])):
         return
     tokens, logits = run([0, 1, 2])
     for row in range(3):
@@ -217,9 +226,8 @@ def test_resident_bytes_follow_the_retained_entries(policy: str, batch: int) -> 
     ids, mask = left_padded(prompts)
     interval = 3
     cache = kvevict.EvictionCache(model, build_policy(policy), budget=BUDGET, interval=interval)
-    if policy in ONE_PROMPT_AT_A_TIME and batch > 1:
-        with pytest.raises(ValueError, match="one prompt at a time"):
-            model(input_ids=ids, attention_mask=mask, position_ids=padded_positions(mask), past_key_values=cache)
+    forward = {"input_ids": ids, "attention_mask": mask, "position_ids": padded_positions(mask)}
+    if batch > 1 and refuses_batch(policy, lambda: model(**forward, past_key_values=cache)):
         return
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=padded_positions(mask), past_key_values=cache)
