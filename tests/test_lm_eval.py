@@ -107,6 +107,12 @@ def test_bad_model_args_are_refused_in_one_line(tiny, tokenizer, args, message) 
     assert "\n" not in str(refused.value)
 
 
+def test_a_policy_that_takes_one_prompt_at_a_time_is_run_one_request_at_a_time(tiny, tokenizer, tasks) -> None:
+    lm = KvevictLM(pretrained=tiny, tokenizer=tokenizer, policy="kvzip[precision=bf16]", budget=64, batch_size=4)
+    assert lm.batch_size == 1
+    assert torch.isfinite(log_likelihoods(evaluate(lm, tasks, [LONG], 2), LONG)).all()  # not refused as a batch
+
+
 def test_a_pool_allocated_chunk_by_chunk_takes_chunks_where_kvzips_pool_is_refused(tiny, tokenizer) -> None:
     """``global+X`` (and ``fastkvzip``'s pool) evict after every chunk, so the harness's chunked
     prompts (``prefill_chunk``, rolling windows) are accepted; KVzip's pooled repeat is not."""

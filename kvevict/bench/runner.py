@@ -118,6 +118,10 @@ class BenchConfig:
         if (self.quant_group is not None or self.residual is not None) and not any(self.quants):
             raise ValueError("a quant group or residual needs quantized settings (--quant int8, int4 or int2)")
         check_chunk(self.prefill_chunk)
+        if self.batch_size > 1:
+            for name in evicting:
+                if not make_policy(name).takes_batches:
+                    raise ValueError(f"{name} compresses one prompt at a time: run it with --batch-size 1")
         if self.prefill_chunk is not None:
             for name in evicting:
                 if not (policy := make_policy(name)).takes_chunks:

@@ -521,6 +521,9 @@ class Method(Scorer):
     """True for a :attr:`deferred_prefill` method that can also rescore a prompt prefilled in
     chunks, after each chunk's forward (chunked KVzip): unless one budget is shared across
     layers, such a prompt is then evicted chunk by chunk instead of refused."""
+    takes_batches: bool = True
+    """False for a method that compresses one prompt at a time and refuses a batch
+    (``kvzip[precision=bf16]``): a caller that batches prompts checks it first."""
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)

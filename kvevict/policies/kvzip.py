@@ -278,6 +278,10 @@ class KVzip(Method):
         best.copy_(torch.maximum(best, scores))
         return best
 
+    @property
+    def takes_batches(self) -> bool:  # bf16: one prompt at a time (class docstring)
+        return self.precision == "fp32"
+
     # -- the repeat pass --------------------------------------------------------------
     def products(self, rows: int, device: torch.device) -> torch.dtype | None:
         """The repeat pass's product dtype under ``precision`` (class docstring) for ``rows`` prompts:

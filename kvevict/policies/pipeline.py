@@ -317,6 +317,11 @@ class Policy:
         return self.method.rescores_chunks
 
     @property
+    def takes_batches(self) -> bool:
+        """Whether prompts may be compressed as one batch (the method's :attr:`~Method.takes_batches`)."""
+        return self.method.takes_batches
+
+    @property
     def takes_chunks(self) -> bool:
         """Whether a prompt may be compressed chunk by chunk: the policy evicts as each pass ends,
         or its deferred eviction runs after every chunk (:attr:`rescores_chunks`)."""

@@ -254,6 +254,8 @@ def test_bad_parameters_say_what_is_allowed() -> None:
     kvevict.make_policy("kvzip", sinks=0, per_layer=True)
     with pytest.raises(ValueError, match="precision.*one of 'fp32', 'bf16'"):
         kvevict.make_policy("kvzip", precision="fp16")
+    assert kvevict.make_policy("kvzip").takes_batches
+    assert not kvevict.make_policy("kvzip", precision="bf16").takes_batches
 
 
 def test_a_prompt_in_chunks_is_repeated_and_evicted_chunk_by_chunk() -> None:
