@@ -118,14 +118,12 @@ class BenchConfig:
         if (self.quant_group is not None or self.residual is not None) and not any(self.quants):
             raise ValueError("a quant group or residual needs quantized settings (--quant int8, int4 or int2)")
         check_chunk(self.prefill_chunk)
-        if self.batch_size > 1:
-            for name in evicting:
-                if not make_policy(name).takes_batches:
-                    raise ValueError(f"{name} compresses one prompt at a time: run it with --batch-size 1")
-        if self.prefill_chunk is not None:
-            for name in evicting:
-                if not (policy := make_policy(name)).takes_chunks:
-                    raise ValueError(policy.chunk_refusal("run it without --prefill-chunk"))
+        for name in evicting:  # what the settings ask of each policy: prompts in batches, a prompt in chunks
+            policy = make_policy(name)
+            if self.batch_size > 1 and not policy.takes_batches:
+                raise ValueError(f"{name} compresses one prompt at a time: run it with --batch-size 1")
+            if self.prefill_chunk is not None and not policy.takes_chunks:
+                raise ValueError(policy.chunk_refusal("run it without --prefill-chunk"))
         # full first: it is the reference for "% of full" and for fidelity
         needs_reference = self.fidelity or any(get_task(name).scored_by_fidelity for name in self.tasks)
         reference = [Setting("full")] if "full" in self.policies or needs_reference else []
