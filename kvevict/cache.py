@@ -336,7 +336,9 @@ class EvictionCache(PassEnds, Cache):
     def peak_entries(self) -> int:
         """Most entries any KV head of any layer held at any moment of this cache's life,
         prefill included (after a pass appended, before it evicted): at most ``budget + C``
-        with chunked prefill of chunk ``C``, the whole prompt when it is prefilled in one pass."""
+        per head with chunked prefill of chunk ``C`` (before the last chunk, the policy's
+        :meth:`~kvevict.policies.Policy.prompt_held` for the budget: ``fastkvzip``'s prompt
+        window), the whole prompt when it is prefilled in one pass."""
         return max((row.peak for layer in self.eviction_layers for row in layer.rows), default=0)
 
     def end_prompt(self) -> None:

@@ -94,7 +94,8 @@ def prefill(
 ) -> torch.Tensor:
     """Process the prompt ``ids`` into ``cache``, compressed under its policy: in one pass, or
     ``chunk`` tokens per pass (each chunk attends to the retained entries plus itself, then the
-    cache evicts back to its budget: never more than ``budget + chunk`` entries per KV head).
+    cache evicts back to its budget: never more than ``budget + chunk`` entries per KV head, or
+    :meth:`~kvevict.policies.Policy.prompt_held` ``+ chunk`` before the last chunk).
     ``mask``: the attention mask of a left-padded batch; real tokens get positions from 0, as in
     ``generate``. The prompt then ends: whatever is fed next is decoded, not compressed with it.
     Returns the logits after the prompt's last token, ``[B, V]``; with ``every_logit``, those

@@ -306,6 +306,14 @@ class PassBookkeeping:
         counts only its row's passes with real tokens)."""
         return phase_of(self.passes, self.prompt_pass)
 
+    @property
+    def prompt_continues(self) -> bool:
+        """Whether more of the prompt comes after this pass: a chunk before the last of a prompt
+        whose whole length the cache was told (``prompt_length=``; :func:`kvevict.generation.prefill`
+        tells it). Without that length no chunk is known to be the last, and this is false."""
+        whole = self.owner.prompt_length
+        return self.prompt_pass and whole is not None and self.tokens < whole
+
     def snapshot(self) -> tuple[int, int, int, list[tuple[int, ...]]]:
         """What :meth:`restore` needs to drop entries appended after this point (the rows'
         counters are the cache's to give back: :meth:`PassEnds.scoring_pass`)."""

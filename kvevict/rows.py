@@ -53,6 +53,7 @@ class ViewedLayer(Protocol):
     storage: LayerStorage
     n: int
     prompt_pass: bool
+    prompt_continues: bool
     layer_idx: int
     window: int | None
     device: torch.device
@@ -195,7 +196,7 @@ class RowView:
             )
             self.budget = info.budget
             self.owner = SpanOwner(layer.owner, rows)
-        self.prompt_pass = layer.prompt_pass
+        self.prompt_pass, self.prompt_continues = layer.prompt_pass, layer.prompt_continues
         self.passes, self.layer_idx, self.device, self.window = (
             info.passes,
             layer.layer_idx,
@@ -324,7 +325,7 @@ class LayerStack:
             first.window,
             first.device,
         )
-        self.num_new, self.passes = first.num_new, first.passes
+        self.num_new, self.passes, self.prompt_continues = first.num_new, first.passes, first.prompt_continues
         self.owner = StackOwner(first.owner, self.layers)
         """What a stackable stage reads of the cache: the hidden scores, layer after layer."""
 

@@ -68,6 +68,8 @@ class EntryView(Protocol):
     ``num_new`` columns. Read and write them with :func:`kvevict.signals.new_entries` and
     :func:`~kvevict.signals.write_new_entries`."""
     passes: int
+    prompt_continues: bool
+    """Whether more of a prompt fed in chunks comes after this pass (its whole length known)."""
     window: int | None
     """The layer's sliding window, or None for full attention."""
     device: torch.device

@@ -109,7 +109,7 @@ def chunks(model, cache, ids, chunk: int, padded_path: bool, during=None):
     return torch.cat(logits, dim=1)
 
 
-@pytest.mark.parametrize("policy", ["fastkvzip", "global+knorm"])
+@pytest.mark.parametrize("policy", ["fastkvzip[prompt_window=24]", "global+knorm"])
 def test_prompt_chunks_over_packed_layers_stay_packed_and_leave_what_the_padded_path_leaves(policy: str) -> None:
     """A 160-token prompt fed 16 tokens per pass at budget 40, under one budget pooled across layers and
     no cap: each chunk's pass over a ragged layer stays packed (no layer padded to its longest head: its

@@ -279,6 +279,12 @@ class Protector(Stage):
         """``[B, Hkv, n]`` bool."""
         raise NotImplementedError
 
+    def prompt_slack(self, budget: int) -> int:
+        """Entries a head holds beyond ``budget`` after a chunk of a prompt while more of it comes
+        (:attr:`~kvevict.views.EntryView.prompt_continues`): none unless the protector widens
+        its window then."""
+        return 0
+
 
 class Allocator(Stage):
     """How many entries each KV head keeps."""
@@ -298,10 +304,12 @@ class Allocator(Stage):
     prefill eviction then waits until the prefill forward has scored every layer
     (:meth:`allocate_layers`, then :meth:`counts` per layer)."""
 
-    def allocate_layers(self, layers: list[EntryView], scores: list[torch.Tensor], comparable: bool) -> None:
+    def allocate_layers(
+        self, layers: list[EntryView], scores: list[torch.Tensor], comparable: bool, budget: int
+    ) -> None:
         """With :attr:`across_layers`: decide every layer's counts together from their selection
-        scores (``comparable``: the scorer's :attr:`~Scorer.comparable_scores`), leaving what
-        :meth:`counts` returns in each layer's memo."""
+        scores (``comparable``: the scorer's :attr:`~Scorer.comparable_scores`) under ``budget``
+        per head, leaving what :meth:`counts` returns in each layer's memo."""
 
 
 @dataclass(frozen=True)
@@ -429,21 +437,29 @@ def window_size(window: int | None, budget: int, cap: int = 128) -> int:
 
 class SinksAndWindow(Protector):
     """The first ``sinks`` tokens and the recent window (``window`` tokens; None:
-    ``min(cap, budget // 4)``)."""
+    ``min(cap, budget // 4)``). ``prompt_window``: after a chunk of a prompt while more of it
+    comes, the window is that wide, its extra tokens held beyond the budget
+    (:meth:`prompt_slack`), so the next chunk's tokens see that much of their past in every
+    head; the last chunk's eviction keeps the budget with the usual window."""
 
     name = "sinks-and-window"
     batched = True
     stackable = True
 
-    def __init__(self, sinks: int = 0, window: int | None = 0, cap: int = 128):
+    def __init__(self, sinks: int = 0, window: int | None = 0, cap: int = 128, prompt_window: int = 0):
         super().__init__()
-        self.sinks, self.window, self.cap = sinks, window, cap
+        self.sinks, self.window, self.cap, self.prompt_window = sinks, window, cap, prompt_window
 
     def recent_window(self, budget: int) -> int:
         return window_size(self.window, budget, self.cap)
 
+    def prompt_slack(self, budget: int) -> int:
+        return max(0, self.prompt_window - self.recent_window(budget))
+
     def protected(self, layer: EntryView, budget: int) -> torch.Tensor:
         pos, window = layer.positions, self.recent_window(budget)
+        if layer.prompt_continues:
+            window = max(window, self.prompt_window)
         if not window:  # the sinks alone (StreamingLLM's default)
             return pos < self.sinks
         recent = pos >= layer.seen - window

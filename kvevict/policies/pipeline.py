@@ -226,8 +226,19 @@ class Policy:
         """The entries to keep, ``[B, Hkv, n]`` bool: scores (protected at ``+inf``, padding at
         ``-inf``), then the allocator's counts per head, then the selector's choice."""
         scores, protected = self.selection_scores(layer, signals, budget)
-        counts = self.allocator.counts(layer, scores, protected, budget)
+        counts = self.allocator.counts(layer, scores, protected, self.held_budget(layer, budget))
         return self.selector.keep(layer, signals, Ranking(scores, protected, counts))
+
+    def held_budget(self, layer: EntryView, budget: int) -> int:
+        """What each head may keep at this eviction: ``budget``, or :meth:`prompt_held` while more
+        of a prompt fed in chunks comes."""
+        return self.prompt_held(budget) if layer.prompt_continues else budget
+
+    def prompt_held(self, budget: int) -> int:
+        """What each head may keep after a chunk of a prompt while more of it comes: ``budget`` and
+        the protector's :meth:`~kvevict.policies.base.Protector.prompt_slack` (a wider window, which
+        the next chunk's tokens see)."""
+        return budget + self.protector.prompt_slack(budget)
 
     def drop_lowest(self, layer: EntryView, signals: Signals, budget: int) -> torch.Tensor | None:
         """The entry ``[B, Hkv]`` (column of ``layer``) each head drops, when this eviction drops
@@ -236,7 +247,12 @@ class Policy:
         instead of a mask (a decode step's eviction, every step). None for any other eviction
         (:meth:`select` then decides): another allocator, padding or ragged heads, more than one
         entry over the budget, a NaN, or a selector that does not find it so."""
-        if layer.valid is not None or layer.length != budget + 1 or type(self.allocator) is not Uniform:
+        if (
+            layer.valid is not None
+            or layer.length != budget + 1
+            or type(self.allocator) is not Uniform
+            or layer.prompt_continues  # (the protected window is the wider one)
+        ):
             return None
         if self.keeps_uniform_top:
             scores = self._scores(layer, signals, self.protector.protected(layer, budget))
@@ -341,11 +357,12 @@ class Policy:
         signals), the allocator first seeing the selection scores of all of them."""
         ranked = [self.selection_scores(layer, signals, layer.budget) for layer, signals in deferred]
         layers = [layer for layer, _ in deferred]
+        held = self.held_budget(layers[0], layers[0].budget)  # (rows of one pass: every layer alike)
         comparable = self.scorer is not None and self.scorer.comparable_scores
-        self.allocator.allocate_layers(layers, [scores for scores, _ in ranked], comparable)
+        self.allocator.allocate_layers(layers, [scores for scores, _ in ranked], comparable, held)
         keeps = []
         for (layer, signals), (scores, protected) in zip(deferred, ranked):
-            counts = self.allocator.counts(layer, scores, protected, layer.budget)
+            counts = self.allocator.counts(layer, scores, protected, held)
             keeps.append(self.selector.keep(layer, signals, Ranking(scores, protected, counts)))
         return keeps
 

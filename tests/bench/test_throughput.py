@@ -137,6 +137,14 @@ def test_a_prompt_is_chunked_only_where_the_policy_can_evict_chunks_of_that_size
         assert job._chunkable() == expected
 
 
+def test_a_prompt_window_held_until_the_last_chunk_counts_in_what_chunks_save() -> None:
+    model = tiny_model()
+    for window, expected in ((0, 16), (24, 16), (60, None)):  # 40 + (60 - 8) + 16 >= 100: no saving
+        policy = f"fastkvzip[per_layer=true,gates=initial,window=8,prompt_window={window}]"
+        job = PromptJob(model, prompt(100), Setting(policy, 40), 4, Learned(), 16)
+        assert job._chunkable() == expected
+
+
 def test_a_rerun_skips_finished_settings(tmp_path, monkeypatch) -> None:
     model = tiny_model()
     prompts = [prompt(60, seed=seed) for seed in range(2)]

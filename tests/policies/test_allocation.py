@@ -216,7 +216,9 @@ def test_a_pool_allocated_chunk_by_chunk_stays_whole_and_no_head_passes_its_cap(
     ids = prompt(160)
     held = {}
     for cap in (0, 1.1):  # 0: no cap
-        params = {"global": {"cap": cap}} if policy.startswith("global") else {"global": {"cap": cap, "safeguard": 0}}
+        params = {"global": {"cap": cap}}
+        if not policy.startswith("global"):  # (evicting after every chunk, to the budget: no prompt window)
+            params |= {"global": {"cap": cap, "safeguard": 0}, "prompt_window": 0}
         name = policy if policy.startswith("global") else f"global+{policy}"
         cache = kvevict.EvictionCache(model, build_policy(name, **params), budget=40, prompt_length=160)
         with torch.no_grad():

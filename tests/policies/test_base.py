@@ -88,10 +88,22 @@ def test_the_recent_window_is_given_or_a_capped_quarter_of_the_budget() -> None:
     [(2, 3, [0, 1, 7, 8, 9]), (2, 0, [0, 1]), (0, 3, [7, 8, 9]), (2, None, [0, 1, 8, 9])],
 )
 def test_sinks_and_the_recent_window_are_protected(sinks: int, window: int | None, protected: list[int]) -> None:
-    layer = SimpleNamespace(positions=torch.arange(10)[None, None], seen=10)
+    layer = SimpleNamespace(positions=torch.arange(10)[None, None], seen=10, prompt_continues=False)
     protector = SinksAndWindow(sinks, window)
     assert kept_indices(protector.protected(layer, 8)) == [[protected]]  # None: min(128, 8 // 4) = 2
     assert protector.min_budget(8) == len(protected)
+    assert protector.prompt_slack(8) == 0
+
+
+def test_while_more_of_a_chunked_prompt_comes_the_prompt_window_is_protected_beyond_the_budget() -> None:
+    protector = SinksAndWindow(2, 3, prompt_window=6)
+    positions = torch.arange(10)[None, None]
+    later_chunk = SimpleNamespace(positions=positions, seen=10, prompt_continues=True)
+    last_chunk = SimpleNamespace(positions=positions, seen=10, prompt_continues=False)
+    assert kept_indices(protector.protected(later_chunk, 8)) == [[[0, 1, 4, 5, 6, 7, 8, 9]]]
+    assert kept_indices(protector.protected(last_chunk, 8)) == [[[0, 1, 7, 8, 9]]]
+    assert protector.prompt_slack(8) == 6 - 3 and protector.min_budget(8) == 2 + 3  # the budget holds sinks + window
+    assert SinksAndWindow(2, 8, prompt_window=6).prompt_slack(8) == 0  # no wider than the window: nothing on top
 
 
 def test_uniform_counts_are_the_budget_or_what_a_head_holds() -> None:

@@ -18,7 +18,7 @@ from kvevict.gates import (
     shape_of,
     stored,
 )
-from tests.conftest import build_policy, prompt, tiny_model
+from tests.conftest import assert_next_logits_match_reference, build_policy, greedy, prompt, tiny_model
 
 
 def hand_gate() -> dict[str, torch.Tensor]:
@@ -223,3 +223,45 @@ def test_the_gates_score_only_what_may_be_evicted(name: str, chunk: int | None, 
         model(input_ids=logits[:, -1:].argmax(-1), past_key_values=cache)
     decoded = [scores is not None for scores in hooks.latest.values()]
     assert decoded == ["regime=both" in name] * len(cache.eviction_layers)
+
+
+def held_positions(cache: kvevict.EvictionCache) -> list[list[set[int]]]:
+    """The positions each head of each layer holds (row 0)."""
+    held = []
+    for layer in cache.eviction_layers:
+        valid = torch.ones_like(layer.positions, dtype=torch.bool) if layer.valid is None else layer.valid
+        held.append([set(layer.positions[0, h][valid[0, h]].tolist()) for h in range(layer.positions.shape[1])])
+    return held
+
+
+def test_a_prompt_fed_in_chunks_holds_its_prompt_window_until_the_last_chunk(one_thread) -> None:
+    """Budget 40, a 160-token prompt fed 16 tokens per pass, ``prompt_window=24`` over the 8-token window: after
+    every chunk but the last, each head holds its last 24 tokens and the pool is L·H·(40 + 16); the last chunk's
+    eviction leaves the pool L·H·40 with the 8-token window, and the next token attends to exactly what is kept."""
+    model = tiny_model()
+    ids = prompt(161)
+    policy = build_policy("fastkvzip", window=8, prompt_window=24)
+    cache = kvevict.EvictionCache(model, policy, budget=40, prompt_length=160)
+    with torch.no_grad():
+        for end in range(16, 161, 16):
+            model(input_ids=ids[:, end - 16 : end], past_key_values=cache)
+            window = 24 if end < 160 else 8
+            held = held_positions(cache)
+            assert all(set(range(max(0, end - window), end)) <= head for layer in held for head in layer)
+            total = sum(len(head) for layer in held for head in layer)
+            assert total == 2 * 2 * min(end, 40 + 16 if end < 160 else 40)
+    assert not all(set(range(160 - 24, 160)) <= head for layer in held for head in layer)  # the wide window went
+    assert_next_logits_match_reference(model, cache, ids[:, -1:])
+
+
+def test_without_the_prompts_length_no_chunk_is_known_to_be_the_last_and_the_window_stays(one_thread) -> None:
+    """``generate(..., prefill_chunk_size=C)`` does not tell the cache where the prompt ends: ``prompt_window``
+    then changes nothing, and the budget holds after every chunk."""
+    model = tiny_model()
+    ids = prompt(160)
+    held = []
+    for name in ("fastkvzip", "fastkvzip[prompt_window=24]"):
+        cache = kvevict.EvictionCache(model, build_policy(name, window=8), budget=40)
+        greedy(model, ids, cache, new_tokens=2, chunk=16)
+        held.append(held_positions(cache))
+    assert held[0] == held[1]
