@@ -24,11 +24,11 @@ scoring costs during the pass. Three more paths prefill in chunks with eviction 
   ``chunked-fastkvzip`` (named only, not run by default: it needs the model's gates) is the
   default ``fastkvzip``, each chunk scored by the gates as it passes (attention-free), its one
   budget pooled over every layer and head allocated after each chunk (docs/fastkvzip.md, round
-  8), each head holding the prompt's last 512 tokens beyond it until the last chunk (its
+  8), each head holding the prompt's last 512 tokens on top of it until the last chunk (its
   ``prompt_window``: round 13); on a CPU each chunk's pass over a ragged layer stays packed and no
-  head is capped (a head costs its own entries: round 9), on a GPU a head keeps at most 4× what it
-  holds (at most that plus the chunk, in columns per layer, during a pass).
-  ``chunked-fastkvzip-per-layer`` (named only) is ``fastkvzip[per_layer=true]``: ``budget + 480
+  head is capped (a head costs its own entries: round 9), on a GPU the pool gives a head at most
+  ``4·budget`` entries (the prompt window on top, and the chunk during a pass).
+  ``chunked-fastkvzip-per-layer`` (named only) is ``fastkvzip[per_layer=true]``: at most ``budget + 480
   + chunk`` per KV head before the last chunk (the prompt window's 512 over the 32-token window;
   SnapKV: ``budget + chunk``).
 

@@ -219,9 +219,7 @@ class GlobalBudget(Allocator):
     ``⌈cap·B⌉`` entries at those later chunks (``cap = 4``), so that head cannot grow with the
     context: a pass holds at most ``⌈cap·B⌉ + chunk`` columns per layer. Where the passes stay
     packed (:func:`~kvevict.packedpass.chunks_stay_packed`, on a CPU: round 9) a head costs its
-    own entries only, and there is no cap unless one is given. ``B`` is what the policy holds at
-    that eviction (:meth:`~kvevict.policies.pipeline.Policy.held_budget`: before a prompt's last
-    chunk, the budget and its protector's prompt slack, ``fastkvzip``'s prompt window). Re-ranking after each
+    own entries only, and there is no cap unless one is given. Re-ranking after each
     chunk chooses what one allocation at the end would, for scores that are per-token state
     (Fast KVzip's gates, ``knorm``) up to the hidden states earlier evictions moved; an
     attention scorer (``snapkv``) scores every retained and new entry with the chunk's own
@@ -268,13 +266,12 @@ class GlobalBudget(Allocator):
                 f"{policy.regime!r} (use regime=prefill)"
             )
 
-    def allocate_layers(
-        self, layers: list[EntryView], scores: list[torch.Tensor], comparable: bool, budget: int
-    ) -> None:
+    def allocate_layers(self, layers: list[EntryView], scores: list[torch.Tensor], comparable: bool) -> None:
         """Store in each layer's memo what its heads keep under one pool ``L·H·B`` (:func:`global_counts`);
         at a later chunk of a prompt fed in chunks, each head brings what it would hold alone
         (:func:`reach`) and keeps at most ``⌈cap·B⌉`` entries."""
         ranked = scores if comparable else [standardize(layer_scores) for layer_scores in scores]
+        budget = layers[0].budget
         chunked = layers[0].passes > 1  # (a pass of the prompt after its first: the layers were pooled before)
         reaches = [reach(layer) for layer in layers] if chunked else None
         cap = self.chunk_cap(layers[0].policy, layers[0].device)

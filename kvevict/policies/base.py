@@ -280,10 +280,14 @@ class Protector(Stage):
         raise NotImplementedError
 
     def prompt_slack(self, budget: int) -> int:
-        """Entries a head holds beyond ``budget`` after a chunk of a prompt while more of it comes
-        (:attr:`~kvevict.views.EntryView.prompt_continues`): none unless the protector widens
-        its window then."""
+        """Most entries a head holds beyond ``budget`` after a chunk of a prompt while more of it
+        comes (:meth:`held_for_prompt`)."""
         return 0
+
+    def held_for_prompt(self, layer: EntryView) -> torch.Tensor | None:
+        """``[B, Hkv, n]`` bool: real entries kept on top of the selection after a chunk of a prompt
+        while more of it comes (:attr:`~kvevict.views.EntryView.prompt_continues`); None: none."""
+        return None
 
 
 class Allocator(Stage):
@@ -304,12 +308,10 @@ class Allocator(Stage):
     prefill eviction then waits until the prefill forward has scored every layer
     (:meth:`allocate_layers`, then :meth:`counts` per layer)."""
 
-    def allocate_layers(
-        self, layers: list[EntryView], scores: list[torch.Tensor], comparable: bool, budget: int
-    ) -> None:
+    def allocate_layers(self, layers: list[EntryView], scores: list[torch.Tensor], comparable: bool) -> None:
         """With :attr:`across_layers`: decide every layer's counts together from their selection
-        scores (``comparable``: the scorer's :attr:`~Scorer.comparable_scores`) under ``budget``
-        per head, leaving what :meth:`counts` returns in each layer's memo."""
+        scores (``comparable``: the scorer's :attr:`~Scorer.comparable_scores`), leaving what
+        :meth:`counts` returns in each layer's memo."""
 
 
 @dataclass(frozen=True)
@@ -438,9 +440,10 @@ def window_size(window: int | None, budget: int, cap: int = 128) -> int:
 class SinksAndWindow(Protector):
     """The first ``sinks`` tokens and the recent window (``window`` tokens; None:
     ``min(cap, budget // 4)``). ``prompt_window``: after a chunk of a prompt while more of it
-    comes, the window is that wide, its extra tokens held beyond the budget
-    (:meth:`prompt_slack`), so the next chunk's tokens see that much of their past in every
-    head; the last chunk's eviction keeps the budget with the usual window."""
+    comes, the last ``prompt_window`` tokens are kept too, on top of what the budget selects
+    (:meth:`held_for_prompt`), so the next chunk's tokens see that much of their past in every
+    head. They do not take part in the selection, so it chooses what it would with the usual
+    window; the last chunk's eviction ranks them with the rest."""
 
     name = "sinks-and-window"
     batched = True
@@ -456,10 +459,14 @@ class SinksAndWindow(Protector):
     def prompt_slack(self, budget: int) -> int:
         return max(0, self.prompt_window - self.recent_window(budget))
 
+    def held_for_prompt(self, layer: EntryView) -> torch.Tensor | None:
+        if not self.prompt_window or not layer.prompt_continues:
+            return None
+        recent = layer.positions >= layer.seen - self.prompt_window
+        return recent if layer.valid is None else recent & layer.valid  # (padding slots have negative positions)
+
     def protected(self, layer: EntryView, budget: int) -> torch.Tensor:
         pos, window = layer.positions, self.recent_window(budget)
-        if layer.prompt_continues:
-            window = max(window, self.prompt_window)
         if not window:  # the sinks alone (StreamingLLM's default)
             return pos < self.sinks
         recent = pos >= layer.seen - window

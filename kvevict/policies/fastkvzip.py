@@ -10,13 +10,13 @@ prompt is compressed at prefill by default, with one budget pooled over every la
 (``global`` with no per-head floor); a prompt fed in chunks is pooled after each chunk, the retained
 and new entries of every layer re-ranked by their gate scores. Until its last chunk (where the cache
 knows the prompt's length: ``prompt_length=``, as :func:`kvevict.generation.prefill` tells it) every
-head also holds the prompt's last 512 tokens (``prompt_window``) beyond the budget, so a chunk's
-tokens see that much of their past even in the heads the pool leaves at sinks and window: their
-hidden states, and so the gates' scores and the entries kept, drift less from one pass's
-(docs/fastkvzip.md, round 13); the last chunk's eviction keeps the budget with the 32-token window.
-Each chunk's pass over a ragged layer stays packed on a CPU (each head costs its own entries: no
-cap), and where it cannot (a GPU) a head keeps at most 4× what it may hold (the budget, and the
-prompt window's tokens before the last chunk), so a pass never holds more than that plus the chunk
+head also holds the prompt's last 512 tokens (``prompt_window``) on top of what the pool selects, so
+a chunk's tokens see that much of their past even in the heads the pool leaves at sinks and window:
+their hidden states, and so the gates' scores and the entries kept, drift less from one pass's
+(docs/fastkvzip.md, round 13); the last chunk's eviction ranks them with the rest and keeps the
+budget with the 32-token window. Each chunk's pass over a ragged layer stays packed on a CPU (each
+head costs its own entries: no cap), and where it cannot (a GPU) the pool gives a head at most
+``4·budget`` entries (the prompt window on top), so a pass never holds more than that plus the chunk
 per layer however long the prompt (docs/fastkvzip.md, rounds 8 and 9). ``per_layer=true`` gives each
 head its budget, and another allocator (``adakv+``, ``pyramidkv+``, ``global+`` with its floor) may
 be named over it. ``regime=decode|both`` evicts while decoding too (each head keeping its budget):
@@ -71,8 +71,8 @@ class FastKVzip(Method):
             for the model (SmolLM2-135M-Instruct, Gemma-3-270M); ``"initial"``: untrained gates.
         sinks: first tokens always kept (4).
         window: recent tokens always kept (32).
-        prompt_window: recent tokens kept, beyond the budget, after each chunk of a prompt fed in
-            chunks but the last (512; 0: the budget after every chunk, ``window`` kept).
+        prompt_window: recent tokens kept on top of the budget's selection after each chunk of a
+            prompt fed in chunks but the last (512; 0: the budget alone after every chunk).
         per_layer: each head keeps its own budget instead of one pool over every layer and head.
         interval: decode-time eviction every ``interval`` tokens (``regime=decode|both``; default
             ``min(128, budget // 2)``, the paper's 128); the cache's own ``interval=`` overrides it.

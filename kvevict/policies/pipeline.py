@@ -226,18 +226,21 @@ class Policy:
         """The entries to keep, ``[B, Hkv, n]`` bool: scores (protected at ``+inf``, padding at
         ``-inf``), then the allocator's counts per head, then the selector's choice."""
         scores, protected = self.selection_scores(layer, signals, budget)
-        counts = self.allocator.counts(layer, scores, protected, self.held_budget(layer, budget))
-        return self.selector.keep(layer, signals, Ranking(scores, protected, counts))
+        counts = self.allocator.counts(layer, scores, protected, budget)
+        return self._with_prompt_window(layer, self.selector.keep(layer, signals, Ranking(scores, protected, counts)))
 
-    def held_budget(self, layer: EntryView, budget: int) -> int:
-        """What each head may keep at this eviction: ``budget``, or :meth:`prompt_held` while more
-        of a prompt fed in chunks comes."""
-        return self.prompt_held(budget) if layer.prompt_continues else budget
+    def _with_prompt_window(self, layer: EntryView, keep: torch.Tensor) -> torch.Tensor:
+        """``keep`` and, while more of a prompt fed in chunks comes, what the protector holds for
+        it (:meth:`~kvevict.policies.base.Protector.held_for_prompt`). With scores that are
+        per-token state, an entry the final selection keeps ranks within every earlier
+        selection too (each ranks a subset of the entries), so holding more between chunks
+        never loses it."""
+        held = self.protector.held_for_prompt(layer)
+        return keep if held is None else keep | held
 
     def prompt_held(self, budget: int) -> int:
-        """What each head may keep after a chunk of a prompt while more of it comes: ``budget`` and
-        the protector's :meth:`~kvevict.policies.base.Protector.prompt_slack` (a wider window, which
-        the next chunk's tokens see)."""
+        """Most entries a head holds after a chunk of a prompt while more of it comes: ``budget``
+        and the protector's :meth:`~kvevict.policies.base.Protector.prompt_slack`."""
         return budget + self.protector.prompt_slack(budget)
 
     def drop_lowest(self, layer: EntryView, signals: Signals, budget: int) -> torch.Tensor | None:
@@ -251,7 +254,7 @@ class Policy:
             layer.valid is not None
             or layer.length != budget + 1
             or type(self.allocator) is not Uniform
-            or layer.prompt_continues  # (the protected window is the wider one)
+            or layer.prompt_continues  # (it may hold more: _with_prompt_window)
         ):
             return None
         if self.keeps_uniform_top:
@@ -357,13 +360,13 @@ class Policy:
         signals), the allocator first seeing the selection scores of all of them."""
         ranked = [self.selection_scores(layer, signals, layer.budget) for layer, signals in deferred]
         layers = [layer for layer, _ in deferred]
-        held = self.held_budget(layers[0], layers[0].budget)  # (rows of one pass: every layer alike)
         comparable = self.scorer is not None and self.scorer.comparable_scores
-        self.allocator.allocate_layers(layers, [scores for scores, _ in ranked], comparable, held)
+        self.allocator.allocate_layers(layers, [scores for scores, _ in ranked], comparable)
         keeps = []
         for (layer, signals), (scores, protected) in zip(deferred, ranked):
-            counts = self.allocator.counts(layer, scores, protected, held)
-            keeps.append(self.selector.keep(layer, signals, Ranking(scores, protected, counts)))
+            counts = self.allocator.counts(layer, scores, protected, layer.budget)
+            keep = self.selector.keep(layer, signals, Ranking(scores, protected, counts))
+            keeps.append(self._with_prompt_window(layer, keep))
         return keeps
 
     def selection_scores(

@@ -95,13 +95,15 @@ def test_sinks_and_the_recent_window_are_protected(sinks: int, window: int | Non
     assert protector.prompt_slack(8) == 0
 
 
-def test_while_more_of_a_chunked_prompt_comes_the_prompt_window_is_protected_beyond_the_budget() -> None:
+def test_while_more_of_a_chunked_prompt_comes_the_prompt_window_is_held_on_top_of_the_selection() -> None:
     protector = SinksAndWindow(2, 3, prompt_window=6)
-    positions = torch.arange(10)[None, None]
-    later_chunk = SimpleNamespace(positions=positions, seen=10, prompt_continues=True)
-    last_chunk = SimpleNamespace(positions=positions, seen=10, prompt_continues=False)
-    assert kept_indices(protector.protected(later_chunk, 8)) == [[[0, 1, 4, 5, 6, 7, 8, 9]]]
-    assert kept_indices(protector.protected(last_chunk, 8)) == [[[0, 1, 7, 8, 9]]]
+    positions = torch.tensor([[[-2, -1, 0, 1, 4, 5, 6, 7, 8, 9]]])  # two padding slots (negative positions)
+    valid = positions >= 0
+    later_chunk = SimpleNamespace(positions=positions, valid=valid, seen=10, prompt_continues=True)
+    last_chunk = SimpleNamespace(positions=positions, valid=valid, seen=10, prompt_continues=False)
+    assert kept_indices(protector.held_for_prompt(later_chunk)) == [[[4, 5, 6, 7, 8, 9]]]
+    assert protector.held_for_prompt(last_chunk) is None
+    assert kept_indices(protector.protected(later_chunk, 8)) == kept_indices(protector.protected(last_chunk, 8))
     assert protector.prompt_slack(8) == 6 - 3 and protector.min_budget(8) == 2 + 3  # the budget holds sinks + window
     assert SinksAndWindow(2, 8, prompt_window=6).prompt_slack(8) == 0  # no wider than the window: nothing on top
 

@@ -18,6 +18,7 @@ from kvevict.gates import (
     shape_of,
     stored,
 )
+from kvevict.generation import prefill
 from tests.conftest import assert_next_logits_match_reference, build_policy, greedy, prompt, tiny_model
 
 
@@ -236,8 +237,9 @@ def held_positions(cache: kvevict.EvictionCache) -> list[list[set[int]]]:
 
 def test_a_prompt_fed_in_chunks_holds_its_prompt_window_until_the_last_chunk(one_thread) -> None:
     """Budget 40, a 160-token prompt fed 16 tokens per pass, ``prompt_window=24`` over the 8-token window: after
-    every chunk but the last, each head holds its last 24 tokens and the pool is L·H·(40 + 16); the last chunk's
-    eviction leaves the pool L·H·40 with the 8-token window, and the next token attends to exactly what is kept."""
+    every chunk but the last, each head holds its last 24 tokens on top of the pool L·H·40 that the selection
+    keeps; the last chunk's eviction leaves the pool alone, with the 8-token window, and the next token attends
+    to exactly what is kept."""
     model = tiny_model()
     ids = prompt(161)
     policy = build_policy("fastkvzip", window=8, prompt_window=24)
@@ -249,9 +251,28 @@ def test_a_prompt_fed_in_chunks_holds_its_prompt_window_until_the_last_chunk(one
             held = held_positions(cache)
             assert all(set(range(max(0, end - window), end)) <= head for layer in held for head in layer)
             total = sum(len(head) for layer in held for head in layer)
-            assert total == 2 * 2 * min(end, 40 + 16 if end < 160 else 40)
+            if end == 160:
+                assert total == 2 * 2 * 40
+            elif end > 40:  # the pool, and the window's tokens it did not select
+                assert 2 * 2 * 40 < total <= 2 * 2 * (40 + 24 - 8)
     assert not all(set(range(160 - 24, 160)) <= head for layer in held for head in layer)  # the wide window went
     assert_next_logits_match_reference(model, cache, ids[:, -1:])
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: sliding layers, whose window the pool counts
+def test_a_prompt_window_as_long_as_the_prompt_keeps_what_one_pass_keeps(arch: str, one_thread) -> None:
+    """Until the last chunk nothing is evicted, so every hidden state is one pass's, and the last chunk's pooled
+    eviction chooses what one pass's does: the same entries, the same next token."""
+    model = tiny_model(arch)
+    ids = prompt(128)
+    kept, logits = [], []
+    for chunk in (None, 16):
+        cache = kvevict.EvictionCache(model, build_policy("fastkvzip", window=8, prompt_window=128), budget=40)
+        with torch.no_grad():
+            logits.append(prefill(model, ids, cache, chunk=chunk))
+        kept.append(held_positions(cache))
+    assert kept[0] == kept[1] and sum(len(head) for layer in kept[0] for head in layer) < 2 * 2 * 128
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)
 
 
 def test_without_the_prompts_length_no_chunk_is_known_to_be_the_last_and_the_window_stays(one_thread) -> None:
