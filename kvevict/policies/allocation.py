@@ -272,7 +272,9 @@ class GlobalBudget(Allocator):
         (:func:`reach`) and keeps at most ``⌈cap·B⌉`` entries."""
         ranked = scores if comparable else [standardize(layer_scores) for layer_scores in scores]
         budget = layers[0].budget
-        chunked = layers[0].passes > 1  # (a pass of the prompt after its first: the layers were pooled before)
+        # a pass of the prompt after its first (the layers were pooled before), or a first chunk some of whose
+        # entries the selection leaves out (Policy.selection_scores): each head brings what it would hold alone
+        chunked = layers[0].passes > 1 or layers[0].prompt_continues
         reaches = [reach(layer) for layer in layers] if chunked else None
         cap = self.chunk_cap(layers[0].policy, layers[0].device)
         cap = math.ceil(cap * budget) if chunked and cap else None

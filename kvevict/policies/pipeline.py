@@ -231,10 +231,10 @@ class Policy:
 
     def _with_prompt_window(self, layer: EntryView, keep: torch.Tensor) -> torch.Tensor:
         """``keep`` and, while more of a prompt fed in chunks comes, what the protector holds for
-        it (:meth:`~kvevict.policies.base.Protector.held_for_prompt`). With scores that are
-        per-token state, an entry the final selection keeps ranks within every earlier
-        selection too (each ranks a subset of the entries), so holding more between chunks
-        never loses it."""
+        it (:meth:`~kvevict.policies.base.Protector.held_for_prompt`), which the selection left
+        out (:meth:`selection_scores`). With scores that are per-token state, an entry the last
+        chunk's selection keeps is kept by every earlier one: each ranks a subset of the entries
+        the last one ranks, for the same budget, so holding more between chunks never loses it."""
         held = self.protector.held_for_prompt(layer)
         return keep if held is None else keep | held
 
@@ -373,11 +373,16 @@ class Policy:
         self, layer: EntryView, signals: Signals, budget: int
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The scorer's scores with the protected entries at ``+inf`` and padding at ``-inf``
-        (None without a scorer), and the real protected entries."""
+        (None without a scorer), and the real protected entries. Entries the protector holds for
+        a prompt that continues (:meth:`_with_prompt_window`) are kept beside the selection, so
+        they are out of it, at ``-inf``: the budget goes to the entries older than them."""
         protected = self.protector.protected(layer, budget)
         if self.scorer is None:
             return None, protected if layer.valid is None else protected & layer.valid
         scores = self._scores(layer, signals, protected)
+        held = self.protector.held_for_prompt(layer)
+        if held is not None:
+            scores = scores.masked_fill(held & ~torch.isposinf(scores), float("-inf"))
         return scores, torch.isposinf(scores)  # the scorer's own +inf (e.g. SnapKV's window) included
 
     def _scores(self, layer: EntryView, signals: Signals, protected: torch.Tensor) -> torch.Tensor:

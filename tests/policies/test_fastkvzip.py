@@ -237,9 +237,10 @@ def held_positions(cache: kvevict.EvictionCache) -> list[list[set[int]]]:
 
 def test_a_prompt_fed_in_chunks_holds_its_prompt_window_until_the_last_chunk(one_thread) -> None:
     """Budget 40, a 160-token prompt fed 16 tokens per pass, ``prompt_window=24`` over the 8-token window: after
-    every chunk but the last, each head holds its last 24 tokens on top of the pool L·H·40 that the selection
-    keeps; the last chunk's eviction leaves the pool alone, with the 8-token window, and the next token attends
-    to exactly what is kept."""
+    every chunk but the last, each head holds its last 24 tokens beside the pool L·H·40, whose scored part
+    (40 − 4 sinks − 8 recent a head) goes to the entries older than them: L·H·(40 − 8 + 24) in all. The last
+    chunk's eviction leaves the pool alone, with the 8-token window, and the next token attends to exactly what
+    is kept."""
     model = tiny_model()
     ids = prompt(161)
     policy = build_policy("fastkvzip", window=8, prompt_window=24)
@@ -251,10 +252,7 @@ def test_a_prompt_fed_in_chunks_holds_its_prompt_window_until_the_last_chunk(one
             held = held_positions(cache)
             assert all(set(range(max(0, end - window), end)) <= head for layer in held for head in layer)
             total = sum(len(head) for layer in held for head in layer)
-            if end == 160:
-                assert total == 2 * 2 * 40
-            elif end > 40:  # the pool, and the window's tokens it did not select
-                assert 2 * 2 * 40 < total <= 2 * 2 * (40 + 24 - 8)
+            assert total == 2 * 2 * (40 if end == 160 else min(end, 40 - 8 + 24))
     assert not all(set(range(160 - 24, 160)) <= head for layer in held for head in layer)  # the wide window went
     assert_next_logits_match_reference(model, cache, ids[:, -1:])
 
