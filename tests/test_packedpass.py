@@ -112,9 +112,9 @@ def chunks(model, cache, ids, chunk: int, padded_path: bool, during=None):
 @pytest.mark.parametrize("policy", ["fastkvzip[window=8,prompt_window=24]", "global+knorm"])
 def test_prompt_chunks_over_packed_layers_stay_packed_and_leave_what_the_padded_path_leaves(policy: str) -> None:
     """A 160-token prompt fed 16 tokens per pass at budget 40 (``fastkvzip`` holding a prompt window of 24
-    beside its 8-token window), under one budget pooled across layers and no cap: each chunk's pass over a ragged layer stays packed (no layer padded to its longest head: its
-    storage holds each head's retained entries and the chunk's, nothing else, and the pass keeps no
-    chunk queries for the eviction), attends as the padded path does (logits of every token within
+    beside its 8-token window), under one budget pooled across layers and no cap: each chunk's pass over
+    a ragged layer stays packed (no layer padded to its longest head: its storage holds each head's
+    retained entries and the chunk's, nothing else, and the pass keeps no chunk queries for the eviction), attends as the padded path does (logits of every token within
     1e-5), and the pooled eviction, run from the packed entries, keeps the same entries in the same
     layout (positions bit for bit)."""
     model = tiny_model()
