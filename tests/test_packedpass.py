@@ -114,9 +114,9 @@ def test_prompt_chunks_over_packed_layers_stay_packed_and_leave_what_the_padded_
     """A 160-token prompt fed 16 tokens per pass at budget 40 (``fastkvzip`` holding a prompt window of 24
     beside its 8-token window), under one budget pooled across layers and no cap: each chunk's pass over
     a ragged layer stays packed (no layer padded to its longest head: its storage holds each head's
-    retained entries and the chunk's, nothing else, and the pass keeps no chunk queries for the eviction), attends as the padded path does (logits of every token within
-    1e-5), and the pooled eviction, run from the packed entries, keeps the same entries in the same
-    layout (positions bit for bit)."""
+    retained entries and the chunk's, nothing else, and the pass keeps no chunk queries for the eviction),
+    attends as the padded path does (logits of every token within 1e-5), and the pooled eviction, run
+    from the packed entries, keeps the same entries in the same layout (positions bit for bit)."""
     model = tiny_model()
     ids = prompt(160)
     results, packed_passes, uneven = [], [], []
