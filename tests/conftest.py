@@ -130,6 +130,18 @@ def build_policy(name: str, **params):
     return kvevict.make_policy(name, **params)
 
 
+def head_positions(layer, row: int) -> list[list[int]]:
+    """Each KV head's retained positions in ``row`` of an eviction layer, sorted (padding slots aside)."""
+    positions = layer.positions[row]
+    valid = torch.ones_like(positions, dtype=torch.bool) if layer.valid is None else layer.valid[row]
+    return [sorted(positions[head][valid[head]].tolist()) for head in range(positions.shape[0])]
+
+
+def kept_positions(cache, row: int = 0) -> list[list[list[int]]]:
+    """:func:`head_positions` of every eviction layer of ``cache``."""
+    return [head_positions(layer, row) for layer in cache.eviction_layers]
+
+
 def kept_indices(mask: torch.Tensor) -> list[list[list[int]]]:
     """The indices a keep mask ``[B, H, n]`` retains, per batch and head."""
     return [[head.nonzero().flatten().tolist() for head in batch] for batch in mask]

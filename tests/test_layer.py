@@ -9,19 +9,12 @@ import torch
 import kvevict
 from kvevict.layer import EvictionLayer
 from kvevict.rows import RowView
-from tests.conftest import build_policy, greedy, greedy_batch, left_padded, prompt, tiny_model
+from tests.conftest import build_policy, greedy, greedy_batch, head_positions, left_padded, prompt, tiny_model
 
 LENGTHS = (30, 50, 41)
 BUDGET = 20
 HEAD_WISE = ("headkv", "adakv+snapkv", "critical+adakv+snapkv", "momentkv", "momentkv[regime=both]")
 """Heads keep different numbers of entries: HeadKV the same per row, AdaKV's differ by row."""
-
-
-def kept_positions(layer: EvictionLayer, row: int) -> list[list[int]]:
-    """Each KV head's retained positions of ``row``, sorted."""
-    positions = layer.positions[row]
-    valid = torch.ones_like(positions, dtype=torch.bool) if layer.valid is None else layer.valid[row]
-    return [sorted(positions[head][valid[head]].tolist()) for head in range(positions.shape[0])]
 
 
 @pytest.mark.parametrize("policy", [*HEAD_WISE, "pyramidkv", "random", "random[regime=both]"])
@@ -66,4 +59,4 @@ def test_rows_in_lockstep_keep_what_each_keeps_alone(policy: str, monkeypatch) -
         expected, _ = greedy(model, alone_ids, alone, new_tokens=6)
         assert torch.equal(tokens[row], expected[0, alone_ids.shape[1] :])
         for layer, alone_layer in zip(cache.eviction_layers, alone.eviction_layers, strict=True):
-            assert kept_positions(layer, row) == kept_positions(alone_layer, 0)
+            assert head_positions(layer, row) == head_positions(alone_layer, 0)

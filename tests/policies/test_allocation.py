@@ -14,6 +14,7 @@ from tests.conftest import (
     assert_next_logits_match_reference,
     build_policy,
     greedy,
+    kept_positions,
     prompt,
     tiny_head_profile,
     tiny_model,
@@ -177,15 +178,6 @@ def test_global_budget_refuses_what_it_cannot_rank() -> None:
         kvevict.make_policy("adakv+kvzip")
     with pytest.raises(ValueError, match="safeguard"):
         kvevict.make_policy("global+snapkv", **{"global": {"safeguard": -1}})
-
-
-def kept_positions(cache: kvevict.EvictionCache) -> list[list[list[int]]]:
-    """The positions each KV head of each layer holds, sorted (the order of the slots aside)."""
-    kept = []
-    for layer in cache.eviction_layers:
-        valid = layer.valid if layer.valid is not None else torch.ones_like(layer.positions, dtype=torch.bool)
-        kept.append([sorted(layer.positions[0, h][valid[0, h]].tolist()) for h in range(layer.positions.shape[1])])
-    return kept
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])  # gemma3: a sliding layer brings its window to the pool

@@ -19,7 +19,14 @@ from kvevict.gates import (
     stored,
 )
 from kvevict.generation import prefill
-from tests.conftest import assert_next_logits_match_reference, build_policy, greedy, prompt, tiny_model
+from tests.conftest import (
+    assert_next_logits_match_reference,
+    build_policy,
+    greedy,
+    kept_positions,
+    prompt,
+    tiny_model,
+)
 
 
 def hand_gate() -> dict[str, torch.Tensor]:
@@ -226,15 +233,6 @@ def test_the_gates_score_only_what_may_be_evicted(name: str, chunk: int | None, 
     assert decoded == ["regime=both" in name] * len(cache.eviction_layers)
 
 
-def held_positions(cache: kvevict.EvictionCache) -> list[list[set[int]]]:
-    """The positions each head of each layer holds (row 0)."""
-    held = []
-    for layer in cache.eviction_layers:
-        valid = torch.ones_like(layer.positions, dtype=torch.bool) if layer.valid is None else layer.valid
-        held.append([set(layer.positions[0, h][valid[0, h]].tolist()) for h in range(layer.positions.shape[1])])
-    return held
-
-
 def test_a_prompt_fed_in_chunks_holds_its_prompt_window_until_the_last_chunk(one_thread) -> None:
     """Budget 40, a 160-token prompt fed 16 tokens per pass, ``prompt_window=24`` over the 8-token window: after
     every chunk but the last, each head holds its last 24 tokens beside the pool L·H·40, whose scored part
@@ -249,11 +247,11 @@ def test_a_prompt_fed_in_chunks_holds_its_prompt_window_until_the_last_chunk(one
         for end in range(16, 161, 16):
             model(input_ids=ids[:, end - 16 : end], past_key_values=cache)
             window = 24 if end < 160 else 8
-            held = held_positions(cache)
-            assert all(set(range(max(0, end - window), end)) <= head for layer in held for head in layer)
+            held = kept_positions(cache)
+            assert all(set(range(max(0, end - window), end)) <= set(head) for layer in held for head in layer)
             total = sum(len(head) for layer in held for head in layer)
             assert total == 2 * 2 * (40 if end == 160 else min(end, 40 - 8 + 24))
-    assert not all(set(range(160 - 24, 160)) <= head for layer in held for head in layer)  # the wide window went
+    assert not all(set(range(160 - 24, 160)) <= set(head) for layer in held for head in layer)  # the wide window went
     assert_next_logits_match_reference(model, cache, ids[:, -1:])
 
 
@@ -268,7 +266,7 @@ def test_a_prompt_window_as_long_as_the_prompt_keeps_what_one_pass_keeps(arch: s
         cache = kvevict.EvictionCache(model, build_policy("fastkvzip", window=8, prompt_window=128), budget=40)
         with torch.no_grad():
             logits.append(prefill(model, ids, cache, chunk=chunk))
-        kept.append(held_positions(cache))
+        kept.append(kept_positions(cache))
     assert kept[0] == kept[1] and sum(len(head) for layer in kept[0] for head in layer) < 2 * 2 * 128
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-5)
 
@@ -282,5 +280,5 @@ def test_without_the_prompts_length_no_chunk_is_known_to_be_the_last_and_the_win
     for name in ("fastkvzip", "fastkvzip[prompt_window=24]"):
         cache = kvevict.EvictionCache(model, build_policy(name, window=8), budget=40)
         greedy(model, ids, cache, new_tokens=2, chunk=16)
-        held.append(held_positions(cache))
+        held.append(kept_positions(cache))
     assert held[0] == held[1]

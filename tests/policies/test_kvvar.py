@@ -14,8 +14,7 @@ from kvevict.policies.kvvar import (
     lagkv_chunk_scores,
 )
 from kvevict.rows import RowView, stack_rows
-from tests.conftest import greedy, greedy_batch, kept_indices, left_padded, prompt, tiny_model
-from tests.test_layer import kept_positions
+from tests.conftest import greedy, greedy_batch, head_positions, kept_indices, left_padded, prompt, tiny_model
 
 EPS = 1e-6
 
@@ -218,7 +217,7 @@ def test_a_left_padded_batch_runs_in_lockstep_and_keeps_per_head_what_each_row_k
         assert torch.equal(tokens[row], expected[0, length:])
         torch.testing.assert_close(logits[row], expected_logits[0], rtol=0, atol=1e-4)
         for layer, alone_layer in zip(cache.eviction_layers, alone.eviction_layers, strict=True):
-            assert kept_positions(layer, row) == kept_positions(alone_layer, 0)
+            assert head_positions(layer, row) == head_positions(alone_layer, 0)
 
 
 @pytest.mark.parametrize("name", FAMILY)
