@@ -32,8 +32,8 @@ POLICIES = [
     "kvzip[per_layer=true]",
     "kvzip[precision=bf16]",
 ]
-ONE_PROMPT_AT_A_TIME = ("kvzip[precision=bf16]",)
-"""Refuse a batch of prompts (their docstrings say why)."""
+ONE_PROMPT_AT_A_TIME = tuple(name for name in POLICIES if not kvevict.make_policy(name).takes_batches)
+"""Declare that they take one prompt at a time (``takes_batches``, their docstrings say why): a batch is refused."""
 
 
 def refuses_batch(policy: str, run_batch: Callable[[], object]) -> bool:
@@ -230,7 +230,7 @@ def test_resident_bytes_follow_the_retained_entries(policy: str, batch: int) -> 
     if batch > 1 and refuses_batch(policy, lambda: model(**forward, past_key_values=cache)):
         return
     with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=padded_positions(mask), past_key_values=cache)
+        logits = model(**forward, past_key_values=cache)
         cache.end_prompt()
         checks = []
         for step in range(7):
