@@ -107,9 +107,16 @@ class PromptJob:
         if chunk is None or self.setting.policy == "full" or not policy.takes_chunks:
             return None
         budget = cache.budget.resolve(self.length)
-        if not policy.evicts_in("prefill", True) or budget is None or policy.prompt_held(budget) + chunk >= self.length:
+        if not policy.evicts_in("prefill", True) or budget is None or self._chunk_entries(chunk) >= self.length:
             return None
         return chunk if policy.evicts_in("prefill") or chunk <= budget else None
+
+    def _chunk_entries(self, chunk: int) -> int:
+        """Most entries a head holds while the prompt goes in ``chunk`` tokens at a time under a
+        per-head budget: what the policy holds between chunks (its budget, and a prompt window's
+        slack before the last chunk) and the chunk."""
+        cache = self.cache()
+        return cache.policy.prompt_held(cache.budget.resolve(self.length)) + chunk
 
     def transient_bytes(self, free_bytes: int, column_bytes: Sequence[int]) -> int | None:
         one_pass = padded_bytes([round(self.length * self.learned.prefill_factor)] * len(column_bytes), column_bytes)
@@ -121,11 +128,9 @@ class PromptJob:
             return None
         if self.learned.chunk_peak:
             peak = self.learned.chunk_peak
-        else:  # budget + chunk under a uniform allocation (and a prompt window's slack before the last chunk);
-            # head-wise budgets exceed the budget on some heads
-            policy = self.cache().policy
-            held = policy.prompt_held(self.cache().budget.resolve(self.length))
-            peak = min(self.length, held + chunk) if policy.allocator.name == "uniform" else self.length
+        else:  # head-wise budgets exceed the budget on some heads
+            uniform = self.cache().policy.allocator.name == "uniform"
+            peak = min(self.length, self._chunk_entries(chunk)) if uniform else self.length
         self._chunk_used = chunk
         chunked = padded_bytes([peak] * len(column_bytes), column_bytes)
         return chunked if chunked <= free_bytes else None
