@@ -255,6 +255,15 @@ class EvictionCache(PassEnds, Cache):
         restore(cache, metadata, tensors, path, model.device)
         return cache
 
+    def alone(self) -> EvictionCache:
+        """An empty cache of the same model that keeps every entry: where a policy recomputes one
+        row of a batch as that prompt runs alone (KVzip's bf16 repeat). Close it after use (it is
+        a context manager)."""
+        model = self._identity_model()
+        if model is None:
+            raise ValueError("the model of this cache was garbage-collected: no forward can run for it")
+        return EvictionCache(model)
+
     def __enter__(self) -> Self:
         return self
 

@@ -175,9 +175,9 @@ class KvevictLM(HFLM):
         if tokenizer is None:
             raise ValueError("a loaded model (pretrained=) needs its tokenizer (tokenizer=)")
         self.settings.cache(pretrained)  # refuses what this model cannot run (architecture, policy) before any request
-        chosen = make_policy(policy)  # one request at a time: hidden states read by column, or one prompt at a time
+        chosen = make_policy(policy)  # one request at a time: hidden states read by column, or rows scored alone
         reads_by_column = bool(chosen.hidden_layers(pretrained.config.get_text_config().num_hidden_layers))
-        self.one_by_one = reads_by_column or not chosen.takes_batches
+        self.one_by_one = reads_by_column or chosen.batches_alone
         if self.one_by_one:
             harness["batch_size"] = 1
         self._rolling = False

@@ -107,10 +107,17 @@ def test_bad_model_args_are_refused_in_one_line(tiny, tokenizer, args, message) 
     assert "\n" not in str(refused.value)
 
 
-def test_a_policy_that_takes_one_prompt_at_a_time_is_run_one_request_at_a_time(tiny, tokenizer, tasks) -> None:
+def test_a_policy_that_scores_each_row_alone_is_run_one_request_at_a_time(tiny, tokenizer, tasks) -> None:
+    """kvzip in bf16 would prefill each row of a batch a second time, alone: one by one is cheaper."""
     lm = KvevictLM(pretrained=tiny, tokenizer=tokenizer, policy="kvzip[precision=bf16]", budget=64, batch_size=4)
     assert lm.batch_size == 1
-    assert torch.isfinite(log_likelihoods(evaluate(lm, tasks, [LONG], 2), LONG)).all()  # not refused as a batch
+    assert torch.isfinite(log_likelihoods(evaluate(lm, tasks, [LONG], 2), LONG)).all()
+    assert (
+        KvevictLM(
+            pretrained=tiny, tokenizer=tokenizer, policy="kvzip[precision=fp32]", budget=64, batch_size=4
+        ).batch_size
+        == 4
+    )
 
 
 def test_a_pool_allocated_chunk_by_chunk_takes_chunks_where_kvzips_pool_is_refused(tiny, tokenizer) -> None:

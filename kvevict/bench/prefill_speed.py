@@ -31,7 +31,7 @@ from kvevict.compat import with_cache
 from kvevict.generation import check_chunk, prefill
 from kvevict.policies import make_policy, split_names
 
-POLICIES = ("snapkv", "expected-attention", "kvzip", "kvzip[precision=bf16]", "fastkvzip", "momentkv")
+POLICIES = ("snapkv", "expected-attention", "kvzip", "kvzip[precision=fp32]", "fastkvzip", "momentkv")
 
 
 def _seconds(run: Callable[..., object], *args: object, **kwargs: object) -> float:

@@ -118,10 +118,8 @@ class BenchConfig:
         if (self.quant_group is not None or self.residual is not None) and not any(self.quants):
             raise ValueError("a quant group or residual needs quantized settings (--quant int8, int4 or int2)")
         check_chunk(self.prefill_chunk)
-        for name in evicting:  # what the settings ask of each policy: prompts in batches, a prompt in chunks
+        for name in evicting:  # what the settings ask of each policy: a prompt in chunks
             policy = make_policy(name)
-            if self.batch_size > 1 and not policy.takes_batches:
-                raise ValueError(f"{name} compresses one prompt at a time: run it with --batch-size 1")
             if self.prefill_chunk is not None and not policy.takes_chunks:
                 raise ValueError(policy.chunk_refusal("run it without --prefill-chunk"))
         # full first: it is the reference for "% of full" and for fidelity

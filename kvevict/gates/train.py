@@ -170,7 +170,9 @@ def collect(model: Any, ids: torch.Tensor, positions: torch.Tensor, top: int = 0
 
     handles = hook_attention_inputs(model, receive)
     try:
-        with EvictionCache(model, Policy(RecordingKVzip()), keep=0.5) as cache, torch.no_grad():
+        # fp32 targets on every CPU (kvzip's default, ``auto``, is bf16 where bf16 is multiplied in hardware):
+        # the shipped gates were distilled from them, and training again reproduces them
+        with EvictionCache(model, Policy(RecordingKVzip(precision="fp32")), keep=0.5) as cache, torch.no_grad():
             model(input_ids=ids, **with_cache(cache), use_cache=True, logits_to_keep=1)  # no vocabulary-wide logits
             recorded = cache.policy.method.recorded
     finally:

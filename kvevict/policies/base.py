@@ -544,9 +544,10 @@ class Method(Scorer):
     """True for a :attr:`deferred_prefill` method that can also rescore a prompt prefilled in
     chunks, after each chunk's forward (chunked KVzip): unless one budget is shared across
     layers, such a prompt is then evicted chunk by chunk instead of refused."""
-    takes_batches: bool = True
-    """False for a method that compresses one prompt at a time and refuses a batch
-    (``kvzip[precision=bf16]``): a caller that batches prompts checks it first."""
+    batches_alone: bool = False
+    """True for a method that scores each row of a batch by running its prompt again alone
+    (KVzip's repeat in bf16): exact, but a batch then costs one more prefill per row than its
+    prompts one at a time, so a caller free to choose (the lm-eval model) runs them one by one."""
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)

@@ -217,13 +217,15 @@ class KVzip(Method):
     (see docs/policies.md).
 
     ``precision``: what the repeat pass computes in; the prefill's own entries are untouched.
-    ``fp32`` (default): the scoring products in fp32, the layers in the model's dtype.
+    ``fp32``: the scoring products in fp32, the layers in the model's dtype.
     ``bf16``: the layers run under bf16 autocast (a model in fp32) and the attention and
     scoring products take bf16 operands, as the paper's GPU runs do; the softmax, the ``exp``
     and the scores stay fp32. It is faster where bf16 is multiplied in hardware (a warning
-    says when it is not; docs/fastkvzip.md, round 12). It compresses one prompt at a time:
-    bf16 rounds the last-bit differences between a batched and a lone forward up to whole
-    bf16 steps, so a row in a batch could keep other near-tied entries than alone.
+    says when it is not; docs/fastkvzip.md, rounds 12 and 14). ``auto`` (default): bf16 where
+    the device multiplies bf16 in hardware, fp32 elsewhere. In bf16 each row of a batch is
+    scored by prefilling its prompt again alone (:meth:`_score_alone`): bf16 rounds the
+    last-bit differences between a padded and a lone forward up to whole bf16 steps, which
+    would let a row keep other near-tied entries than alone.
 
     Chunked prefill (``per_layer=True`` only; docs/fastkvzip.md, round 3): after each chunk's
     forward the chunk alone is repeated over the retained entries and the chunk, every entry
@@ -245,7 +247,7 @@ class KVzip(Method):
         per_layer=flag(False),
         plus=flag(False),
         sinks=integer(4),
-        precision=choice("fp32", "fp32", "bf16"),
+        precision=choice("auto", "auto", "fp32", "bf16"),
         instruction=Param(FIRST_INSTRUCTION, "a string", lambda v: isinstance(v, str)),
     )
 
@@ -265,6 +267,10 @@ class KVzip(Method):
     def clash_advice(self, stage: Stage) -> str:
         return f"kvzip shares one budget across layers itself; use {stage.name}+kvzip[per_layer=true]"
 
+    @property
+    def batches_alone(self) -> bool:  # bf16 (``auto`` may be): each row of a batch prefilled again alone
+        return self.precision != "fp32"
+
     def new_tokens(self, layer: EntryView, num_new: int) -> dict[str, torch.Tensor]:
         if not self.per_layer:
             return {}
@@ -278,21 +284,12 @@ class KVzip(Method):
         best.copy_(torch.maximum(best, scores))
         return best
 
-    @property
-    def takes_batches(self) -> bool:  # bf16: one prompt at a time (class docstring)
-        return self.precision == "fp32"
-
     # -- the repeat pass --------------------------------------------------------------
-    def products(self, rows: int, device: torch.device) -> torch.dtype | None:
-        """The repeat pass's product dtype under ``precision`` (class docstring) for ``rows`` prompts:
-        bf16, or None (fp32 scoring)."""
-        if self.precision == "fp32":
+    def products(self, device: torch.device) -> torch.dtype | None:
+        """The repeat pass's product dtype under ``precision`` (class docstring) on ``device``: bf16,
+        or None (fp32 scoring). ``auto``: bf16 where ``device`` multiplies bf16 in hardware."""
+        if self.precision == "fp32" or (self.precision == "auto" and not multiplies_bf16_natively(device)):
             return None
-        if rows > 1:
-            raise ValueError(
-                f"kvzip[precision=bf16] compresses one prompt at a time, got a batch of {rows} (bf16 rounding "
-                "would let a row keep other entries than alone); use precision=fp32 for batches"
-            )
         if not multiplies_bf16_natively(device):
             warnings.warn(
                 f"kvzip[precision=bf16]: this {device.type} does not multiply bf16 in hardware, so the repeat pass "
@@ -335,11 +332,51 @@ class KVzip(Method):
         """The repeat pass, chunk by chunk, each a scoring pass that leaves no trace: every
         layer's running max of the reconstruction scores lands in its memo (read by :meth:`score`).
         A batch repeats each row's own prompt (the rows that deferred their eviction), as one
-        left-padded batch per chunk; each row scores only its own entries, as alone."""
+        left-padded batch per chunk; each row scores only its own entries, as alone. In bf16 a
+        batch's rows are scored one by one, each prompt prefilled again alone (:meth:`_score_alone`)."""
         if input_ids is None:
             raise ValueError("kvzip needs the prefill's input_ids (not inputs_embeds) to run its repeat pass")
         prompts = {view.row: view.num_new for view, _ in cache.deferred}  # the prompt, or this chunk of it
-        products = self.products(len(prompts), input_ids.device)
+        products = self.products(input_ids.device)
+        if products is not None and len(input_ids) > 1:
+            self._score_alone(cache, decoder, input_ids, prompts, products)
+        else:
+            self._repeat(cache, decoder, input_ids, prompts, products)
+
+    def _score_alone(
+        self,
+        cache: ScoringCache,
+        decoder: torch.nn.Module,
+        input_ids: torch.Tensor,
+        prompts: dict[int, int],
+        products: torch.dtype,
+    ) -> None:
+        """Score each row of a batch exactly as its prompt alone: bf16 rounds the last-bit differences
+        between a padded batch's forward and a lone one up to whole bf16 steps, so each prompt is
+        prefilled again alone, in a cache of its own, repeated there, and its scores handed to its row
+        (one more prefill per row than fp32's batched repeat)."""
+        _check_one_pass(cache)
+        for row, length in prompts.items():
+            prompt = input_ids[row : row + 1, input_ids.shape[-1] - length :]
+            solo = cache.alone()
+            try:
+                decoder(input_ids=prompt, **with_cache(solo), use_cache=True)
+                self._repeat(solo, decoder, prompt, {0: length}, products)
+                for layer, alone in zip(cache.eviction_layers, solo.eviction_layers):
+                    self.memo(layer.row_view(row))[SCORES] = self.memo(alone.row_view(0)).pop(SCORES)
+            finally:
+                solo.close()
+
+    def _repeat(
+        self,
+        cache: ScoringCache,
+        decoder: torch.nn.Module,
+        input_ids: torch.Tensor,
+        prompts: dict[int, int],
+        products: torch.dtype | None,
+    ) -> None:
+        """Run the repeat of each of ``prompts`` (row: its prompt's tokens at the end of ``input_ids``)
+        through ``cache`` (:meth:`rescore`)."""
         layers_in_bf16 = products is not None and next(decoder.parameters()).dtype == torch.float32
         repeats = {
             row: self.repeat_inputs(decoder, input_ids[row : row + 1, input_ids.shape[-1] - length :])
@@ -441,8 +478,7 @@ def _repeat_batch(cache: ScoringCache, pieces: list[torch.Tensor | None]) -> dic
     at positions that continue each row's own."""
     if len(pieces) == 1:
         return {"input_ids": pieces[0]}
-    if cache.eviction_layers[0].passes != 1:
-        raise ValueError("kvzip scores a batch whose prompts came in one pass (left-padded): do not split the prefill")
+    _check_one_pass(cache)
     device = next(piece for piece in pieces if piece is not None).device
     ids, mask = left_padded(
         [piece.cpu() if piece is not None else torch.zeros(1, 0, dtype=torch.long) for piece in pieces]
@@ -458,3 +494,9 @@ def _repeat_batch(cache: ScoringCache, pieces: list[torch.Tensor | None]) -> dic
         "attention_mask": torch.cat([past.long(), mask], dim=-1),
         "position_ids": seen + padded_positions(mask),
     }
+
+
+def _check_one_pass(cache: ScoringCache) -> None:
+    """A batch is scored only when its prompts came in one (left-padded) pass."""
+    if cache.eviction_layers[0].passes != 1:
+        raise ValueError("kvzip scores a batch whose prompts came in one pass (left-padded): do not split the prefill")

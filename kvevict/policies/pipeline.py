@@ -336,9 +336,10 @@ class Policy:
         return self.method.rescores_chunks
 
     @property
-    def takes_batches(self) -> bool:
-        """Whether prompts may be compressed as one batch (the method's :attr:`~Method.takes_batches`)."""
-        return self.method.takes_batches
+    def batches_alone(self) -> bool:
+        """Whether a batch's rows are scored by running each prompt again alone (the method's
+        :attr:`~Method.batches_alone`)."""
+        return self.method.batches_alone
 
     @property
     def takes_chunks(self) -> bool:

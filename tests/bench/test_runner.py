@@ -203,7 +203,6 @@ def test_prefill_chunk_bounds_the_cache_and_is_recorded(tmp_path, model, tokeniz
         ({"samples": 0}, "samples and length must be positive"),
         ({"prefill_chunk": 0}, "prefill chunk must be a positive number"),
         ({"policies": ("kvzip",), "prefill_chunk": 32}, "cannot compress a prompt chunk by chunk"),
-        ({"policies": ("kvzip[precision=bf16]",), "batch_size": 2}, "one prompt at a time: run it with --batch-size 1"),
     ],
 )
 def test_bad_configurations_are_refused_before_any_work(overrides, message) -> None:

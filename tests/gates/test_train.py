@@ -40,6 +40,17 @@ def test_the_targets_are_kvzip_scores_per_layer_head_and_token(data) -> None:
     assert bool(((targets >= 0) & (targets <= 1)).all()) and float(targets.max()) > 0
 
 
+def test_the_targets_are_fp32_kvzip_scores_whether_or_not_the_cpu_multiplies_bf16(monkeypatch) -> None:
+    """kvzip's default (``auto``) repeats in bf16 where bf16 is multiplied in hardware; the targets
+    never do, so the shipped gates are reproduced on any CPU."""
+    model, ids, positions = tiny_model(), prompt(64, seed=2), torch.arange(4, 64, 3)
+    found = []
+    for native in (True, False):
+        monkeypatch.setattr("kvevict.policies.kvzip.multiplies_bf16_natively", lambda device, native=native: native)
+        found.append(collect(model, ids, positions)[1])
+    assert torch.equal(*found)
+
+
 def test_training_lowers_the_distillation_loss_on_held_out_contexts(data) -> None:
     config, features, targets, held_features, held_targets = data
     run = TrainConfig(model="tiny", steps=80, batch=64, lr=1e-2)

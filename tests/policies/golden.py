@@ -14,6 +14,8 @@ the next ``REAL_DECODE_STEPS`` teacher-forced, on one thread (a fixed order of f
 near-ties break the same way every run); snapshots after the prompt and at the end, each head's
 positions as a hex bitmask. ``golden/kept_entries_smollm2.json`` was written from main 81ce0fa
 (before the cache split, issue 31); rewrite it with ``python -m tests.policies.golden smollm2``.
+KVzip is recorded at both precisions (its default, ``auto``, is bf16 where the CPU multiplies
+bf16 in hardware); the bf16 record was added in round 14 on a CPU with AVX512-BF16.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ REAL_POLICIES = (
     "h2o",
     "tova",
     "streamingllm",
-    "kvzip",
+    "kvzip[precision=fp32]",
+    "kvzip[precision=bf16]",
     "epikv",
     "lazyeviction",
     "critical+adakv+snapkv",

@@ -4,8 +4,6 @@ see ``reference_logits``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
 from transformers import DynamicCache
@@ -32,19 +30,6 @@ POLICIES = [
     "kvzip[per_layer=true]",
     "kvzip[precision=bf16]",
 ]
-ONE_PROMPT_AT_A_TIME = tuple(name for name in POLICIES if not kvevict.make_policy(name).takes_batches)
-"""Declare that they take one prompt at a time (``takes_batches``, their docstrings say why): a batch is refused."""
-
-
-def refuses_batch(policy: str, run_batch: Callable[[], object]) -> bool:
-    """Whether ``policy`` takes one prompt at a time, having checked that ``run_batch`` is refused if so."""
-    if policy not in ONE_PROMPT_AT_A_TIME:
-        return False
-    with pytest.raises(ValueError, match="one prompt at a time"):
-        run_batch()
-    return True
-
-
 EVICTING = [name for name in POLICIES if name != "full"]
 PROMPT = 96
 BUDGET = 40
@@ -83,8 +68,6 @@ def test_a_left_padded_batch_gives_each_row_what_it_gets_alone(policy: str, attn
     ids, mask = left_padded(prompts)
     budget = None if policy == "full" else BUDGET
     batch_cache = kvevict.EvictionCache(model, build_policy(policy), budget=budget)
-    if refuses_batch(policy, lambda: greedy_batch(model, ids, mask, batch_cache, 7)):
-        return
     batch_tokens, batch_logits = greedy_batch(model, ids, mask, batch_cache, 7)
     for row, ids_alone in enumerate(prompts):
         alone = kvevict.EvictionCache(model, build_policy(policy), budget=budget)
@@ -120,8 +103,6 @@ def test_questions_padded_after_compressed_contexts_give_each_row_what_it_gets_a
     if kvevict.EvictionCache(model, build_policy(policy), budget=budget).hidden is not None:
         with pytest.raises(ValueError, match="reads hidden states by column"):
             run([0, 1, 2])
-        return
-    if refuses_batch(policy, lambda: run([0, 1, 2])):
         return
     tokens, logits = run([0, 1, 2])
     for row in range(3):
@@ -227,8 +208,6 @@ def test_resident_bytes_follow_the_retained_entries(policy: str, batch: int) -> 
     interval = 3
     cache = kvevict.EvictionCache(model, build_policy(policy), budget=BUDGET, interval=interval)
     forward = {"input_ids": ids, "attention_mask": mask, "position_ids": padded_positions(mask)}
-    if batch > 1 and refuses_batch(policy, lambda: model(**forward, past_key_values=cache)):
-        return
     with torch.no_grad():
         logits = model(**forward, past_key_values=cache)
         cache.end_prompt()

@@ -13,7 +13,15 @@ import torch
 import kvevict
 from kvevict.policies.kvzip import attend_and_score, causal_attention, reconstruction_scores, repeat_chunks
 from kvevict.signals import causal_mask
-from tests.conftest import assert_next_logits_match_reference, greedy, prompt, tiny_model
+from tests.conftest import (
+    assert_next_logits_match_reference,
+    greedy,
+    kept_positions,
+    left_padded,
+    padded_positions,
+    prompt,
+    tiny_model,
+)
 
 
 def test_score_is_the_max_over_repeat_queries_and_the_group_of_the_probability() -> None:
@@ -110,6 +118,40 @@ def test_precision_bf16_warns_where_bf16_is_not_multiplied_in_hardware(monkeypat
     cache = kvevict.EvictionCache(model, kvevict.make_policy("kvzip", precision="bf16"), budget=40)
     with pytest.warns(UserWarning, match="does not multiply bf16 in hardware"), torch.no_grad():
         model(input_ids=prompt(96), past_key_values=cache)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_precision_auto_is_bf16_where_bf16_is_multiplied_in_hardware_and_fp32_elsewhere(monkeypatch, native) -> None:
+    monkeypatch.setattr("kvevict.policies.kvzip.multiplies_bf16_natively", lambda device: native)
+    policy = kvevict.make_policy("kvzip")
+    assert policy.method.precision == "auto"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # auto never warns: it picks fp32 where bf16 would be slow
+        assert policy.method.products(torch.device("cpu")) == (torch.bfloat16 if native else None)
+    assert kvevict.make_policy("kvzip", precision="fp32").method.products(torch.device("cpu")) is None
+
+
+def test_a_bf16_batch_scores_each_row_as_its_prompt_alone_and_leaves_no_hooks_behind() -> None:
+    """Each row of a left-padded batch is prefilled again alone and repeated in a cache of its own:
+    its scores are bit for bit the lone prompt's, so it keeps exactly the lone prompt's entries (repeated
+    as one padded batch instead, rows 0 and 1 keep other near-tied entries here)."""
+    model = tiny_model()
+    prompts = [prompt(length, seed=seed) for seed, length in enumerate((60, 90, 75))]
+    ids, mask = left_padded(prompts)
+    hooks = len(model.model._forward_hooks), len(model.model._forward_pre_hooks)
+    batch = kvevict.EvictionCache(model, kvevict.make_policy("kvzip", precision="bf16"), budget=24)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no tokenizer for the tiny model
+        with torch.no_grad():
+            model(ids, attention_mask=mask, position_ids=padded_positions(mask), past_key_values=batch)
+        for row, alone_ids in enumerate(prompts):
+            alone = kvevict.EvictionCache(model, kvevict.make_policy("kvzip", precision="bf16"), budget=24)
+            with torch.no_grad():
+                model(input_ids=alone_ids, past_key_values=alone)
+            assert kept_positions(batch, row) == kept_positions(alone)
+            alone.close()
+    batch.close()
+    assert (len(model.model._forward_hooks), len(model.model._forward_pre_hooks)) == hooks
 
 
 def test_causal_attention_returns_each_querys_log_sum_exp() -> None:
@@ -252,10 +294,8 @@ def test_bad_parameters_say_what_is_allowed() -> None:
     with pytest.raises(ValueError, match="sinks"):
         kvevict.make_policy("kvzip", sinks=0)
     kvevict.make_policy("kvzip", sinks=0, per_layer=True)
-    with pytest.raises(ValueError, match="precision.*one of 'fp32', 'bf16'"):
+    with pytest.raises(ValueError, match="precision.*one of 'auto', 'fp32', 'bf16'"):
         kvevict.make_policy("kvzip", precision="fp16")
-    assert kvevict.make_policy("kvzip").takes_batches
-    assert not kvevict.make_policy("kvzip", precision="bf16").takes_batches
 
 
 def test_a_prompt_in_chunks_is_repeated_and_evicted_chunk_by_chunk() -> None:
