@@ -30,7 +30,8 @@ an :class:`~kvevict.cache.EvictionCache`:
 Rows of a batch are left-padded; prompts prefilled in chunks are padded on the left to a whole
 number of chunks (:func:`kvevict.batching.pad_to_multiple`), so each row gets the same chunks,
 and the same scores, in a batch of any size. Policies that read hidden states by column allow no
-padding after a prompt's first pass: they run one request at a time.
+padding after a prompt's first pass, and a policy that scores each row of a batch by prefilling it
+again alone (KVzip in bf16) would pay a prefill more per row: both run one request at a time.
 """
 
 from __future__ import annotations
