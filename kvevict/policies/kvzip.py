@@ -353,8 +353,10 @@ class KVzip(Method):
     ) -> None:
         """Score each row of a batch exactly as its prompt alone: bf16 rounds the last-bit differences
         between a padded batch's forward and a lone one up to whole bf16 steps, so each prompt is
-        prefilled again alone, in a cache of its own, repeated there, and its scores handed to its row
-        (one more prefill per row than fp32's batched repeat)."""
+        prefilled again alone, in a cache of its own that holds what the lone prompt's holds when its
+        repeat starts (:meth:`EvictionCache.alone`: same policy and budget, the eviction left
+        waiting), repeated there, and its scores handed to its row (one more prefill per row than
+        fp32's batched repeat)."""
         _check_one_pass(cache)
         for row, length in prompts.items():
             prompt = input_ids[row : row + 1, input_ids.shape[-1] - length :]
