@@ -257,10 +257,10 @@ class EvictionCache(PassEnds, Cache):
 
     def alone(self) -> EvictionCache:
         """An empty cache for one prompt of this cache's batch as it runs alone: the same model,
-        policy, budget and quantization, but its passes are not ended (no :class:`PassHook`), so after a forward
-        it holds what the lone prompt's cache holds when its pass ends, deferred evictions still
-        waiting. Where a policy recomputes one row of a batch as alone (KVzip's bf16 repeat). Close
-        it after use (it is a context manager)."""
+        policy, budget and quantization, but its passes are not ended (no :class:`PassHook`), so
+        after a forward it holds what the lone prompt's cache holds when its pass ends, deferred
+        evictions still waiting. Where a policy recomputes one row of a batch as alone (KVzip's
+        bf16 repeat). Close it after use (it is a context manager)."""
         model = self._identity_model()
         if model is None:
             raise ValueError("the model of this cache was garbage-collected: no forward can run for it")

@@ -288,9 +288,10 @@ class KVzip(Method):
     def products(self, device: torch.device) -> torch.dtype | None:
         """The repeat pass's product dtype under ``precision`` (class docstring) on ``device``: bf16,
         or None (fp32 scoring). ``auto``: bf16 where ``device`` multiplies bf16 in hardware."""
-        if self.precision == "fp32" or (self.precision == "auto" and not multiplies_bf16_natively(device)):
+        native = self.precision != "fp32" and multiplies_bf16_natively(device)
+        if self.precision == "fp32" or (self.precision == "auto" and not native):
             return None
-        if not multiplies_bf16_natively(device):
+        if not native:
             warnings.warn(
                 f"kvzip[precision=bf16]: this {device.type} does not multiply bf16 in hardware, so the repeat pass "
                 "runs slower than in fp32",
