@@ -469,14 +469,19 @@ class PassEnds:
     def _select_deferred(
         self, deferred: list[tuple[RowView, Signals]]
     ) -> dict[Any, dict[int, tuple[RowView, torch.Tensor | None]]]:
-        """What each row of each layer that deferred keeps (:meth:`finish_prefill`), row by row."""
+        """What each row of each layer that deferred keeps (:meth:`finish_prefill`), row by row
+        (a view of rows in lockstep split into its rows, each with its own part of the signals)."""
+        by_row: dict[int, list[tuple[Any, Signals]]] = {}
+        for view, signals in deferred:
+            for row in range(view.rows.start, view.rows.stop):
+                alone = signals if view.rows.stop - view.rows.start == 1 else signals.of_row(row - view.rows.start)
+                by_row.setdefault(row, []).append((view.layer, alone))
         chosen: dict[Any, dict[int, tuple[RowView, torch.Tensor | None]]] = {}
-        for row in dict.fromkeys(view.row for view, _ in deferred):
+        for row, layers in by_row.items():
             views = []  # afresh: the scoring passes may have moved the storage
-            for view, signals in deferred:
-                if view.row == row:
-                    views.append((view.layer.row_view(row), signals))
-                    views[-1][0].drop_outside_window()
+            for layer, signals in layers:
+                views.append((layer.row_view(row), signals))
+                views[-1][0].drop_outside_window()
             for (view, _), keep in zip(views, self.policy.select_layers(views)):
                 chosen.setdefault(view.layer, {})[row] = (view, keep)
         return chosen

@@ -140,6 +140,14 @@ class Signals:
         }
         return replace(first, **tensors)
 
+    def of_row(self, index: int) -> Signals:
+        """The signals of batch row ``index`` alone (each per-row tensor's ``[index : index + 1]``,
+        no copy): what a view of that row sees, from the signals of a view of rows in lockstep."""
+        tensors = {
+            name: value[index : index + 1] for name in STACKED_FIELDS if (value := getattr(self, name)) is not None
+        }
+        return replace(self, **tensors)
+
 
 STACKED_FIELDS = ("query", "last_query_attention", "window_attention", "column_sums", "value_norms")
 """The fields of :class:`Signals` that hold one entry per batch row."""

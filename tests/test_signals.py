@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from kvevict.signals import new_entries, row_lengths, softmax_log_partition, write_new_entries
+from kvevict.signals import Signals, new_entries, row_lengths, softmax_log_partition, write_new_entries
 
 
 def test_the_last_columns_unless_each_row_says_where_its_own_lie() -> None:
@@ -16,6 +16,17 @@ def test_the_last_columns_unless_each_row_says_where_its_own_lie() -> None:
     assert torch.equal(new_entries(x, 1, columns), torch.stack([x[0, :, 2:3], x[1, :, 4:5]]))
     assert row_lengths(5, 2) == [5, 5]
     assert row_lengths(5, 2, columns) == [3, 5]
+
+
+def test_a_rows_signals_are_its_part_of_each_per_row_tensor_and_stacking_puts_them_back() -> None:
+    query, sums = torch.randn(3, 4, 2, 8), torch.randn(3, 2, 5)
+    signals = Signals("prefill", 2, query, 0.5, column_sums=sums, output_projection=torch.ones(8, 8))
+    rows = [signals.of_row(index) for index in range(3)]
+    assert torch.equal(rows[1].query, query[1:2]) and torch.equal(rows[1].column_sums, sums[1:2])
+    assert rows[1].last_query_attention is None and rows[1].output_projection is signals.output_projection
+    assert (rows[2].phase, rows[2].num_new, rows[2].scaling) == ("prefill", 2, 0.5)
+    again = Signals.stacked(rows)
+    assert torch.equal(again.query, query) and torch.equal(again.column_sums, sums)
 
 
 def test_writes_land_in_each_rows_columns_and_nowhere_else() -> None:
