@@ -93,8 +93,9 @@ def test_chunked_prefill_holds_at_most_budget_plus_chunk(policy: str) -> None:
 
 @pytest.mark.parametrize(
     "lengths",
-    [LENGTHS, (BUDGET + 10, PROMPT, BUDGET + 30)],  # the second: a short row's first chunks are only padding
-    ids=["padding-in-the-first-chunk", "chunks-of-padding-only"],
+    # the second: a short row's first chunks are only padding; the third: none, the rows in lockstep throughout
+    [LENGTHS, (BUDGET + 10, PROMPT, BUDGET + 30), (BUDGET + 30,) * 3],
+    ids=["padding-in-the-first-chunk", "chunks-of-padding-only", "no-padding"],
 )
 @pytest.mark.parametrize(  # fastkvzip's prompt window (512) outlasts these prompts: a narrower one evicts chunks
     "policy",

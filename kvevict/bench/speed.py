@@ -34,7 +34,7 @@ from kvevict.bench.options import comma_separated
 from kvevict.bench.report import markdown_records
 from kvevict.cache import EvictionCache
 from kvevict.compat import with_cache
-from kvevict.policies import split_names
+from kvevict.policies import make_policy, split_names
 
 POLICIES = ("streamingllm", "epikv", "tova", "h2o", "lazyeviction", "snapkv")
 
@@ -183,10 +183,13 @@ def main(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.entries < 1 or args.steps < 1 or args.repeats < 1 or (args.interval is not None and args.interval < 1):
         raise ValueError("--entries, --steps, --repeats and --interval must be >= 1")
+    policies = split_names(args.policies)
+    for name in policies:
+        make_policy(name)  # an unknown policy fails before the model loads
     model, _ = load_model(args.model)
     rows = measure(
         model,
-        split_names(args.policies),
+        policies,
         entries=args.entries,
         batch_sizes=args.batch_sizes,
         steps=args.steps,

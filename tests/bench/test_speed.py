@@ -73,3 +73,13 @@ def test_bad_options_exit_with_usage_error(flag: str, capsys: pytest.CaptureFixt
         raise SystemExit(main(["bench", "decode-speed", flag]))
     assert exit_.value.code == 2
     assert "kvevict bench decode-speed: error:" in capsys.readouterr().err
+
+
+def test_an_unknown_policy_is_refused_in_one_line_before_the_model_loads(monkeypatch, capsys) -> None:
+    def no_model(*_args, **_kwargs):
+        raise AssertionError("the model loaded before the policies were checked")
+
+    monkeypatch.setattr("kvevict.models.load_model", no_model)
+    assert main(["bench", "decode-speed", "--policies", "h2o,h2oo"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown policy 'h2oo'" in err and err.count("\n") == 1
