@@ -264,5 +264,6 @@ class PackedEntries:
         """``[Hq, 1]``: the KV head each query head reads (made once: every decode step masks by it)."""
         if self._own is None or self._own.shape[0] != hq:
             group = hq // self._held.shape[1]
-            self._own = torch.arange(hq, device=self._held.device).div_(group, rounding_mode="floor")[:, None]
+            heads = torch.arange(hq, device=self._held.device).div_(group, rounding_mode="floor")
+            self._own = heads.to(torch.int16)[:, None]  # the dtype of the slots' heads: compared without a cast
         return self._own
