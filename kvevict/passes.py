@@ -474,14 +474,13 @@ class PassEnds:
         by_row: dict[int, list[tuple[Any, Signals]]] = {}
         for view, signals in deferred:
             for row in range(view.rows.start, view.rows.stop):
-                alone = signals if view.rows.stop - view.rows.start == 1 else signals.of_row(row - view.rows.start)
-                by_row.setdefault(row, []).append((view.layer, alone))
+                by_row.setdefault(row, []).append((view.layer, signals.of_row(row - view.rows.start)))
         chosen: dict[Any, dict[int, tuple[RowView, torch.Tensor | None]]] = {}
         for row, layers in by_row.items():
-            views = []  # afresh: the scoring passes may have moved the storage
-            for layer, signals in layers:
-                views.append((layer.row_view(row), signals))
-                views[-1][0].drop_outside_window()
+            # views made afresh: the scoring passes may have moved the storage
+            views = [(layer.row_view(row), signals) for layer, signals in layers]
+            for view, _ in views:
+                view.drop_outside_window()
             for (view, _), keep in zip(views, self.policy.select_layers(views)):
                 chosen.setdefault(view.layer, {})[row] = (view, keep)
         return chosen
