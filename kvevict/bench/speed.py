@@ -17,7 +17,8 @@ and compared interval by interval: the ratio of an interval's step times to its 
 full-cache steps, amortized over the interval, eviction included; the median over the
 intervals is reported (:func:`paired_ratio`; for ``W = 1`` the median of the pairs'
 ratios: unlike the ratio of two medians, it compares each step only with its own pair).
-A benchmark, never a test: timings depend on the machine.
+The command prints a table per batch size as soon as that batch size is measured, so a run
+stopped later keeps it. A benchmark, never a test: timings depend on the machine.
 """
 
 from __future__ import annotations
@@ -187,15 +188,18 @@ def main(argv: Sequence[str]) -> int:
     for name in policies:
         make_policy(name)  # an unknown policy fails before the model loads
     model, _ = load_model(args.model)
-    rows = measure(
-        model,
-        policies,
-        entries=args.entries,
-        batch_sizes=args.batch_sizes,
-        steps=args.steps,
-        repeats=args.repeats,
-        quant=args.quant,
-        interval=args.interval,
-    )
-    print(format_table(rows))
+    for index, batch in enumerate(args.batch_sizes):  # a table per batch size as soon as it is measured: an
+        if index:  # interrupted run keeps the ones it finished
+            print(flush=True)
+        rows = measure(
+            model,
+            policies,
+            entries=args.entries,
+            batch_sizes=(batch,),
+            steps=args.steps,
+            repeats=args.repeats,
+            quant=args.quant,
+            interval=args.interval,
+        )
+        print(format_table(rows), flush=True)
     return 0

@@ -83,3 +83,20 @@ def test_an_unknown_policy_is_refused_in_one_line_before_the_model_loads(monkeyp
     assert main(["bench", "decode-speed", "--policies", "h2o,h2oo"]) == 2
     err = capsys.readouterr().err
     assert "unknown policy 'h2oo'" in err and err.count("\n") == 1
+
+
+def test_each_batch_size_is_printed_once_measured_so_an_interrupted_run_keeps_it(monkeypatch, capsys) -> None:
+    measured = []
+
+    def measure(model, policies, *, batch_sizes, **_options):
+        if measured:
+            raise KeyboardInterrupt  # the run stopped while its second batch size was being measured
+        measured.append(batch_sizes)
+        return [{"batch": batch_sizes[0], "policy": "h2o", "interval": 1, "ms": 2.0, "full_ms": 1.0, "ratio": 2.0}]
+
+    monkeypatch.setattr("kvevict.models.load_model", lambda *_args, **_kwargs: (None, None))
+    monkeypatch.setattr(speed, "measure", measure)
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", "decode-speed", "--policies", "h2o", "--batch-sizes", "1,8"])
+    assert measured == [(1,)]
+    assert "| h2o | 1 | 1 | 2.0 | 1.0 | 2.00x |" in capsys.readouterr().out
