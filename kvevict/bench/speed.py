@@ -188,8 +188,9 @@ def main(argv: Sequence[str]) -> int:
     for name in policies:
         make_policy(name)  # an unknown policy fails before the model loads
     model, _ = load_model(args.model)
-    for index, batch in enumerate(args.batch_sizes):  # a table per batch size as soon as it is measured: an
-        if index:  # interrupted run keeps the ones it finished
+    # a table per batch size as soon as it is measured: an interrupted run keeps the ones it finished
+    for index, batch in enumerate(args.batch_sizes):
+        if index:
             print(flush=True)
         rows = measure(
             model,

@@ -61,31 +61,21 @@ def test_eviction_matches_attention_over_the_retained_entries(policy: str, attn:
     assert_next_logits_match_reference(model, cache, token)
 
 
+@pytest.mark.parametrize(  # the second, no padding at all: the rows are in lockstep from the prompt on, so a
+    "lengths",  # batched policy's stages (and a deferred prefill eviction, global+'s pool) see every row at once
+    [(BUDGET + 8, BUDGET + 24, BUDGET + 15), (BUDGET + 20,) * 3],
+    ids=["padded", "no-padding"],
+)
 @pytest.mark.parametrize("policy", POLICIES)
-def test_a_left_padded_batch_gives_each_row_what_it_gets_alone(policy: str, attn: str) -> None:
+def test_a_left_padded_batch_gives_each_row_what_it_gets_alone(
+    policy: str, attn: str, lengths: tuple[int, ...]
+) -> None:
     model = tiny_model(attn=attn)
-    prompts = [prompt(length, seed=seed) for seed, length in enumerate((BUDGET + 8, BUDGET + 24, BUDGET + 15))]
+    prompts = [prompt(length, seed=seed) for seed, length in enumerate(lengths)]
     ids, mask = left_padded(prompts)
     budget = None if policy == "full" else BUDGET
     batch_cache = kvevict.EvictionCache(model, build_policy(policy), budget=budget)
     batch_tokens, batch_logits = greedy_batch(model, ids, mask, batch_cache, 7)
-    for row, ids_alone in enumerate(prompts):
-        alone = kvevict.EvictionCache(model, build_policy(policy), budget=budget)
-        tokens, logits = greedy(model, ids_alone, alone, new_tokens=7)
-        assert torch.equal(batch_tokens[row], tokens[0, ids_alone.shape[1] :])
-        torch.testing.assert_close(batch_logits[row], logits[0], rtol=0, atol=1e-4)
-
-
-@pytest.mark.parametrize("policy", POLICIES)
-def test_a_batch_of_prompts_of_one_length_gives_each_row_what_it_gets_alone(policy: str) -> None:
-    """No padding at all: the rows are in lockstep from the prompt on, so a batched policy's
-    stages (and a deferred prefill eviction, ``global+``'s pool) see every row at once."""
-    model = tiny_model()
-    prompts = [prompt(BUDGET + 20, seed=seed) for seed in range(3)]
-    ids = torch.cat(prompts)
-    budget = None if policy == "full" else BUDGET
-    batch_cache = kvevict.EvictionCache(model, build_policy(policy), budget=budget)
-    batch_tokens, batch_logits = greedy_batch(model, ids, torch.ones_like(ids), batch_cache, 7)
     for row, ids_alone in enumerate(prompts):
         alone = kvevict.EvictionCache(model, build_policy(policy), budget=budget)
         tokens, logits = greedy(model, ids_alone, alone, new_tokens=7)
