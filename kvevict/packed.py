@@ -15,12 +15,24 @@ step may stay packed (:mod:`kvevict.layer`) and the storage when to unpack (:mod
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from itertools import accumulate, pairwise
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 
-from kvevict.signals import as_dtype, as_float32, softmax_log_partition
+from kvevict.signals import as_dtype, as_float32
+
+LARGEST_PAGE = 32
+"""The most slots of a page (:func:`page_size`): larger pages hold more room unfilled, and were no faster."""
+
+
+def page_size(rooms: list[int]) -> int:
+    """Slots per page of segments that want ``rooms`` more slots each: the least power of two no
+    smaller than their mean room, up to :data:`LARGEST_PAGE`. Rounding each segment up to whole
+    pages then adds less than a page to its room: a decode step's room of 16 slots (or a 16th)
+    stays 16 (a short segment's is never more than its own), a long segment's at most 32 more."""
+    mean = max(1, -(-sum(rooms) // len(rooms)))
+    return min(LARGEST_PAGE, 1 << (mean - 1).bit_length())
 
 
 def starts_of(sizes: list[int]) -> list[int]:
@@ -60,13 +72,13 @@ class PackedEntries:
         """Entries the fullest segment can still take."""
         self._next: torch.Tensor | None = None
         """``[B·Hkv]``: where each segment's next entry goes (made at the first append)."""
-        self._heads: torch.Tensor | None = None
-        """``[capacity]`` int16: the KV head of the entry in each slot, −1 for room not filled yet
-        (made at the first append: a decode step attends a row's slots at once by it)."""
-        self._segment_heads: torch.Tensor | None = None
-        """``[B·Hkv]`` int16: the KV head of each segment (made with :attr:`_heads`)."""
-        self._own: torch.Tensor | None = None
-        """``[Hq, 1]``: the KV head of each query head (made at the first :meth:`attend`)."""
+        self._page = 0
+        """Slots per page once a decode step made every segment whole pages (:meth:`_grow`), else 0."""
+        self._bias: torch.Tensor | None = None
+        """``[capacity]`` fp32: 0 at a slot that holds an entry, the lowest float at room not filled
+        yet (made at the first append): what a decode step adds to its logits, page by page."""
+        self._page_segments: torch.Tensor | None = None
+        """``[capacity / page]``: the segment of each page (made with :attr:`_bias` by a decode step)."""
 
     @property
     def held(self) -> torch.Tensor:
@@ -83,8 +95,8 @@ class PackedEntries:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor held: the entries with their room, which slots were real at packing, and
-        (once appended to, attended) the head of every slot and of every query head."""
-        extra = [x for x in (self._heads, self._own) if x is not None]
+        (once appended to) which slots are filled and the segment of every page."""
+        extra = [x for x in (self._bias, self._page_segments) if x is not None]
         return [self._held, *self.entries.values(), *extra]
 
     @property
@@ -120,59 +132,48 @@ class PackedEntries:
         (:meth:`attend_chunk`). A segment without room for them makes every segment move into new
         tensors, each with room up to ``capacity(its length)`` (at least ``q``): for decode steps
         O(1) amortised per step, within the storage's bounded slack
-        (:func:`~kvevict.storage.capacity_bound`)."""
+        (:func:`~kvevict.storage.capacity_bound`), and whole pages (:meth:`attend`)."""
         q = new["keys"].shape[2]
         if (
             self._next is None
             or (self._next.is_inference() and not torch.is_inference_mode_enabled())
             or self._room < q
+            or q == 1
+            and not self._page
         ):
             # new tensors (also for entries made under inference_mode: they are written in place here)
-            self._grow(capacity, even=q == 1)
-        assert self._next is not None and self._heads is not None and self._segment_heads is not None
+            self._grow(capacity, paged=q == 1)
+        assert self._next is not None and self._bias is not None
         assert self._room >= q, "capacity() gives every segment room for the pass"
         slots = self._next if q == 1 else (self._next[:, None] + torch.arange(q, device=self._next.device)).flatten()
         for name, x in self.entries.items():
             x.index_copy_(0, slots, new[name].reshape(slots.shape[0], *x.shape[1:]))
-        self._heads.index_copy_(0, slots, self._segment_heads if q == 1 else self._segment_heads.repeat_interleave(q))
+        self._bias.index_fill_(0, slots, 0.0)
         self._next += q
         self._room -= q
         self.lengths = [length + q for length in self.lengths]
         self.appended += q
 
-    def _grow(self, capacity: Callable[[int], int], even: bool) -> None:
-        """Every segment into new tensors with room up to ``capacity(its length)``; with ``even``
-        (decode steps), rows made one width where that is cheap (:meth:`_even_rows`)."""
+    def _grow(self, capacity: Callable[[int], int], paged: bool) -> None:
+        """Every segment into new tensors with room up to ``capacity(its length)``; with ``paged``
+        (decode steps), each rounded up to whole pages of :func:`page_size` slots."""
         extra = [capacity(length) - length for length in self.lengths]
+        self._page = page_size(extra) if paged else 0
+        if paged:
+            extra = [
+                -(-(length + more) // self._page) * self._page - length for length, more in zip(self.lengths, extra)
+            ]
         capacities = [length + more for length, more in zip(self.lengths, extra)]
-        if even:
-            self._even_rows(capacities, extra)
         starts, capacity = starts_of(capacities), sum(capacities)
         real, index = self.real(), self._real_index(starts)
         self.entries = {name: x.new_zeros(capacity, *x.shape[1:]).index_copy_(0, index, x) for name, x in real.items()}
         self.starts, self._room = starts, min(extra)
         device = self._held.device
-        lengths = torch.tensor(self.lengths, device=device)
-        self._next = torch.tensor(self.starts, device=device) + lengths
-        self._segment_heads = torch.arange(len(lengths), device=device).remainder_(self._held.shape[1]).to(torch.int16)
-        held_heads = torch.repeat_interleave(self._segment_heads, lengths)
-        self._heads = torch.full((capacity,), -1, dtype=torch.int16, device=device).index_copy_(0, index, held_heads)
-
-    def _even_rows(self, capacities: list[int], extra: list[int]) -> None:
-        """Give every row's last segment the room that brings the row to the widest row's slots,
-        where that at most doubles each row's room (rows of one budget, in lockstep, differ by a
-        few slots of rounding): rows of one width attend as one batched product (:meth:`attend`).
-        Rows far apart (a ragged batch of very different prompts) keep their own widths."""
-        rows, heads = self._held.shape[:2]
-        if rows < 2:
-            return
-        totals = [sum(capacities[row * heads : (row + 1) * heads]) for row in range(rows)]
-        rooms = [sum(extra[row * heads : (row + 1) * heads]) for row in range(rows)]
-        widest = max(totals)
-        if all(widest - total <= room for total, room in zip(totals, rooms)):
-            for row, total in enumerate(totals):
-                capacities[(row + 1) * heads - 1] += widest - total
-                extra[(row + 1) * heads - 1] += widest - total
+        self._next = torch.tensor(self.starts, device=device) + torch.tensor(self.lengths, device=device)
+        lowest = torch.finfo(torch.float32).min  # (not −inf: a page of room only has a finite largest logit)
+        self._bias = torch.full((capacity,), lowest, device=device).index_fill_(0, index, 0.0)
+        pages = torch.tensor([slots // max(self._page, 1) for slots in capacities], device=device)
+        self._page_segments = torch.repeat_interleave(torch.arange(len(capacities), device=device), pages)
 
     def write_last(self, name: str, rows: slice, value: torch.Tensor) -> None:
         """Entry ``name`` of the last ``q`` entries appended to the segments of batch rows ``rows``:
@@ -192,39 +193,33 @@ class PackedEntries:
         """The attention output ``[B, 1, Hq, d]`` (the kernel's layout, the values' dtype) of one
         query per row, ``query`` ``[B, Hq, 1, d]`` (query head ``h`` reads KV head ``h // (Hq / Hkv)``),
         over every real entry (in fp32); and with ``log_partition``, each query's ``log Z``
-        ``[B, Hq, 1]`` over them (else None). Per row, one product of its queries with every slot
-        of its segments as they lie, each query masked to its own KV head's filled slots: the
-        segments differ in length, and padding them would copy the layer (a query's products
-        with other heads' entries are the price: ``Hkv``× a padded step's, at one query). Rows of
-        one width (:meth:`_even_rows`) take one batched product for all of them, which the BLAS
-        splits over rows rather than inside one row's small product. The mask is one additive
-        bias made once a step, which the product adds (its zeros exactly: bit for bit the masked
-        product), not a comparison and a masked fill per row."""
-        assert self._heads is not None, "attend after an append"
+        ``[B, Hq, 1]`` over them (else None). Page by page (a decode step's append made every
+        segment whole pages): each KV head's queries over each page of its own segment, as one
+        batched product over the pages, then each page's part weighed by its share of its
+        segment's partition, as flash-decoding splits the keys. Why: the segments differ in
+        length, and padding them to one would copy the layer, while a row's queries over all of
+        its slots (masked to their own head) would cost ``Hkv``× the products."""
+        assert self._bias is not None and self._page_segments is not None and self._page, "attend after a step"
         b, hq, _, d = query.shape
-        keys, values = self.entries["keys"], self.entries["values"]
-        queries = as_float32(query).view(b, hq, d) * scaling
-        bias = torch.where(self._heads == self._query_heads(hq), 0.0, float("-inf"))  # [Hq, slots]
-        per_row = len(self.lengths) // b
-        bounds = [*self.starts[::per_row], keys.shape[0]]
-        width = keys.shape[0] // b
-        if b > 1 and bounds == list(range(0, keys.shape[0] + 1, width)):  # rows of one width: one product for all
-            logits = torch.baddbmm(
-                bias.view(hq, b, width).transpose(0, 1), queries, as_float32(keys).view(b, width, d).transpose(1, 2)
-            )
-            probs = logits.softmax(dim=-1)
-            output = torch.bmm(probs, as_float32(values).view(b, width, -1))
-            log_z = softmax_log_partition(logits, probs) if log_partition else None
-        else:
-            output = torch.empty(b, hq, values.shape[-1], dtype=torch.float32, device=query.device)
-            log_z = torch.empty(b, hq, dtype=torch.float32, device=query.device) if log_partition else None
-            for row, (start, stop) in enumerate(pairwise(bounds)):
-                logits = torch.addmm(bias[:, start:stop], queries[row], as_float32(keys[start:stop]).t())
-                probs = logits.softmax(dim=-1)
-                torch.mm(probs, as_float32(values[start:stop]), out=output[row])
-                if log_z is not None:
-                    log_z[row] = softmax_log_partition(logits, probs)
-        return as_dtype(output.view(b, 1, hq, -1), values.dtype), None if log_z is None else log_z.view(b, hq, 1)
+        segments, page, pages = len(self.lengths), self._page, self._page_segments
+        keys, values = (
+            as_float32(self.entries[name]).view(-1, page, self.entries[name].shape[-1]) for name in ("keys", "values")
+        )
+        queries = (as_float32(query).reshape(segments, -1, d) * scaling).index_select(0, pages)  # [pages, group, d]
+        logits = torch.baddbmm(self._bias.view(-1, 1, page), queries, keys.transpose(1, 2))  # [pages, group, page]
+        page_max = logits.amax(dim=-1)
+        weights = logits.sub_(page_max[..., None]).exp_()
+        page_sums = weights.sum(dim=-1)
+        page_outputs = torch.bmm(weights, values)  # [pages, group, d]
+        group_max = page_max.new_full((segments, page_max.shape[1]), torch.finfo(torch.float32).min)
+        group_max.scatter_reduce_(0, pages[:, None].expand_as(page_max), page_max, "amax")
+        shares = page_max.sub_(group_max.index_select(0, pages)).exp_()
+        sums = page_sums.new_zeros(group_max.shape).index_add_(0, pages, page_sums.mul_(shares))
+        output = page_outputs.new_zeros(segments, *page_outputs.shape[1:]).index_add_(
+            0, pages, page_outputs.mul_(shares[..., None])
+        )
+        output = as_dtype(output.div_(sums[..., None]).view(b, 1, hq, -1), self.entries["values"].dtype)
+        return output, group_max.add_(sums.log_()).view(b, hq, 1) if log_partition else None
 
     def attend_chunk(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """The attention output ``[B, q, Hq, d]`` (the kernel's layout) of a prompt chunk's ``q``
@@ -259,11 +254,3 @@ class PackedEntries:
         held = self.held
         starts = torch.tensor(self.starts, device=held.device).view(*held.shape[:2], 1)
         return held.cumsum(dim=-1).add_(starts - 1)
-
-    def _query_heads(self, hq: int) -> torch.Tensor:
-        """``[Hq, 1]``: the KV head each query head reads (made once: every decode step masks by it)."""
-        if self._own is None or self._own.shape[0] != hq:
-            group = hq // self._held.shape[1]
-            heads = torch.arange(hq, device=self._held.device).div_(group, rounding_mode="floor")
-            self._own = heads.to(torch.int16)[:, None]  # the dtype of the slots' heads: compared without a cast
-        return self._own

@@ -270,7 +270,7 @@ class LayerStorage:
         for name, value in self.state.items():
             new[name] = value.new_zeros(*keys.shape[:3], *value.shape[3:])
         if q == 1:  # room for 16 entries or a 16th more, whichever is more: moves every 16+ steps,
-            # resident ≤ 1.0625× + 16 per head (a row's room at most doubled where rows are evened: PackedEntries)
+            # resident ≤ 1.0625× + 16 per head (the layer's room at most doubled by whole pages: PackedEntries)
             packed.append(new, lambda length: length + max(SLACK, length // 16))
         else:  # a chunk's entries, and no more: the eviction at the end of the pass packs the layer anew
             packed.append(new, lambda length: length + q)

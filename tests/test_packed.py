@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvevict.attention import attend
-from kvevict.packed import PackedEntries, held_slots
+from kvevict.packed import PackedEntries, held_slots, page_size
 from kvevict.signals import attention_logits, attention_rows
 
 
@@ -96,23 +96,24 @@ def padded(packed: PackedEntries, name: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("counts", "one_width"),
-    [([[5, 3], [4, 3], [2, 6]], True), ([[8, 8], [1, 1], [2, 1]], False)],
-    ids=["rows of one budget", "rows far apart"],
+    ("rooms", "page"), [([16, 16, 16], 16), ([20, 17], 32), ([40, 20], 32), ([1000], 32), ([3, 1], 2), ([1], 1)]
 )
-def test_rows_of_one_budget_are_evened_and_attend_as_one_product(counts: list[list[int]], one_width: bool) -> None:
-    """Rows whose slots differ by less than their room get room up to the widest (their last
-    segment's), so a decode step attends them as one batched product; rows far apart keep their
-    own widths (no room made for nothing). Either way each query sees its own KV head's entries."""
-    packed = counted(counts)
+def test_a_page_is_the_least_power_of_two_from_the_mean_room_up_to_32(rooms: list[int], page: int) -> None:
+    assert page_size(rooms) == page
+
+
+@pytest.mark.parametrize("room", [2, 8, 20])
+def test_a_decode_step_makes_segments_whole_pages_and_attends_them_page_by_page(room: int) -> None:
+    """Each segment's capacity is its entries and room rounded up to whole pages, so every
+    segment starts a page; a step attends each query over its own KV head's entries only (pages
+    of room alone included: ``room`` 8 and 20 leave some) and gives the ``log Z`` NC reads."""
+    packed = counted([[5, 3], [4, 3], [2, 6]])
     new = {name: torch.randn(3, 2, 1, *x.shape[1:]) for name, x in packed.entries.items() if name != "positions"}
     new["positions"] = torch.full((3, 2, 1), 50)
-    packed.append(new, lambda length: length + 2)  # room for 2 more per head: 4 per row
-    widths = packed.row_capacities(3)
-    assert (len(set(widths)) == 1) == one_width
-    assert sum(widths) == packed.capacity
-    if one_width:  # 23 entries and 2 more slots per head made 12, 11 and 12: the middle row's last segment took 1
-        assert widths == [12, 12, 12] and packed.capacity == 23 + 6 * 2 + 1
+    packed.append(new, lambda length: length + room)
+    page = page_size([room] * 6)
+    assert all(start % page == 0 for start in packed.starts) and packed.capacity % page == 0
+    assert packed.capacity <= sum(packed.lengths) - 6 + 6 * (room + page - 1)  # less than a page more room
     query = torch.randn(3, 6, 1, 8)
     held, keys = packed.held, padded(packed, "keys")
     output, log_z = packed.attend(query, 0.3, log_partition=True)
