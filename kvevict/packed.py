@@ -138,8 +138,7 @@ class PackedEntries:
             self._next is None
             or (self._next.is_inference() and not torch.is_inference_mode_enabled())
             or self._room < q
-            or q == 1
-            and not self._page
+            or (q == 1 and not self._page)  # (a decode step attends whole pages: a chunk's growth made none)
         ):
             # new tensors (also for entries made under inference_mode: they are written in place here)
             self._grow(capacity, paged=q == 1)

@@ -150,3 +150,19 @@ def test_a_chunk_appended_to_packed_segments_attends_as_the_padded_layout_with_a
     slots = packed.slots()  # where each held slot of the padded layout lies in the entries
     for name, x in expected.items():
         assert torch.equal(packed.entries[name][slots[grown]], x[grown])
+
+
+def test_a_decode_step_after_a_chunk_makes_the_segments_whole_pages() -> None:
+    """A chunk's growth leaves room for the chunk only, not pages: the next decode step moves the
+    segments into whole pages even where they have room for it, and attends them."""
+    packed = counted([[5, 3], [4, 3], [2, 6]])
+    for q, room in ((3, 4), (1, 4)):
+        new = {name: torch.randn(3, 2, q, *x.shape[1:]) for name, x in packed.entries.items() if name != "positions"}
+        new["positions"] = torch.full((3, 2, q), 50)
+        packed.append(new, lambda length, room=room: length + room)  # the chunk: room for 1 more after it
+    assert all(start % 4 == 0 for start in packed.starts) and packed.capacity % 4 == 0
+    query = torch.randn(3, 6, 1, 8)
+    held, keys = packed.held, padded(packed, "keys")
+    output, _ = packed.attend(query, 0.3)
+    rows = attention_rows(query, keys, 0.3, held)
+    torch.testing.assert_close(output, attend(rows, padded(packed, "values")), rtol=1e-6, atol=1e-6)
