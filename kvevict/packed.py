@@ -22,6 +22,9 @@ import torch.nn.functional as F
 
 from kvevict.signals import as_dtype, as_float32
 
+LOWEST = torch.finfo(torch.float32).min
+"""The bias of a slot not filled yet (not −inf: a page of room alone then has a finite largest logit, and no NaN)."""
+
 LARGEST_PAGE = 32
 """The most slots of a page (:func:`page_size`): larger pages hold more room unfilled, and were no faster."""
 
@@ -75,8 +78,8 @@ class PackedEntries:
         self._page = 0
         """Slots per page once a decode step made every segment whole pages (:meth:`_grow`), else 0."""
         self._bias: torch.Tensor | None = None
-        """``[capacity]`` fp32: 0 at a slot that holds an entry, the lowest float at room not filled
-        yet (made at the first append): what a decode step adds to its logits, page by page."""
+        """``[capacity]`` fp32: 0 at a slot that holds an entry, :data:`LOWEST` at room not filled
+        yet (made while the segments are whole pages): what a decode step adds to its logits, page by page."""
         self._page_segments: torch.Tensor | None = None
         """``[capacity / page]``: the segment of each page (made with :attr:`_bias` by a decode step)."""
 
@@ -95,7 +98,8 @@ class PackedEntries:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor held: the entries with their room, which slots were real at packing, and
-        (once appended to) which slots are filled and the segment of every page."""
+        (while a decode step's append made the segments whole pages) which slots are filled and the
+        segment of every page."""
         extra = [x for x in (self._bias, self._page_segments) if x is not None]
         return [self._held, *self.entries.values(), *extra]
 
@@ -142,12 +146,13 @@ class PackedEntries:
         ):
             # new tensors (also for entries made under inference_mode: they are written in place here)
             self._grow(capacity, paged=q == 1)
-        assert self._next is not None and self._bias is not None
+        assert self._next is not None
         assert self._room >= q, "capacity() gives every segment room for the pass"
         slots = self._next if q == 1 else (self._next[:, None] + torch.arange(q, device=self._next.device)).flatten()
         for name, x in self.entries.items():
             x.index_copy_(0, slots, new[name].reshape(slots.shape[0], *x.shape[1:]))
-        self._bias.index_fill_(0, slots, 0.0)
+        if self._bias is not None:
+            self._bias.index_fill_(0, slots, 0.0)
         self._next += q
         self._room -= q
         self.lengths = [length + q for length in self.lengths]
@@ -169,9 +174,11 @@ class PackedEntries:
         self.starts, self._room = starts, min(extra)
         device = self._held.device
         self._next = torch.tensor(self.starts, device=device) + torch.tensor(self.lengths, device=device)
-        lowest = torch.finfo(torch.float32).min  # (not −inf: a page of room only has a finite largest logit)
-        self._bias = torch.full((capacity,), lowest, device=device).index_fill_(0, index, 0.0)
-        pages = torch.tensor([slots // max(self._page, 1) for slots in capacities], device=device)
+        if not paged:  # (a chunk's pass attends segment by segment, attend_chunk: no pages, no bias)
+            self._bias = self._page_segments = None
+            return
+        self._bias = torch.full((capacity,), LOWEST, device=device).index_fill_(0, index, 0.0)
+        pages = torch.tensor([slots // self._page for slots in capacities], device=device)
         self._page_segments = torch.repeat_interleave(torch.arange(len(capacities), device=device), pages)
 
     def write_last(self, name: str, rows: slice, value: torch.Tensor) -> None:
@@ -210,7 +217,7 @@ class PackedEntries:
         weights = logits.sub_(page_max[..., None]).exp_()
         page_sums = weights.sum(dim=-1)
         page_outputs = torch.bmm(weights, values)  # [pages, group, d]
-        group_max = page_max.new_full((segments, page_max.shape[1]), torch.finfo(torch.float32).min)
+        group_max = page_max.new_full((segments, page_max.shape[1]), LOWEST)
         group_max.scatter_reduce_(0, pages[:, None].expand_as(page_max), page_max, "amax")
         shares = page_max.sub_(group_max.index_select(0, pages)).exp_()
         sums = page_sums.new_zeros(group_max.shape).index_add_(0, pages, page_sums.mul_(shares))

@@ -141,6 +141,7 @@ def test_a_chunk_appended_to_packed_segments_attends_as_the_padded_layout_with_a
             expected[name][row, :, end : end + q] = x[row]
     assert torch.equal(packed.held, grown)
     assert packed.capacity == sum(packed.lengths)  # room for the chunk and no more
+    assert len(packed.tensors()) == 1 + len(packed.entries)  # which slots were real, the entries: no pages, no bias
     query = torch.randn(batch, 6, q, dim)  # three query heads per KV head
     visible = grown[:, :, None, :] & (expected["positions"][:, :, None, :] <= (100 + torch.arange(q))[:, None])
     logits = (query.double() @ expected["keys"].double().repeat_interleave(3, 1).transpose(-1, -2)) * 0.3
