@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
@@ -49,7 +50,7 @@ from kvevict.rows import RowView, SequenceState
 from kvevict.signals import Signals
 from kvevict.storage import LayerArena
 
-__all__ = ["EvictionCache", "EvictionLayer", "RowView"]
+__all__ = ["EvictionCache", "EvictionLayer", "KeptEntries", "RowView"]
 
 
 def decode_ceiling(held: int, new_tokens: int, budget: int | None, interval: int, steps: int = 0) -> int:
@@ -61,6 +62,39 @@ def decode_ceiling(held: int, new_tokens: int, budget: int | None, interval: int
         return held + new_tokens
     before_first_eviction = held - steps if steps < interval else 0
     return min(held + new_tokens, max(budget, before_first_eviction) + interval)
+
+
+@dataclass(frozen=True)
+class KeptEntries:
+    """What a cache retains (:meth:`EvictionCache.kept`): ``entries`` over every layer, KV head
+    and row, against ``full``, what a full cache holds for the same tokens; ``heads`` (layers ×
+    KV heads × rows), and the ``longest`` and ``shortest`` head."""
+
+    entries: int
+    full: int
+    heads: int
+    longest: int
+    shortest: int
+
+    @property
+    def share(self) -> float:
+        """The share of a full cache's entries kept (1.0 for an empty cache)."""
+        return self.entries / self.full if self.full else 1.0
+
+    @property
+    def mean(self) -> float:
+        """Entries per KV head, mean over layers, heads and rows."""
+        return self.entries / self.heads if self.heads else 0.0
+
+    def __str__(self) -> str:
+        """``kept 10.0% of the entries (mean 122.5 per KV head, longest 1198, shortest 4)``, or
+        ``(128 per KV head)`` where every head holds as many."""
+        per_head = (
+            f"{self.longest} per KV head"
+            if self.longest == self.shortest
+            else f"mean {self.mean:.1f} per KV head, longest {self.longest}, shortest {self.shortest}"
+        )
+        return f"kept {100 * self.share:.1f}% of the entries ({per_head})"
 
 
 class EvictionCache(PassEnds, Cache):
@@ -444,17 +478,52 @@ class EvictionCache(PassEnds, Cache):
         layer = self.eviction_layers[0]
         return torch.tensor([[row.seen] for row in layer.rows], device=layer.device)
 
-    def layer_lengths(self) -> list[int]:
-        """Retained entries per KV head, per layer."""
-        return [layer.n if layer.is_initialized else 0 for layer in self.layers]
+    def layer_lengths(self, per: str = "longest") -> list[int] | list[float]:
+        """Retained entries of each layer, over its KV heads and the rows of a batch.
+
+        ``per="longest"`` (default): the most any one KV head of any row holds. Under a uniform
+        policy every head holds that many; in a *ragged* layer (heads or rows that keep
+        different numbers: AdaKV, HeadKV, ``global+``, KVzip's global budget, ``keep=`` over
+        prompts of different lengths) it is the longest head alone and says nothing of the
+        others. ``per="mean"``: the mean over KV heads and rows; ``per="total"``: their sum,
+        what the layer's retained bytes follow. :meth:`kept` sums up the whole cache."""
+        if per not in ("longest", "mean", "total"):
+            raise ValueError(f"layer_lengths(per={per!r}): per is 'longest', 'mean' or 'total'")
+        lengths = [layer.head_lengths() if layer.is_initialized else None for layer in self.layers]
+        if per == "longest":
+            return [0 if held is None else int(held.max()) for held in lengths]
+        if per == "mean":
+            return [0.0 if held is None else float(held.double().mean()) for held in lengths]
+        return [0 if held is None else int(held.sum()) for held in lengths]
+
+    def kept(self) -> KeptEntries:
+        """What the cache retains against what a full cache would hold for the same tokens
+        (every token each row has seen, in every KV head of every layer)."""
+        heads = [
+            (layer.head_lengths(), [row.seen for row in layer.rows]) for layer in self.layers if layer.is_initialized
+        ]
+        return KeptEntries(
+            entries=sum(int(held.sum()) for held, _ in heads),
+            full=sum(sum(seen) * held.shape[1] for held, seen in heads),
+            heads=sum(held.numel() for held, _ in heads),
+            longest=max((int(held.max()) for held, _ in heads), default=0),
+            shortest=min((int(held.min()) for held, _ in heads), default=0),
+        )
 
     def row_memory(self, row: int) -> dict[str, Any]:
         """What one row of the batch holds, as the cache of that sequence alone reports it:
         ``kv_bytes`` (allocated), ``real_bytes``, ``layer_bytes`` (allocated, real) per layer,
-        ``retained`` (entries of its longest layer and head), ``decode_peak`` and ``peak`` (prefill included)."""
+        ``retained`` (entries of its longest layer and head), ``retained_mean`` (entries per KV
+        head, mean over its layers and heads), ``kept_share`` (of the entries a full cache would
+        hold for the tokens it has seen), ``decode_peak`` and ``peak`` (prefill included)."""
         layers = [layer.row_bytes()[row] for layer in self.layers]
         rows = [layer.rows[row] for layer in self.eviction_layers]
+        held = [layer.head_lengths()[row] for layer in self.eviction_layers if layer.is_initialized]
+        entries, heads = sum(int(h.sum()) for h in held), sum(h.numel() for h in held)
+        full = sum(info.seen * h.numel() for info, h in zip(rows, held))
         return {
+            "retained_mean": entries / heads if heads else 0.0,
+            "kept_share": entries / full if full else 1.0,
             "kv_bytes": sum(allocated for allocated, _ in layers),
             "real_bytes": sum(real for _, real in layers),
             "layer_bytes": layers,

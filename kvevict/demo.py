@@ -23,7 +23,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from kvevict.bench.report import AVERAGE, ReportRow, plot_report, summarize, text_table
+from kvevict.bench.report import AVERAGE, ReportRow, kept_cell, plot_report, summarize, text_table
 from kvevict.bench.runner import BenchConfig, BenchRunner
 from kvevict.bench.throughput import (
     Setting,
@@ -179,7 +179,7 @@ def _show(title: str, subtitle: str, table: list[str], plot: Path) -> None:
 
 
 def _quality_table(rows: list[ReportRow], quality: str) -> list[str]:
-    header = ["policy", "setting", quality, "% of full", "KV MiB"]
+    header = ["policy", "setting", quality, "% of full", "kept", "KV MiB"]
     if quality == "top-1":
         header.insert(3, "KL")
     table = []
@@ -190,7 +190,7 @@ def _quality_table(rows: list[ReportRow], quality: str) -> list[str]:
             cells += [f"{100 * top1:.1f}", f"{kl:.3f}"]
         else:
             cells.append(f"{row.score:.1f}")
-        cells += [_percent(row.percent_of_full), f"{row.kv_mib:.1f}"]
+        cells += [_percent(row.percent_of_full), kept_cell(row.kept_share), f"{row.kv_mib:.1f}"]
         table.append(cells)
     return text_table(header, table)
 

@@ -279,3 +279,44 @@ def test_a_row_never_holds_more_than_its_ceiling(policy: str, interval: int | No
         assert ceiling <= 40 + room + (72 if cache.policy.regime == "decode" else 0)
     else:
         assert ceiling == cache.decode_peak() == max(layer.rows[0].width for layer in cache.eviction_layers)
+
+
+def test_layer_lengths_and_kept_entries_of_a_ragged_cache() -> None:
+    """A head-wise budget keeps different numbers per KV head: ``layer_lengths()`` is the longest
+    head, ``per="mean"`` and ``per="total"`` what the heads hold, ``kept()`` the whole cache."""
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "adakv+snapkv", budget=40)
+    with torch.no_grad():
+        model(input_ids=prompt(80), past_key_values=cache)
+    held = [layer.head_lengths()[0].tolist() for layer in cache.eviction_layers]  # [layers][KV heads]
+    assert any(len(set(heads)) > 1 for heads in held)  # ragged
+    assert cache.layer_lengths() == [max(heads) for heads in held]
+    assert cache.layer_lengths(per="total") == [sum(heads) for heads in held]
+    assert cache.layer_lengths(per="mean") == [sum(heads) / len(heads) for heads in held]
+    kept = cache.kept()
+    assert kept == kvevict.cache.KeptEntries(
+        entries=sum(map(sum, held)),
+        full=80 * 2 * 2,  # 80 tokens, 2 KV heads, 2 layers
+        heads=4,
+        longest=max(map(max, held)),
+        shortest=min(map(min, held)),
+    )
+    assert kept.share == sum(map(sum, held)) / 320 and kept.mean == sum(map(sum, held)) / 4
+    assert str(kept) == (
+        f"kept {100 * kept.share:.1f}% of the entries (mean {kept.mean:.1f} per KV head, "
+        f"longest {kept.longest}, shortest {kept.shortest})"
+    )
+    memory = cache.row_memory(0)
+    assert memory["kept_share"] == kept.share and memory["retained_mean"] == kept.mean
+    with pytest.raises(ValueError, match="per is 'longest', 'mean' or 'total'"):
+        cache.layer_lengths(per="max")
+
+
+def test_kept_entries_of_a_uniform_cache_say_one_length() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "snapkv", budget=40)
+    assert str(cache.kept()) == "kept 100.0% of the entries (0 per KV head)"  # nothing seen yet
+    with torch.no_grad():
+        model(input_ids=prompt(80), past_key_values=cache)
+    assert cache.layer_lengths(per="mean") == [40.0, 40.0] and cache.layer_lengths(per="total") == [80, 80]
+    assert str(cache.kept()) == "kept 50.0% of the entries (40 per KV head)"

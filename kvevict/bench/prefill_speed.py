@@ -26,7 +26,7 @@ from kvevict.bench.options import comma_separated
 from kvevict.bench.report import markdown_records
 from kvevict.bench.speed import paired_ratio
 from kvevict.budgets import Budget
-from kvevict.cache import EvictionCache
+from kvevict.cache import EvictionCache, KeptEntries
 from kvevict.compat import with_cache
 from kvevict.generation import check_chunk, prefill
 from kvevict.policies import make_policy, split_names
@@ -51,11 +51,12 @@ def measure(
     repeats: int = 3,
     progress: bool = True,
 ) -> list[dict[str, object]]:
-    """Rows ``{length, policy, seconds, plain_seconds, ratio, kept}`` per prompt length (``prompts``:
+    """Rows ``{length, policy, seconds, plain_seconds, ratio, kept_share, kept_mean, kept_longest}`` per prompt length (``prompts``:
     length → ids ``[1, length]``) and policy: the median seconds of the policy's prefill (into an
     ``EvictionCache`` at ``keep`` or ``budget``, ``chunk`` tokens per pass when given), of the plain
-    prefills paired with it, the median of the pairs' ratios, and the entries per KV head the
-    cache kept (its longest head)."""
+    prefills paired with it, the median of the pairs' ratios, and what the cache kept
+    (:class:`~kvevict.cache.KeptEntries`: the share of the entries, per KV head the mean and
+    the longest)."""
     from tqdm import tqdm
 
     Budget(budget, keep)
@@ -67,14 +68,14 @@ def measure(
             ids = ids.to(model.device)
             times: dict[str, list[float]] = {name: [] for name in policies}
             plain_times: dict[str, list[float]] = {name: [] for name in policies}
-            kept: dict[str, int] = {}
+            kept: dict[str, KeptEntries] = {}
             for _ in range(repeats):
                 for name in policies:
                     plain = with_cache(DynamicCache())
                     plain_times[name].append(_seconds(model, input_ids=ids, **plain, logits_to_keep=1))
                     cache = EvictionCache(model, name, budget=budget, keep=keep)
                     times[name].append(_seconds(prefill, model, ids, cache, chunk=chunk))
-                    kept[name] = max(cache.layer_lengths())
+                    kept[name] = cache.kept()
                     cache.close()
                     bar.update()
             for name in policies:
@@ -85,7 +86,9 @@ def measure(
                         "seconds": statistics.median(times[name]),
                         "plain_seconds": statistics.median(plain_times[name]),
                         "ratio": paired_ratio(times[name], plain_times[name]),
-                        "kept": kept[name],
+                        "kept_share": kept[name].share,
+                        "kept_mean": kept[name].mean,
+                        "kept_longest": kept[name].longest,
                     }
                 )
     bar.close()
@@ -98,7 +101,8 @@ def format_table(rows: list[dict[str, object]]) -> str:
         {
             "policy": "{policy}",
             "prompt tokens": "{length}",
-            "kept per KV head": "{kept}",
+            "kept": "{kept_share:.1%}",
+            "per KV head: mean, longest": "{kept_mean:.1f}, {kept_longest}",
             "prefill s": "{seconds:.2f}",
             "plain prefill s": "{plain_seconds:.2f}",
             "ratio": "{ratio:.2f}x",

@@ -33,6 +33,8 @@ class ReportRow:
     peak_tokens: int = 0
     """Most entries a KV head held while decoding (budget + interval for lagged eviction)."""
     percent_of_full: float | None = None
+    kept_share: float | None = None
+    """Mean share of a full cache's entries kept at the end (None: records from before it was stored)."""
 
     @property
     def budget_label(self) -> str:
@@ -104,7 +106,14 @@ def _row(key: tuple, members: list[dict[str, Any]]) -> ReportRow:
         / 2**20,
         fidelity=_mean_fidelity(fidelity),
         peak_tokens=max(member.get("decode_peak_tokens", 0) for member in members),
+        kept_share=_mean_of(member.get("kept_share") for member in members),
     )
+
+
+def _mean_of(values: Iterable[float | None]) -> float | None:
+    """The mean of ``values``, or None if any is missing."""
+    values = list(values)
+    return None if not values or any(value is None for value in values) else statistics.fmean(values)
 
 
 def _mean_fidelity(items: list[dict[str, float]]) -> dict[str, float]:
@@ -133,6 +142,7 @@ def _averages(rows: list[ReportRow], tasks: list[str]) -> list[ReportRow]:
                 real_mib=statistics.fmean(member.real_mib for member in members),
                 fidelity=_mean_fidelity(fidelity) if len(fidelity) == len(members) else {},
                 peak_tokens=max(member.peak_tokens for member in members),
+                kept_share=_mean_of(member.kept_share for member in members),
             )
         )
     return averages
@@ -143,7 +153,8 @@ def format_report(rows: list[ReportRow]) -> str:
     with_fidelity = any(row.fidelity for row in rows)
     with_peak = any(row.peak_tokens for row in rows)
     with_padding = any(row.real_mib is not None and row.real_mib < row.kv_mib - 5e-3 for row in rows)
-    header = ["task", "policy", "budget", "n", "score", "% full", "KV MiB"]
+    with_kept = any(row.kept_share is not None for row in rows)
+    header = ["task", "policy", "budget", "n", "score", "% full"] + (["kept"] if with_kept else []) + ["KV MiB"]
     header += ["real MiB"] if with_padding else []
     header += ["peak tok"] if with_peak else []
     header += ["top-1", "KL", "ppl"] if with_fidelity else []
@@ -156,6 +167,7 @@ def format_report(rows: list[ReportRow]) -> str:
             str(row.samples),
             f"{row.score:.1f}",
             "-" if row.percent_of_full is None else f"{row.percent_of_full:.0f}%",
+            *([kept_cell(row.kept_share)] if with_kept else []),
             f"{row.kv_mib:.2f}",
         ]
         if with_padding:
@@ -167,6 +179,11 @@ def format_report(rows: list[ReportRow]) -> str:
             cells += [f"{f['top1']:.3f}", f"{f['kl']:.4f}", f"{f['ppl']:.3f}"] if f else ["-", "-", "-"]
         table.append(cells)
     return "\n".join(text_table(header, table))
+
+
+def kept_cell(share: float | None) -> str:
+    """A kept share as a table cell: ``10.4%``, or ``-`` where it was not recorded."""
+    return "-" if share is None else f"{100 * share:.1f}%"
 
 
 def text_table(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -426,7 +426,9 @@ class UnitRunner:
             "kv_bytes_prefill_by_layer": at_prefill["layer_bytes"],  # (allocated, real): differ for head-wise budgets
             "kv_bytes_final": final["kv_bytes"],
             "kv_bytes_real_final": final["real_bytes"],
-            "retained_tokens": final["retained"],
+            "retained_tokens": final["retained"],  # the longest KV head
+            "retained_tokens_mean": round(final["retained_mean"], 2),
+            "kept_share": round(final["kept_share"], 5),  # of the entries a full cache holds for the same tokens
             "decode_peak_tokens": final["decode_peak"],
             "peak_tokens": final["peak"],  # prefill included: budget + chunk with --prefill-chunk
             "prefill_s": round(timing["prefill_s"], 4),

@@ -66,8 +66,8 @@ def run(args: argparse.Namespace) -> int:
     path = cache.save(args.out)
     full = context.shape[-1] * sum(cache.column_bytes())
     print(
-        f"{args.file}: {context.shape[-1]} tokens compressed by {args.policy} ({cache.budget}) to "
-        f"{max(cache.layer_lengths())} per KV head; resident KV {cache.kv_bytes() / 2**20:.2f} MiB "
-        f"(uncompressed ~{full / 2**20:.2f} MiB); saved to {path} ({path.stat().st_size / 2**20:.2f} MiB)"
+        f"{args.file}: {context.shape[-1]} tokens compressed by {args.policy} ({cache.budget}): {cache.kept()}; "
+        f"resident KV {cache.kv_bytes() / 2**20:.2f} MiB (uncompressed ~{full / 2**20:.2f} MiB); saved to {path} "
+        f"({path.stat().st_size / 2**20:.2f} MiB)"
     )
     return 0

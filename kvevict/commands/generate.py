@@ -50,9 +50,8 @@ def run(args: argparse.Namespace) -> int:
     replies = answer(model, tokenizer, prompts, max_new_tokens=args.max_new_tokens, cache=cache)
     for i, reply in enumerate(replies, start=1):
         print(reply if len(replies) == 1 else f"[{i}] {reply}")
-    lengths = cache.layer_lengths()
     print(
-        f"[{args.policy}, {cache.budget}] tokens seen {cache.get_seq_length()}, retained {max(lengths)} per KV head, "
+        f"[{args.policy}, {cache.budget}] tokens seen {cache.get_seq_length()}, {cache.kept()}, "
         f"KV {cache.kv_bytes() / 2**20:.2f} MiB",
         file=sys.stderr,
     )

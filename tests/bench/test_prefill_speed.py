@@ -16,16 +16,17 @@ def test_each_policy_and_length_is_paired_with_plain_prefills() -> None:
     rows = prefill_speed.measure(tiny_model(), prompts, policies, repeats=2)
     assert [(row["length"], row["policy"]) for row in rows] == [(n, name) for n in (48, 96) for name in policies]
     assert all(row["ratio"] > 0 and row["plain_seconds"] > 0 for row in rows)
-    assert [row["kept"] for row in rows if row["policy"] == policies[0]] == [12, 24]  # keep 0.25 of each prompt
+    kept = [(row["kept_share"], row["kept_mean"], row["kept_longest"]) for row in rows if row["policy"] == policies[0]]
+    assert kept == [(0.25, 12.0, 12), (0.25, 24.0, 24)]  # keep 0.25 of each prompt, in every head
     table = prefill_speed.format_table(rows)
-    assert table.count("\n") == 5 and "| snapkv[window=8] | 96 | 24 |" in table
+    assert table.count("\n") == 5 and "| snapkv[window=8] | 96 | 25.0% | 24.0, 24 |" in table
 
 
 def test_a_chunked_prefill_keeps_the_budget() -> None:
     (row,) = prefill_speed.measure(
         tiny_model(), {96: prompt(96)}, ["snapkv[window=8]"], keep=None, budget=20, chunk=32, repeats=1
     )
-    assert row["kept"] == 20
+    assert row["kept_longest"] == 20 and row["kept_share"] == 20 / 96
 
 
 def test_the_prompts_are_the_essays_cut_to_each_length() -> None:
