@@ -1,18 +1,27 @@
 """No behaviour change elsewhere (issue 13): every policy keeps exactly the entries it kept
 before the stage redesign, on fixed tiny inputs; and the main policies keep on the embedded
-SmolLM2 what they kept before the cache split (issue 31; see tests/policies/golden.py)."""
+SmolLM2 what they kept before the cache split (issue 31; see tests/policies/golden.py), bit for
+bit in fp32 and within measured bounds in bf16, on every CPU (issue 55)."""
 
 from __future__ import annotations
 
 import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from tests.conftest import build_policy, tiny_model
 from tests.policies.golden import (
     GOLDEN,
+    MOST_APART,
     REAL_GOLDEN,
     REAL_POLICIES,
+    REDUCED_PRECISION,
+    agreement,
     first_difference,
     kept_entries,
     real_inputs,
@@ -89,3 +98,66 @@ def test_the_real_golden_file_covers_the_main_policies() -> None:
 def test_the_main_policies_keep_the_same_entries_on_smollm2(name: str, smollm2, smollm2_ids, one_thread) -> None:
     now = real_kept_entries(name, smollm2[0], smollm2_ids)
     assert now == REAL_EXPECTED[name], first_difference(REAL_EXPECTED[name], now)
+
+
+def assert_near_the_fp32_record(name: str, now: list) -> None:
+    share, most = agreement(REAL_EXPECTED[REDUCED_PRECISION[name]], now)
+    assert share >= MOST_APART["share"] and most <= MOST_APART["entries"], (
+        f"{name} keeps {share:.4f} of the fp32 record's entries in common (bound {MOST_APART['share']}), "
+        f"at most {most} apart in a head (bound {MOST_APART['entries']})"
+    )
+
+
+def test_agreement_counts_the_entries_kept_by_both_and_the_most_apart_in_a_head() -> None:
+    record = [[["f", "3"]], [["ff", "1"]]]  # snapshots × layers × KV heads: {0..3} {0,1}, then {0..7} {0}
+    now = [[["f", "5"]], [["f0f", "1"]]]  # {0..3} {0,2}, then {0..3, 8..11} {0}
+    # in common: 4 + 1, then 4 + 1 of 4 + 3, then 12 + 1 kept by either; most apart: 8 in one head
+    assert agreement(record, now) == (10 / 20, 8)
+    assert agreement(record, record) == (1.0, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(REDUCED_PRECISION))
+def test_reduced_precision_keeps_nearly_the_fp32_entries_on_smollm2(name: str, smollm2, smollm2_ids, one_thread):
+    assert_near_the_fp32_record(name, real_kept_entries(name, smollm2[0], smollm2_ids))
+
+
+def other_instruction_sets() -> list[dict[str, str]]:
+    """CPU settings other than this machine's own that torch can run under here: ATen's kernels
+    without vector instructions (every CPU; on x86-64 with oneDNN capped at SSE4.1); on x86-64,
+    also AVX2 kernels with oneDNN capped at AVX2, and where the CPU has AVX512, ATen's AVX512
+    kernels with oneDNN without its bf16 and AMX instructions."""
+    import torch
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return [{"ATEN_CPU_CAPABILITY": "default"}]
+    settings = [{"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}]
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability in ("AVX2", "AVX512"):
+        settings.append({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    if capability == "AVX512":
+        settings.append({"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"})
+    return settings
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(REDUCED_PRECISION))
+def test_reduced_precision_stays_within_the_bounds_under_other_instruction_sets(name: str, smollm2) -> None:
+    """Each setting runs in a process of its own (torch reads both variables when it loads), all
+    at once; the embedded model is already converted (the ``smollm2`` fixture)."""
+    root = Path(__file__).resolve().parents[2]
+    runs = {
+        json.dumps(setting): subprocess.Popen(
+            [sys.executable, "-m", "tests.policies.golden", "kept", name],
+            cwd=root,
+            env={**os.environ, **setting, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for setting in other_instruction_sets()
+    }
+    for setting, run in runs.items():
+        out, err = run.communicate(timeout=600)
+        assert run.returncode == 0, f"{setting}: {err[-2000:]}"
+        assert_near_the_fp32_record(name, json.loads(out))
