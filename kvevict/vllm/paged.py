@@ -1,0 +1,269 @@
+"""One request's entries in one layer of vLLM's paged KV cache, as kvevict's policies see a
+layer (:class:`~kvevict.views.EntryView`), and the eviction that keeps what the policy selects.
+
+vLLM's CPU attention cache of a layer is ``[num_blocks, Hkv, block_size, 2·d]``, laid out within
+a block as its kernels choose (:class:`BlockLayout`); a request's entries lie in its blocks (its
+row of the block table) in the order they were written. :class:`RequestEntries` keeps, per layer, what kvevict's
+own cache keeps beside its entries: each entry's absolute position per KV head, the policy's
+per-token state and per-layer memo. :func:`evict` runs the policy's own stages on a
+:class:`PagedEntries` view (the selection kvevict's cache makes, ties broken by the same layout)
+and lays the kept entries out as kvevict's cache does (:func:`kvevict.driver.refill_sources`:
+kept entries stay in their slots, the dropped slots below the budget are refilled in order), in
+the request's first blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvevict.driver import refill_sources
+from kvevict.signals import compute_signals
+from kvevict.vllm.schedule import EvictionSchedule
+
+
+@dataclass
+class CacheSide:
+    """What a policy reads of the cache behind a view (:class:`~kvevict.views.CacheSide`): the
+    policy and the request's data shared across layers. Hidden states and rotary tables are not
+    offered (the plug-in refuses policies that read them)."""
+
+    policy: Any
+    shared: dict[str, object] = field(default_factory=dict)
+    hidden: Any = None
+    rotary: Any = None
+    eviction_layers: tuple = ()
+
+
+@dataclass
+class PagedEntries:
+    """One request's held entries of one layer (plus the pass's new ones), ``[1, Hkv, n, ...]``,
+    gathered from the paged cache: an :class:`~kvevict.views.EntryView`."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    state: dict[str, torch.Tensor]
+    seen: int
+    prompt_length: int
+    budget: int | None
+    num_new: int
+    passes: int
+    layer_idx: int
+    memo: dict[str, object]
+    owner: CacheSide
+    valid: torch.Tensor | None = None
+    new_columns: torch.Tensor | None = None
+    prompt_continues: bool = False
+    window: int | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.keys.device
+
+    @property
+    def policy(self) -> Any:
+        return self.owner.policy
+
+    @property
+    def decode_step(self) -> int:
+        return self.seen - self.prompt_length
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.positions.shape[1]
+
+    @property
+    def length(self) -> int:
+        return self.positions.shape[2]
+
+    def phase(self) -> str:
+        return "prefill" if self.passes == 1 else "decode"
+
+    def head_lengths(self) -> torch.Tensor:
+        return torch.full(self.positions.shape[:2], self.length, dtype=torch.long, device=self.device)
+
+    def write_back(self) -> None:
+        """Policies may replace a state tensor rather than write it in place: nothing to copy, the
+        request's state is the view's."""
+
+
+@dataclass
+class LayerEntries:
+    """What one layer holds of a request beside the keys and values: positions ``[1, Hkv, n]``
+    (int64), the policy's per-token state ``[1, Hkv, n, ...]`` and its per-layer memo."""
+
+    positions: torch.Tensor
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    memo: dict[str, object] = field(default_factory=dict)
+
+
+class RequestEntries:
+    """A request's eviction state on a worker: its schedule, passes, and per layer what
+    :class:`LayerEntries` holds. Layers are created on the request's first pass."""
+
+    def __init__(self, schedule: EvictionSchedule, policy: Any):
+        self.schedule = schedule
+        self.owner = CacheSide(policy)
+        self.layers: dict[int, LayerEntries] = {}
+        self.passes = 0
+        """Passes that were planned for this request (its first one is its prompt)."""
+
+
+@dataclass(frozen=True)
+class RowPass:
+    """One request's part of a forward pass: its row of the batch, its tokens in the pass
+    (``start`` in the pass's flat token order, ``num_new``), the entries it held before the pass
+    (``held``, where the new ones are written), the tokens it has processed after it, and whether
+    the pass ends with an eviction."""
+
+    entries: RequestEntries
+    row: int
+    start: int
+    num_new: int
+    held: int
+    tokens: int
+    passes: int
+    evicts: bool
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where each key and value element of a block lies in the block's memory: ``keys`` and
+    ``values``, ``[Hkv, block_size, d]`` int64 offsets into one block of a layer's paged cache
+    flattened. vLLM's CPU attention kernels choose the layout per instruction set (keys are
+    stored transposed, ``[d, block_size]`` per head, by the ``vec`` kernels), so it is found by
+    writing a probe through the layer's own cache update (:meth:`probe`), not assumed."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @classmethod
+    def probe(cls, write: Callable[..., None], kv_cache: torch.Tensor) -> BlockLayout:
+        """The layout of ``kv_cache``'s blocks, as ``write(key, value, cache, slot_mapping)`` (the
+        layer's cache update, ``key``/``value`` ``[tokens, Hkv, d]``) lays a block out: three probes
+        code each element's token, head and channel (small integers, exact in bf16 too)."""
+        _, heads, block_size, width = kv_cache.shape
+        head_dim = width // 2
+        shape = (block_size, heads, head_dim)
+        codes = [
+            torch.arange(1, block_size + 1)[:, None, None].expand(shape),
+            torch.arange(1, heads + 1)[None, :, None].expand(shape),
+            torch.arange(1, head_dim + 1)[None, None, :].expand(shape),
+        ]
+        found = []
+        for code in codes:
+            scratch = torch.zeros(1, *kv_cache.shape[1:], dtype=kv_cache.dtype, device=kv_cache.device)
+            value = code.to(kv_cache.dtype).to(kv_cache.device)
+            write(value, -value, scratch, torch.arange(block_size, device=kv_cache.device))
+            found.append(scratch.reshape(-1).float())
+        flat = torch.stack(found)  # [3, block memory]: the token, head, channel written at each element (+1)
+        offsets = {}
+        for name, sign in (("keys", 1), ("values", -1)):
+            where = (flat[0] * sign > 0).nonzero().flatten()
+            token, head, channel = ((flat[:, where] * sign).round().long() - 1).unbind(0)
+            index = torch.empty(heads, block_size, head_dim, dtype=torch.long, device=kv_cache.device)
+            index[head, token, channel] = where
+            offsets[name] = index
+        return cls(offsets["keys"], offsets["values"])
+
+    def gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A request's first ``length`` keys and values, each ``[Hkv, length, d]``, from its ``blocks``."""
+        needed = -(-length // kv_cache.shape[2])
+        raw = kv_cache[blocks[:needed].long()].reshape(needed, -1)
+        return self._entries(raw, self.keys, length), self._entries(raw, self.values, length)
+
+    @staticmethod
+    def _entries(raw: torch.Tensor, offsets: torch.Tensor, length: int) -> torch.Tensor:
+        heads, block_size, head_dim = offsets.shape
+        held = raw[:, offsets.reshape(-1)].reshape(raw.shape[0], heads, block_size, head_dim)
+        return held.transpose(0, 1).reshape(heads, -1, head_dim)[:, :length]
+
+    def scatter(self, kv_cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write ``keys`` and ``values`` ``[Hkv, n, d]`` as a request's first ``n`` entries; what lies
+        past them in the last block stays."""
+        heads, length, head_dim = keys.shape
+        block_size = kv_cache.shape[2]
+        needed = -(-length // block_size)
+        ids = blocks[:needed].long()
+        raw = kv_cache[ids].reshape(needed, -1)
+        for offsets, entries in ((self.keys, keys), (self.values, values)):
+            target = offsets.expand(needed, -1, -1, -1).transpose(0, 1).reshape(heads, needed * block_size, head_dim)
+            block = torch.arange(needed, device=ids.device).repeat_interleave(block_size)
+            raw[block[None, :length, None].expand(heads, -1, head_dim), target[:, :length]] = entries
+        kv_cache[ids] = raw.view(kv_cache[ids].shape)
+
+
+def observe_and_evict(
+    step: RowPass,
+    layer_idx: int,
+    kv_cache: torch.Tensor,
+    layout: BlockLayout,
+    blocks: torch.Tensor,
+    query: torch.Tensor,
+    scale: float,
+) -> None:
+    """Run one layer's part of a pass for one request, as :meth:`kvevict.driver.PolicyDriver.
+    after_attention` runs it in kvevict's cache: record the new entries' positions and initial
+    state, hand the policy the signals it asks for (``query`` ``[1, Hq, num_new, d]``, the pass's
+    queries after RoPE), and, when the schedule says the pass evicts, keep the policy's selection,
+    compacted into the request's first blocks."""
+    entries = step.entries
+    policy = entries.owner.policy
+    length = step.held + step.num_new
+    keys, values = layout.gather(kv_cache, blocks, length)
+    heads = keys.shape[0]
+    new_positions = torch.arange(step.tokens - step.num_new, step.tokens, device=keys.device)
+    layer = entries.layers.get(layer_idx)
+    if layer is None:
+        layer = entries.layers[layer_idx] = LayerEntries(torch.empty(1, heads, 0, dtype=torch.long, device=keys.device))
+    layer.positions = torch.cat([layer.positions[..., : step.held], new_positions.expand(1, heads, -1)], dim=-1)
+    view = PagedEntries(
+        keys=keys[None],
+        values=values[None],
+        positions=layer.positions,
+        state=layer.state,
+        seen=step.tokens,
+        prompt_length=entries.schedule.prompt_length,
+        budget=entries.schedule.budget,
+        num_new=step.num_new,
+        passes=step.passes,
+        layer_idx=layer_idx,
+        memo=layer.memo,
+        owner=entries.owner,
+    )
+    for name, value in policy.new_tokens(view, step.num_new).items():  # the view reads the same dict
+        layer.state[name] = (
+            torch.cat([layer.state[name][:, :, : step.held], value], dim=2) if name in layer.state else value
+        )
+    phase = view.phase()
+    requirements = policy.requirements(phase, step.evicts)
+    signals = compute_signals(requirements, view, phase, query, scale)
+    policy.observe(view, signals)
+    if not step.evicts:
+        return
+    budget = entries.schedule.budget
+    slots = policy.drop_lowest(view, signals, budget)
+    if slots is not None:
+        keep = torch.ones_like(layer.positions, dtype=torch.bool)
+        keep.scatter_(-1, slots[..., None], False)
+    else:
+        keep = policy.select(view, signals, budget)
+    counts = keep.sum(dim=-1)
+    if not bool((counts == budget).all()):
+        raise RuntimeError(f"{policy.name} kept {counts.tolist()} entries per head, not the budget {budget}")
+    index = torch.arange(length, device=keys.device)
+    prefix = index < counts[..., None]
+    holes, movers = (prefix & ~keep).nonzero(), (~prefix & keep).nonzero()
+    source = refill_sources(length, counts, holes, movers)[..., :budget]  # [1, Hkv, budget]
+    by_entry = source[0, :, :, None].expand(-1, -1, keys.shape[-1])
+    layout.scatter(kv_cache, blocks, keys.gather(1, by_entry), values.gather(1, by_entry))
+    layer.positions = layer.positions.gather(-1, source)
+    for name, value in layer.state.items():
+        index_shape = (*source.shape, *value.shape[3:])
+        layer.state[name] = value.gather(
+            2, source.reshape(*source.shape, *([1] * (value.dim() - 3))).expand(index_shape)
+        )

@@ -1,0 +1,117 @@
+"""The engine-side half of the plug-in: a vLLM scheduler whose KV cache manager counts, for a
+request that evicts, the entries its layers hold rather than the tokens it has seen.
+
+Every layer and KV head of a request holds as many entries (:mod:`kvevict.vllm.config` refuses
+policies that vary them), so one count per request, from :class:`~kvevict.vllm.schedule.
+EvictionSchedule`, sizes its blocks: after the pass that evicted, the worker has compacted the
+kept entries into the request's first blocks (:mod:`kvevict.vllm.worker`), and the next time the
+request is scheduled the blocks past them go back to the pool before new ones are allocated for
+the step's tokens. Both sides read the same schedule, so they agree without messages.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from vllm.utils.math_utils import cdiv
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request
+
+from kvevict.vllm.config import EvictionSettings, settings_of
+from kvevict.vllm.schedule import EvictionSchedule
+
+
+@contextmanager
+def counting_entries(request: Request, evicted: int) -> Iterator[None]:
+    """Within the block, ``request.num_computed_tokens`` counts the entries the request's layers
+    hold (its tokens less the ``evicted``), which is what vLLM's manager sizes blocks by."""
+    request.num_computed_tokens -= evicted
+    try:
+        yield
+    finally:
+        request.num_computed_tokens += evicted
+
+
+class EvictingKVCacheManager(KVCacheManager):
+    """vLLM's KV cache manager, sizing an evicting request's blocks by the entries it holds and
+    returning the blocks past them to the pool (module docstring)."""
+
+    def __init__(self, *args: Any, settings: EvictionSettings, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.settings = settings
+        self.schedules: dict[str, EvictionSchedule] = {}
+
+    def schedule_of(self, request: Request) -> EvictionSchedule:
+        schedule = self.schedules.get(request.request_id)
+        if schedule is None or schedule.prompt_length != request.num_prompt_tokens:
+            schedule = self.schedules[request.request_id] = self.settings.schedule(request.num_prompt_tokens)
+        return schedule
+
+    def held(self, request: Request) -> int:
+        """Entries each layer and KV head of ``request`` holds now (its processed tokens, less what was evicted)."""
+        return self.schedule_of(request).held(request.num_computed_tokens)
+
+    def release_evicted(self, request: Request) -> int:
+        """Return to the pool the blocks past the entries ``request`` holds (the worker compacted
+        them into its first blocks); the number of blocks released."""
+        held = self.held(request)
+        released = 0
+        for manager in self.coordinator.single_type_managers:
+            blocks = manager.req_to_blocks.get(request.request_id)
+            if not blocks:
+                continue
+            keep = cdiv(held, manager.block_size)
+            tail = blocks[keep:]
+            if not tail:
+                continue
+            del blocks[keep:]
+            if request.request_id in manager.num_cached_block:
+                manager.num_cached_block[request.request_id] = min(manager.num_cached_block[request.request_id], keep)
+            manager.block_pool.free_blocks(reversed(tail))
+            released += len(tail)
+        return released
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, *args: Any, **kwargs: Any) -> KVCacheBlocks | None:
+        self.release_evicted(request)
+        evicted = request.num_computed_tokens - self.held(request)
+        if evicted == 0:
+            return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+        with counting_entries(request, evicted):
+            return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
+
+    def free(self, request: Request) -> None:
+        self.schedules.pop(request.request_id, None)
+        super().free(request)
+
+
+class EvictionScheduler(Scheduler):
+    """vLLM's scheduler with :class:`EvictingKVCacheManager` in place of its own manager (the
+    same arguments, so the same pool and block size)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        settings = settings_of(self.vllm_config.additional_config)
+        if settings is None:
+            raise ValueError("EvictionScheduler needs additional_config['kvevict'] (kvevict.vllm.config)")
+        manager = self.kv_cache_manager
+        self.kv_cache_manager = EvictingKVCacheManager(
+            kv_cache_config=self.kv_cache_config,
+            max_model_len=self.max_model_len,
+            max_in_flight_tokens=self.vllm_config.max_in_flight_tokens,
+            enable_caching=False,
+            use_eagle=False,
+            num_prefill_lookahead=self.num_prefill_lookahead,
+            log_stats=self.log_stats,
+            enable_kv_cache_events=self.enable_kv_cache_events,
+            dcp_world_size=self.dcp_world_size,
+            pcp_world_size=1,
+            scheduler_block_size=self.block_size,
+            hash_block_size=self.hash_block_size,
+            metrics_collector=self.kv_metrics_collector,
+            watermark=self.scheduler_config.watermark,
+            settings=settings,
+        )
+        del manager

@@ -1,0 +1,164 @@
+"""The worker-side half of the plug-in: vLLM's CPU worker with a model runner that evicts.
+
+For each request the runner keeps a :class:`~kvevict.vllm.paged.RequestEntries` and reads the
+same :class:`~kvevict.vllm.schedule.EvictionSchedule` as the scheduler
+(:mod:`kvevict.vllm.scheduler`). Each pass:
+
+- the RoPE positions stay each token's true index, while its slot and the attention's sequence
+  length count only the entries held (:meth:`EvictionModelRunner._prepare_inputs`): a request
+  that evicted ``e`` entries writes token ``p`` at slot ``p − e`` of its block table;
+- after each attention layer, a forward hook hands the policy the pass's queries and the
+  request's entries, and on a pass the schedule says evicts, compacts what the policy keeps into
+  the request's first blocks (:func:`~kvevict.vllm.paged.observe_and_evict`);
+- after the pass, the block-table rows of the requests that evicted stop at their kept entries,
+  as the scheduler's table does when it next schedules them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+from vllm.utils.math_utils import cdiv
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+from kvevict.vllm.config import settings_of
+from kvevict.vllm.paged import BlockLayout, RequestEntries, RowPass, observe_and_evict
+
+
+class EvictionModelRunner(CPUModelRunner):
+    """vLLM's CPU model runner, evicting under the engine's kvevict settings (module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        settings = settings_of(self.vllm_config.additional_config)
+        if settings is None:
+            raise ValueError("EvictionModelRunner needs additional_config['kvevict'] (kvevict.vllm.config)")
+        self.settings = settings
+        self.entries: dict[str, RequestEntries] = {}
+        self.step: list[RowPass] = []
+        """The requests of the pass under way (set by :meth:`_prepare_inputs`)."""
+        self.layout: BlockLayout | None = None
+
+    # -- the model: a hook after each attention layer ------------------------------------------
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        for index, module in enumerate(attention_layers(self.model)):
+            module.register_forward_hook(self._after_attention(index))
+
+    def _after_attention(self, layer_idx: int):
+        def hook(module: Attention, args: tuple, output: torch.Tensor) -> None:
+            if not self.step:
+                return
+            metadata = get_forward_context().attn_metadata
+            metadata = metadata[module.layer_name] if isinstance(metadata, dict) else metadata
+            if metadata is None:  # a warm-up or profiling pass
+                return
+            query = args[0].view(-1, module.num_heads, module.head_size)
+            layout = self._layout(module)
+            for step in self.step:
+                rows = query[step.start : step.start + step.num_new]  # [num_new, Hq, d]
+                observe_and_evict(
+                    step,
+                    layer_idx,
+                    module.kv_cache,
+                    layout,
+                    metadata.block_table[step.row],
+                    rows.transpose(0, 1)[None].float(),
+                    module.impl.scale,
+                )
+
+        return hook
+
+    def _layout(self, module: Attention) -> BlockLayout:
+        """The block layout of ``module``'s cache (every layer's alike: probed once)."""
+        if self.layout is None:
+            self.layout = BlockLayout.probe(
+                lambda key, value, cache, slots: module.impl.do_kv_cache_update(module, key, value, cache, slots),
+                module.kv_cache,
+            )
+        return self.layout
+
+    # -- the requests ------------------------------------------------------------------------
+    def _update_states(self, scheduler_output: Any) -> Any:
+        for req_id in scheduler_output.finished_req_ids:
+            self.entries.pop(req_id, None)
+        result = super()._update_states(scheduler_output)
+        for req_id, state in self.requests.items():
+            entries = self.entries.get(req_id)
+            prompt = state.num_prompt_tokens
+            if entries is None or entries.schedule.prompt_length != prompt:
+                self.entries[req_id] = RequestEntries(self.settings.schedule(prompt), self.settings.make_policy())
+        return result
+
+    def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
+        """vLLM's inputs, then each request's slots and sequence length counted in the entries it
+        holds (its true positions stay the RoPE positions), and the pass's :class:`RowPass` list."""
+        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        num_reqs = self.input_batch.num_reqs
+        computed = self.input_batch.num_computed_tokens_cpu[:num_reqs]
+        starts = np.concatenate([[0], np.cumsum(num_scheduled_tokens[:num_reqs])])
+        evicted = np.zeros(num_reqs, dtype=np.int64)
+        self.step = []
+        for row, req_id in enumerate(self.input_batch.req_ids[:num_reqs]):
+            entries = self.entries[req_id]
+            done, new = int(computed[row]), int(num_scheduled_tokens[row])
+            held = entries.schedule.held(done)
+            evicted[row] = done - held
+            entries.passes += 1
+            self.step.append(
+                RowPass(
+                    entries=entries,
+                    row=row,
+                    start=int(starts[row]),
+                    num_new=new,
+                    held=held,
+                    tokens=done + new,
+                    passes=entries.passes,
+                    evicts=entries.schedule.evicts_at(done + new),
+                )
+            )
+        if evicted.any():
+            shift = torch.from_numpy(evicted)
+            total = int(starts[-1])
+            self.seq_lens[:num_reqs] -= shift.to(self.seq_lens.dtype)
+            self.optimistic_seq_lens_cpu[:num_reqs] -= shift.to(self.optimistic_seq_lens_cpu.dtype)
+            slots = self.positions[:total] - shift.repeat_interleave(torch.from_numpy(num_scheduled_tokens[:num_reqs]))
+            self.input_batch.block_table.compute_slot_mapping(num_reqs, self.query_start_loc.gpu[: num_reqs + 1], slots)
+        return result
+
+    def execute_model(self, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().execute_model(scheduler_output, *args, **kwargs)
+        finally:
+            for step in self.step:
+                if step.evicts:
+                    self._truncate(step)
+            self.step = []
+
+    def _truncate(self, step: RowPass) -> None:
+        """The request's block-table row and block ids stop at the blocks its kept entries fill."""
+        req_id = self.input_batch.req_ids[step.row]
+        held = step.entries.schedule.held(step.tokens)
+        for group, table in enumerate(self.input_batch.block_table.block_tables):
+            keep = cdiv(held, table.block_size)
+            table.block_table.np[step.row, keep : table.num_blocks_per_row[step.row]] = 0
+            table.num_blocks_per_row[step.row] = min(table.num_blocks_per_row[step.row], keep)
+            del self.requests[req_id].block_ids[group][keep:]
+
+
+class EvictionWorker(CPUWorker):
+    """vLLM's CPU worker with :class:`EvictionModelRunner` as its model runner."""
+
+    def init_device(self) -> None:
+        super().init_device()
+        self.model_runner = EvictionModelRunner(self.vllm_config, torch.device("cpu"))
+
+
+def attention_layers(model: torch.nn.Module) -> list[Attention]:
+    """The model's attention layers, in order (their index is kvevict's layer index)."""
+    return [module for module in model.modules() if isinstance(module, Attention)]
