@@ -112,6 +112,10 @@ class RequestEntries:
         self.passes = 0
         """Passes that were planned for this request (its first one is its prompt)."""
 
+    def kept_positions(self) -> list[list[list[int]]]:
+        """The absolute positions each layer and KV head holds, ascending (``[layers][heads]``)."""
+        return [[sorted(head.tolist()) for head in self.layers[index].positions[0]] for index in sorted(self.layers)]
+
 
 @dataclass(frozen=True)
 class RowPass:

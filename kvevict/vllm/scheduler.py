@@ -4,9 +4,10 @@ request that evicts, the entries its layers hold rather than the tokens it has s
 Every layer and KV head of a request holds as many entries (:mod:`kvevict.vllm.config` refuses
 policies that vary them), so one count per request, from :class:`~kvevict.vllm.schedule.
 EvictionSchedule`, sizes its blocks: after the pass that evicted, the worker has compacted the
-kept entries into the request's first blocks (:mod:`kvevict.vllm.worker`), and the next time the
-request is scheduled the blocks past them go back to the pool before new ones are allocated for
-the step's tokens. Both sides read the same schedule, so they agree without messages.
+kept entries into the request's first blocks (:mod:`kvevict.vllm.worker`), and once the step's
+outputs are in, the blocks past them go back to the pool (:meth:`EvictionScheduler.
+update_from_output`; again, if need be, before new ones are allocated for the request's next
+tokens). Both sides read the same schedule, so they agree without messages.
 """
 
 from __future__ import annotations
@@ -115,3 +116,13 @@ class EvictionScheduler(Scheduler):
             settings=settings,
         )
         del manager
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        """vLLM's bookkeeping of a step, then the blocks past what each request that evicted in it
+        still holds go back to the pool at once (the worker has compacted its entries)."""
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        for request_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(request_id)
+            if request is not None and not request.is_finished():
+                self.kv_cache_manager.release_evicted(request)
+        return outputs

@@ -29,6 +29,9 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from kvevict.vllm.config import settings_of
 from kvevict.vllm.paged import BlockLayout, RequestEntries, RowPass, observe_and_evict
 
+FINISHED_KEPT = 256
+"""Finished requests whose kept positions a worker remembers (:meth:`EvictionModelRunner.kept`)."""
+
 
 class EvictionModelRunner(CPUModelRunner):
     """vLLM's CPU model runner, evicting under the engine's kvevict settings (module docstring)."""
@@ -43,6 +46,8 @@ class EvictionModelRunner(CPUModelRunner):
         self.step: list[RowPass] = []
         """The requests of the pass under way (set by :meth:`_prepare_inputs`)."""
         self.layout: BlockLayout | None = None
+        self.finished: dict[str, list[list[list[int]]]] = {}
+        """What the last :data:`FINISHED_KEPT` finished requests held when they finished (:meth:`kept`)."""
 
     # -- the model: a hook after each attention layer ------------------------------------------
     def load_model(self, *args: Any, **kwargs: Any) -> None:
@@ -84,9 +89,22 @@ class EvictionModelRunner(CPUModelRunner):
         return self.layout
 
     # -- the requests ------------------------------------------------------------------------
+    def kept(self, request_id: str) -> list[list[list[int]]] | None:
+        """The absolute positions each layer and KV head of a request holds (``[layers][heads]``,
+        ascending): now, or when it finished (one of the last :data:`FINISHED_KEPT`); None if unknown.
+        ``request_id`` is the id the request was given (the engine appends a suffix of its own)."""
+        for internal, entries in self.entries.items():
+            if same_request(internal, request_id) and entries.layers:
+                return entries.kept_positions()
+        return next((kept for internal, kept in self.finished.items() if same_request(internal, request_id)), None)
+
     def _update_states(self, scheduler_output: Any) -> Any:
         for req_id in scheduler_output.finished_req_ids:
-            self.entries.pop(req_id, None)
+            entries = self.entries.pop(req_id, None)
+            if entries is not None and entries.layers:
+                self.finished[req_id] = entries.kept_positions()
+                while len(self.finished) > FINISHED_KEPT:
+                    del self.finished[next(iter(self.finished))]
         result = super()._update_states(scheduler_output)
         for req_id, state in self.requests.items():
             entries = self.entries.get(req_id)
@@ -157,6 +175,16 @@ class EvictionWorker(CPUWorker):
     def init_device(self) -> None:
         super().init_device()
         self.model_runner = EvictionModelRunner(self.vllm_config, torch.device("cpu"))
+
+    def kvevict_kept(self, request_id: str) -> list[list[list[int]]] | None:
+        """:meth:`EvictionModelRunner.kept`, for ``LLM.collective_rpc("kvevict_kept", args=(id,))``."""
+        return self.model_runner.kept(request_id)
+
+
+def same_request(internal: str, given: str) -> bool:
+    """Whether the engine's id ``internal`` is the request given the id ``given`` (vLLM appends
+    ``-`` and eight hexadecimal digits to the ids it is given)."""
+    return internal == given or (internal.startswith(f"{given}-") and len(internal) == len(given) + 9)
 
 
 def attention_layers(model: torch.nn.Module) -> list[Attention]:

@@ -1,0 +1,95 @@
+"""The plug-in in a running vLLM engine (CPU, fp32): an ample budget is vLLM alone; under
+eviction it keeps the entries kvevict's own cache keeps and gives its tokens (the cross-host
+contract), for requests of different lengths served at once and for one that arrives while
+others decode; evicted blocks go back to the pool, and nothing leaks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import kvevict  # noqa: E402
+from kvevict.vllm.config import SUPPORTED  # noqa: E402
+from tests.vllm.conftest import ENGINE_ARGS, core, engine, kvevict_reference, runner, serve  # noqa: E402
+
+BUDGET, INTERVAL, NEW_TOKENS = 48, 8, 40
+
+
+def prompts_of(tokenizer_dir, lengths: dict[str, int]) -> dict[str, list[int]]:
+    """Prompts of the given lengths: the start of the offline essays, each from another offset."""
+    from transformers import AutoTokenizer
+
+    from kvevict.bench.haystack import essays
+
+    ids = AutoTokenizer.from_pretrained(tokenizer_dir)(essays()[:20000]).input_ids
+    starts = [(100 * i) % (len(ids) - max(lengths.values())) for i in range(len(lengths))]
+    return {name: ids[start : start + length] for start, (name, length) in zip(starts, lengths.items())}
+
+
+@pytest.fixture(scope="module", params=["tiny", "smollm2"])
+def model_dir(request, tiny_llama_dir, smollm2_dir):
+    return {"tiny": tiny_llama_dir, "smollm2": smollm2_dir}[request.param]
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    return kvevict.load_model(str(model_dir))[0]
+
+
+def test_an_ample_budget_is_vllm_alone(model_dir) -> None:
+    prompts = prompts_of(model_dir, {"a": 70, "b": 130})
+    with engine(model_dir) as alone:
+        expected = serve(alone, prompts, NEW_TOKENS)
+    with engine(model_dir, "h2o", budget=1024) as plugged:
+        got = serve(plugged, prompts, NEW_TOKENS)
+        assert runner(plugged).kept("a") is not None  # the plug-in ran, and evicted nothing
+    for name in prompts:
+        assert got[name].tokens == expected[name].tokens
+        assert got[name].logprobs == expected[name].logprobs
+
+
+@pytest.mark.parametrize("policy", SUPPORTED)
+def test_vllm_keeps_what_kvevict_keeps_and_gives_its_tokens(policy: str, model_dir, hf_model) -> None:
+    """Three requests of different lengths (one shorter than the budget, evicting only while it
+    decodes); a fourth arrives after five steps, while the others decode."""
+    prompts = prompts_of(model_dir, {"short": 30, "long": 150, "middle": 90, "late": 110})
+    block_size = ENGINE_ARGS["block_size"]
+    most_blocks = math.ceil((BUDGET + INTERVAL) / block_size) + 1
+    free_at_start = {}
+
+    def blocks_bounded(llm) -> None:
+        scheduler = core(llm).scheduler
+        manager = scheduler.kv_cache_manager
+        free_at_start.setdefault("blocks", manager.block_pool.get_num_free_blocks())
+        for request in scheduler.running:
+            if request.num_computed_tokens >= request.num_prompt_tokens:  # its prompt is compressed
+                held = manager.coordinator.single_type_managers[0].req_to_blocks[request.request_id]
+                assert len(held) <= most_blocks, (request.request_id, request.num_computed_tokens, len(held))
+
+    with engine(model_dir, policy, budget=BUDGET, interval=INTERVAL) as llm:
+        pool = core(llm).scheduler.kv_cache_manager.block_pool
+        free = pool.get_num_free_blocks()
+        got = serve(llm, prompts, NEW_TOKENS, arrivals={"late": 5}, after_step=blocks_bounded)
+        kept = {name: runner(llm).kept(name) for name in prompts}
+        assert pool.get_num_free_blocks() == free  # every block came back
+    for name, ids in prompts.items():
+        reference = kvevict_reference(hf_model, ids, policy, NEW_TOKENS, budget=BUDGET, interval=INTERVAL)
+        assert kept[name] == reference.kept, f"{policy}: {name} keeps other entries than kvevict's cache"
+        assert got[name].tokens == reference.tokens, f"{policy}: {name}"
+        assert max(abs(a - b) for a, b in zip(got[name].logprobs, reference.logprobs)) < 1e-4
+
+
+def test_two_hundred_requests_leak_no_block(tiny_llama_dir) -> None:
+    prompts = prompts_of(tiny_llama_dir, {f"r{i}": 20 + (i * 7) % 90 for i in range(200)})
+    with engine(tiny_llama_dir, "streamingllm", budget=16, interval=4) as llm:
+        pool = core(llm).scheduler.kv_cache_manager.block_pool
+        free = pool.get_num_free_blocks()
+        got = serve(llm, prompts, 12)
+        assert len(got) == 200 and all(len(g.tokens) == 12 for g in got.values())
+        assert pool.get_num_free_blocks() == free
+        assert not core(llm).scheduler.kv_cache_manager.schedules
+        # the worker hears of the last ones' end with the next step, as vLLM's own runner does
+        assert set(runner(llm).entries) <= set(runner(llm).requests)
