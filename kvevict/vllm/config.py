@@ -29,6 +29,12 @@ SCHEDULER = "kvevict.vllm.scheduler.EvictionScheduler"
 WORKER = "kvevict.vllm.worker.EvictionWorker"
 
 
+class EngineRefused(RuntimeError):
+    """An engine the plug-in cannot run, refused in one line when its configuration is built. Not a
+    ``ValueError``: vLLM's configuration is a pydantic dataclass, which would wrap one into a
+    multi-line validation report."""
+
+
 @dataclass(frozen=True)
 class EvictionSettings:
     """What an engine evicts: a kvevict policy by name, and a budget (``tokens`` or ``keep``) and interval."""
@@ -148,13 +154,16 @@ def configure(vllm_config: Any) -> None:
     """For an engine whose ``additional_config`` names the plug-in: check its settings and the
     engine's, refusing in one line what the plug-in cannot honour, then set the scheduler and
     worker classes that evict. Engines without it are left as they are."""
-    settings = settings_of(vllm_config.additional_config)
+    try:
+        settings = settings_of(vllm_config.additional_config)
+    except (TypeError, ValueError) as error:
+        raise EngineRefused(str(error)) from None
     if settings is None:
         return
     import vllm
 
     reasons = refusals(vllm_config, vllm.__version__)
     if reasons:
-        raise ValueError(f"kvevict's vLLM plug-in refuses this engine: {'; '.join(reasons)}")
+        raise EngineRefused(f"kvevict's vLLM plug-in refuses this engine: {'; '.join(reasons)}")
     vllm_config.scheduler_config.scheduler_cls = SCHEDULER
     vllm_config.parallel_config.worker_cls = WORKER

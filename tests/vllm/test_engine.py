@@ -11,9 +11,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-import kvevict  # noqa: E402
-from kvevict.vllm.config import SUPPORTED  # noqa: E402
-from tests.vllm.conftest import ENGINE_ARGS, core, engine, kvevict_reference, runner, serve  # noqa: E402
+import kvevict
+from kvevict.vllm.config import SUPPORTED
+from tests.vllm.conftest import ENGINE_ARGS, core, engine, kvevict_reference, runner, serve
 
 BUDGET, INTERVAL, NEW_TOKENS = 48, 8, 40
 
