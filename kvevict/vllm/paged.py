@@ -121,8 +121,9 @@ class RequestEntries:
 class RowPass:
     """One request's part of a forward pass: its row of the batch, its tokens in the pass
     (``start`` in the pass's flat token order, ``num_new``), the entries it held before the pass
-    (``held``, where the new ones are written), the tokens it has processed after it, and whether
-    the pass ends with an eviction."""
+    (``held``, where the new ones are written), the tokens it has processed after it, and the
+    entries it keeps after it (``keep``, the schedule's count; fewer than it then holds: the pass
+    evicts)."""
 
     entries: RequestEntries
     row: int
@@ -131,7 +132,13 @@ class RowPass:
     held: int
     tokens: int
     passes: int
-    evicts: bool
+    keep: int
+
+    @property
+    def evicts(self) -> bool:
+        """Whether the pass ends with an eviction: on the schedule's steps, and on the pass that
+        computes a preempted request again from nothing, if it then holds more than the schedule's count."""
+        return self.held + self.num_new > self.keep
 
 
 @dataclass(frozen=True)
@@ -249,7 +256,7 @@ def observe_and_evict(
     policy.observe(view, signals)
     if not step.evicts:
         return
-    budget = entries.schedule.budget
+    budget = step.keep
     slots = policy.drop_lowest(view, signals, budget)
     if slots is not None:
         keep = torch.ones_like(layer.positions, dtype=torch.bool)

@@ -65,26 +65,3 @@ class EvictionSchedule:
             return self.after_prompt + steps
         assert self.budget is not None
         return self.budget + (steps - first) % self.interval
-
-    def evicts_at(self, tokens: int) -> bool:
-        """Whether the pass that brings the processed tokens to ``tokens`` ends with an eviction."""
-        if tokens == self.prompt_length:
-            return self.after_prompt < self.prompt_length
-        if tokens < self.prompt_length:
-            return False
-        first = self.first_decode_eviction
-        steps = tokens - self.prompt_length
-        return first is not None and steps >= first and (steps - first) % self.interval == 0
-
-    def most_held(self, tokens: int) -> int:
-        """The most entries a head holds at any point up to ``tokens`` processed tokens, a pass's
-        own new entries included (what its blocks must hold at the peak)."""
-        peak = min(tokens, self.prompt_length)
-        if tokens <= self.prompt_length:
-            return peak
-        first = self.first_decode_eviction
-        steps = tokens - self.prompt_length
-        if first is None or steps < first:
-            return max(peak, self.after_prompt + steps)
-        assert self.budget is not None
-        return max(peak, self.after_prompt + first, self.budget + min(steps - first, self.interval))

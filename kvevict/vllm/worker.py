@@ -106,10 +106,11 @@ class EvictionModelRunner(CPUModelRunner):
                 while len(self.finished) > FINISHED_KEPT:
                     del self.finished[next(iter(self.finished))]
         result = super()._update_states(scheduler_output)
+        resumed = scheduler_output.scheduled_cached_reqs.resumed_req_ids  # preempted: computed again from nothing
         for req_id, state in self.requests.items():
             entries = self.entries.get(req_id)
             prompt = state.num_prompt_tokens
-            if entries is None or entries.schedule.prompt_length != prompt:
+            if entries is None or entries.schedule.prompt_length != prompt or req_id in resumed:
                 self.entries[req_id] = RequestEntries(self.settings.schedule(prompt), self.settings.make_policy())
         return result
 
@@ -137,7 +138,7 @@ class EvictionModelRunner(CPUModelRunner):
                     held=held,
                     tokens=done + new,
                     passes=entries.passes,
-                    evicts=entries.schedule.evicts_at(done + new),
+                    keep=entries.schedule.held(done + new),
                 )
             )
         if evicted.any():
@@ -161,9 +162,8 @@ class EvictionModelRunner(CPUModelRunner):
     def _truncate(self, step: RowPass) -> None:
         """The request's block-table row and block ids stop at the blocks its kept entries fill."""
         req_id = self.input_batch.req_ids[step.row]
-        held = step.entries.schedule.held(step.tokens)
         for group, table in enumerate(self.input_batch.block_table.block_tables):
-            keep = cdiv(held, table.block_size)
+            keep = cdiv(step.keep, table.block_size)
             table.block_table.np[step.row, keep : table.num_blocks_per_row[step.row]] = 0
             table.num_blocks_per_row[step.row] = min(table.num_blocks_per_row[step.row], keep)
             del self.requests[req_id].block_ids[group][keep:]

@@ -62,17 +62,19 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir) -> Path:
 
 
 @contextmanager
-def engine(model: Path, policy: str | None = None, **settings: object) -> Iterator[object]:
+def engine(model: Path, policy: str | None = None, blocks: int | None = None, **settings: object) -> Iterator[object]:
     """An in-process ``vllm.LLM`` of ``model``: with the plug-in (``policy`` and its settings), or
-    vLLM alone with the same engine flags; shut down afterwards."""
+    vLLM alone with the same engine flags, with a pool of ``blocks`` blocks (default: 96); shut
+    down afterwards."""
     import vllm
 
     import kvevict.vllm
 
+    args = {**ENGINE_ARGS, **({} if blocks is None else {"num_gpu_blocks_override": blocks})}
     if policy is None:
-        llm = vllm.LLM(model=str(model), **kvevict.vllm.ENGINE_FLAGS, **ENGINE_ARGS)
+        llm = vllm.LLM(model=str(model), **kvevict.vllm.ENGINE_FLAGS, **args)
     else:
-        llm = kvevict.vllm.LLM(str(model), policy, **settings, **ENGINE_ARGS)
+        llm = kvevict.vllm.LLM(str(model), policy, **settings, **args)
     try:
         yield llm
     finally:

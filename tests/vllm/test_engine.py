@@ -16,6 +16,7 @@ from kvevict.vllm.config import SUPPORTED
 from tests.vllm.conftest import ENGINE_ARGS, core, engine, kvevict_reference, runner, serve
 
 BUDGET, INTERVAL, NEW_TOKENS = 48, 8, 40
+NEW_LONG = 300
 
 
 def prompts_of(tokenizer_dir, lengths: dict[str, int]) -> dict[str, list[int]]:
@@ -93,3 +94,33 @@ def test_two_hundred_requests_leak_no_block(tiny_llama_dir) -> None:
         assert not core(llm).scheduler.kv_cache_manager.schedules
         # the worker hears of the last ones' end with the next step, as vLLM's own runner does
         assert set(runner(llm).entries) <= set(runner(llm).requests)
+
+
+def test_a_preempted_request_is_computed_again_and_keeps_the_schedule_s_count(tiny_llama_dir, hf_model_tiny) -> None:
+    """SnapKV evicts only the prompt, so three long generations outgrow a pool of 17 blocks and vLLM
+    preempts: computed again from its tokens as one pass, it evicts down to the schedule's count
+    in that pass, the others keep kvevict's tokens, and the pool is whole at the end."""
+    prompts = prompts_of(tiny_llama_dir, {"a": 100, "b": 110, "c": 120})
+    preempted: set[str] = set()
+
+    def watch(llm) -> None:
+        preempted.update(r.request_id.rsplit("-", 1)[0] for r in core(llm).scheduler.running if r.num_preemptions)
+
+    with engine(tiny_llama_dir, "snapkv", blocks=17, budget=BUDGET) as llm:
+        pool = core(llm).scheduler.kv_cache_manager.block_pool
+        free = pool.get_num_free_blocks()
+        got = serve(llm, prompts, NEW_LONG, after_step=watch)
+        assert pool.get_num_free_blocks() == free
+        kept = {name: runner(llm).kept(name) for name in prompts}
+    assert preempted and len(preempted) < len(prompts)
+    for name, ids in prompts.items():
+        assert len(got[name].tokens) == NEW_LONG
+        held = BUDGET + NEW_LONG - 1  # the prompt evicted to the budget, then every token kept (the last unprocessed)
+        assert {len(head) for layer in kept[name] for head in layer} == {held}
+        if name not in preempted:
+            assert got[name].tokens == kvevict_reference(hf_model_tiny, ids, "snapkv", NEW_LONG, budget=BUDGET).tokens
+
+
+@pytest.fixture(scope="module")
+def hf_model_tiny(tiny_llama_dir):
+    return kvevict.load_model(str(tiny_llama_dir))[0]
