@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -40,11 +41,12 @@ class CacheSide:
 
 @dataclass
 class PagedEntries:
-    """One request's held entries of one layer (plus the pass's new ones), ``[1, Hkv, n, ...]``,
-    gathered from the paged cache: an :class:`~kvevict.views.EntryView`."""
+    """One request's held entries of one layer (plus the pass's new ones), ``[1, Hkv, n, ...]``:
+    an :class:`~kvevict.views.EntryView`. Its keys and values are gathered from the paged cache
+    when the policy first reads them (most decode steps of most policies read neither)."""
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    """Gathers the request's keys and values ``[Hkv, n, d]`` from its blocks."""
     positions: torch.Tensor
     state: dict[str, torch.Tensor]
     seen: int
@@ -60,9 +62,22 @@ class PagedEntries:
     prompt_continues: bool = False
     window: int | None = None
 
+    @cached_property
+    def _entries(self) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.gather()
+        return keys[None], values[None]
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self._entries[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._entries[1]
+
     @property
     def device(self) -> torch.device:
-        return self.keys.device
+        return self.positions.device
 
     @property
     def policy(self) -> Any:
@@ -105,15 +120,23 @@ class RequestEntries:
     """A request's eviction state on a worker: its schedule, passes, and per layer what
     :class:`LayerEntries` holds. Layers are created on the request's first pass."""
 
-    def __init__(self, schedule: EvictionSchedule, policy: Any):
+    def __init__(self, schedule: EvictionSchedule, policy: Any, most_tokens: int):
         self.schedule = schedule
         self.owner = CacheSide(policy)
         self.layers: dict[int, LayerEntries] = {}
         self.passes = 0
         """Passes that were planned for this request (its first one is its prompt)."""
+        self.tokens = 0
+        """Tokens it has processed, once the pass under way is done."""
+        self.evicts = schedule.held(most_tokens) < most_tokens
+        """Whether it ever evicts, over at most ``most_tokens`` processed tokens (its prompt and
+        the most it may generate): if not, the policy has nothing to do for it, ever, and its
+        passes are vLLM's alone."""
 
-    def kept_positions(self) -> list[list[list[int]]]:
-        """The absolute positions each layer and KV head holds, ascending (``[layers][heads]``)."""
+    def kept_positions(self, layers: int, heads: int) -> list[list[list[int]]]:
+        """The absolute positions each of ``layers`` layers and ``heads`` KV heads holds, ascending."""
+        if not self.evicts:
+            return [[list(range(self.tokens)) for _ in range(heads)] for _ in range(layers)]
         return [[sorted(head.tolist()) for head in self.layers[index].positions[0]] for index in sorted(self.layers)]
 
 
@@ -225,16 +248,15 @@ def observe_and_evict(
     entries = step.entries
     policy = entries.owner.policy
     length = step.held + step.num_new
-    keys, values = layout.gather(kv_cache, blocks, length)
-    heads = keys.shape[0]
-    new_positions = torch.arange(step.tokens - step.num_new, step.tokens, device=keys.device)
+    heads = kv_cache.shape[1]
+    new_positions = torch.arange(step.tokens - step.num_new, step.tokens, device=kv_cache.device)
     layer = entries.layers.get(layer_idx)
     if layer is None:
-        layer = entries.layers[layer_idx] = LayerEntries(torch.empty(1, heads, 0, dtype=torch.long, device=keys.device))
+        empty = torch.empty(1, heads, 0, dtype=torch.long, device=kv_cache.device)
+        layer = entries.layers[layer_idx] = LayerEntries(empty)
     layer.positions = torch.cat([layer.positions[..., : step.held], new_positions.expand(1, heads, -1)], dim=-1)
     view = PagedEntries(
-        keys=keys[None],
-        values=values[None],
+        gather=lambda: layout.gather(kv_cache, blocks, length),
         positions=layer.positions,
         state=layer.state,
         seen=step.tokens,
@@ -266,10 +288,11 @@ def observe_and_evict(
     counts = keep.sum(dim=-1)
     if not bool((counts == budget).all()):
         raise RuntimeError(f"{policy.name} kept {counts.tolist()} entries per head, not the budget {budget}")
-    index = torch.arange(length, device=keys.device)
+    index = torch.arange(length, device=kv_cache.device)
     prefix = index < counts[..., None]
     holes, movers = (prefix & ~keep).nonzero(), (~prefix & keep).nonzero()
     source = refill_sources(length, counts, holes, movers)[..., :budget]  # [1, Hkv, budget]
+    keys, values = view.keys[0], view.values[0]
     by_entry = source[0, :, :, None].expand(-1, -1, keys.shape[-1])
     layout.scatter(kv_cache, blocks, keys.gather(1, by_entry), values.gather(1, by_entry))
     layer.positions = layer.positions.gather(-1, source)

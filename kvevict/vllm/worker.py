@@ -79,6 +79,11 @@ class EvictionModelRunner(CPUModelRunner):
 
         return hook
 
+    def _shape(self) -> tuple[int, int]:
+        """The model's attention layers and KV heads per layer (on this worker)."""
+        layers = attention_layers(self.model)
+        return len(layers), layers[0].num_kv_heads
+
     def _layout(self, module: Attention) -> BlockLayout:
         """The block layout of ``module``'s cache (every layer's alike: probed once)."""
         if self.layout is None:
@@ -94,15 +99,15 @@ class EvictionModelRunner(CPUModelRunner):
         ascending): now, or when it finished (one of the last :data:`FINISHED_KEPT`); None if unknown.
         ``request_id`` is the id the request was given (the engine appends a suffix of its own)."""
         for internal, entries in self.entries.items():
-            if same_request(internal, request_id) and entries.layers:
-                return entries.kept_positions()
+            if same_request(internal, request_id) and entries.tokens:
+                return entries.kept_positions(*self._shape())
         return next((kept for internal, kept in self.finished.items() if same_request(internal, request_id)), None)
 
     def _update_states(self, scheduler_output: Any) -> Any:
         for req_id in scheduler_output.finished_req_ids:
             entries = self.entries.pop(req_id, None)
-            if entries is not None and entries.layers:
-                self.finished[req_id] = entries.kept_positions()
+            if entries is not None and entries.tokens:
+                self.finished[req_id] = entries.kept_positions(*self._shape())
                 while len(self.finished) > FINISHED_KEPT:
                     del self.finished[next(iter(self.finished))]
         result = super()._update_states(scheduler_output)
@@ -111,7 +116,11 @@ class EvictionModelRunner(CPUModelRunner):
             entries = self.entries.get(req_id)
             prompt = state.num_prompt_tokens
             if entries is None or entries.schedule.prompt_length != prompt or req_id in resumed:
-                self.entries[req_id] = RequestEntries(self.settings.schedule(prompt), self.settings.make_policy())
+                most = self.max_model_len
+                if state.sampling_params is not None and state.sampling_params.max_tokens is not None:
+                    most = min(most, prompt + state.sampling_params.max_tokens)
+                policy = self.settings.make_policy()
+                self.entries[req_id] = RequestEntries(self.settings.schedule(prompt), policy, most)
         return result
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
@@ -126,6 +135,9 @@ class EvictionModelRunner(CPUModelRunner):
         for row, req_id in enumerate(self.input_batch.req_ids[:num_reqs]):
             entries = self.entries[req_id]
             done, new = int(computed[row]), int(num_scheduled_tokens[row])
+            entries.tokens = done + new
+            if not entries.evicts:  # nothing for the policy to do, ever
+                continue
             held = entries.schedule.held(done)
             evicted[row] = done - held
             entries.passes += 1
