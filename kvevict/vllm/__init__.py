@@ -6,11 +6,12 @@ vLLM's ``vllm.general_plugins`` entry point, and an engine asks for it in its
 ``additional_config``::
 
     from vllm import LLM
-    llm = LLM(model=path, enforce_eager=True, enable_prefix_caching=False, enable_chunked_prefill=False,
+    llm = LLM(model=path, enable_prefix_caching=False, enable_chunked_prefill=False,
               additional_config={"kvevict": {"policy": "streamingllm", "budget": 256, "interval": 16}})
 
-or ``vllm serve PATH --enforce-eager --no-enable-prefix-caching --no-enable-chunked-prefill
---additional-config '{"kvevict": {...}}'``. :func:`LLM` makes the first with those flags.
+or ``vllm serve PATH --no-enable-prefix-caching --no-enable-chunked-prefill --additional-config
+'{"kvevict": {...}}'``. :func:`LLM` makes the first with those flags. The plug-in runs the model
+eagerly.
 What the engine cannot honour is refused when it is built (:mod:`kvevict.vllm.config`).
 
 Modules: :mod:`~kvevict.vllm.schedule` (how many entries a request holds, step by step),
@@ -23,8 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
-ENGINE_FLAGS = {"enforce_eager": True, "enable_prefix_caching": False, "enable_chunked_prefill": False}
-"""The engine settings the plug-in needs (it refuses others when the engine is built)."""
+ENGINE_FLAGS = {"enable_prefix_caching": False, "enable_chunked_prefill": False}
+"""The engine settings the plug-in needs (it refuses others when the engine is built; it sets eager mode itself)."""
 
 
 def LLM(

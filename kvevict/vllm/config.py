@@ -10,6 +10,7 @@ Imports vLLM only inside :func:`configure`, so the settings and schedules are te
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,8 @@ from kvevict.budgets import Budget
 from kvevict.policies import Policy, make_policy
 from kvevict.policies.base import Uniform
 from kvevict.vllm.schedule import EvictionSchedule
+
+logger = logging.getLogger(__name__)
 
 KEY = "kvevict"
 """The key of ``additional_config`` the plug-in reads."""
@@ -133,8 +136,6 @@ def refusals(vllm_config: Any, version: str) -> list[str]:
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1 or parallel.tensor_parallel_size > 1:
         reasons.append("pipeline and tensor parallelism are not supported yet")
-    if not vllm_config.model_config.enforce_eager:
-        reasons.append("it runs eagerly (give enforce_eager=True)")
     model = vllm_config.model_config
     if model.get_sliding_window() is not None or "sliding_attention" in (
         getattr(model.hf_text_config, "layer_types", None) or ()
@@ -153,7 +154,8 @@ def refusals(vllm_config: Any, version: str) -> list[str]:
 def configure(vllm_config: Any) -> None:
     """For an engine whose ``additional_config`` names the plug-in: check its settings and the
     engine's, refusing in one line what the plug-in cannot honour, then set the scheduler and
-    worker classes that evict. Engines without it are left as they are."""
+    worker classes that evict, and run the model eagerly (the plug-in's hooks are Python, which
+    torch.compile would trace). Engines without it are left as they are."""
     try:
         settings = settings_of(vllm_config.additional_config)
     except (TypeError, ValueError) as error:
@@ -167,3 +169,6 @@ def configure(vllm_config: Any) -> None:
         raise EngineRefused(f"kvevict's vLLM plug-in refuses this engine: {'; '.join(reasons)}")
     vllm_config.scheduler_config.scheduler_cls = SCHEDULER
     vllm_config.parallel_config.worker_cls = WORKER
+    if not vllm_config.model_config.enforce_eager:  # before vLLM derives its compilation settings from it
+        logger.info("kvevict's vLLM plug-in runs the model eagerly: its hooks after each attention layer are Python")
+        vllm_config.model_config.enforce_eager = True

@@ -72,7 +72,7 @@ def engine(model: Path, policy: str | None = None, blocks: int | None = None, **
 
     args = {**ENGINE_ARGS, **({} if blocks is None else {"num_gpu_blocks_override": blocks})}
     if policy is None:
-        llm = vllm.LLM(model=str(model), **kvevict.vllm.ENGINE_FLAGS, **args)
+        llm = vllm.LLM(model=str(model), enforce_eager=True, **kvevict.vllm.ENGINE_FLAGS, **args)  # as the plug-in runs
     else:
         llm = kvevict.vllm.LLM(str(model), policy, **settings, **args)
     try:

@@ -13,7 +13,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 from vllm import EngineArgs
-from vllm.config import VllmConfig
+from vllm.config import CompilationMode, VllmConfig
 
 import kvevict.vllm
 from kvevict.vllm import plugin
@@ -53,9 +53,10 @@ def config(model, **changes):
     return EngineArgs(**{**args, **changes}).create_engine_config()
 
 
-def test_an_engine_that_asks_for_it_gets_its_scheduler_and_worker(smollm2_dir) -> None:
-    engine = config(smollm2_dir)
+def test_an_engine_that_asks_for_it_gets_its_scheduler_and_worker_and_runs_eagerly(smollm2_dir) -> None:
+    engine = config(smollm2_dir, enforce_eager=False)  # a plain vllm.LLM's default
     assert (engine.scheduler_config.scheduler_cls, engine.parallel_config.worker_cls) == (SCHEDULER, WORKER)
+    assert engine.model_config.enforce_eager and engine.compilation_config.mode == CompilationMode.NONE
     plain = config(smollm2_dir, additional_config={})
     assert (plain.scheduler_config.scheduler_cls, plain.parallel_config.worker_cls) != (SCHEDULER, WORKER)
 
@@ -91,7 +92,6 @@ def sliding_dir(tmp_path_factory, smollm2_dir):
             "speculative",
         ),
         ({"kv_cache_dtype": "fp8"}, "a quantized KV cache (fp8) is not supported"),
-        ({"enforce_eager": False}, "it runs eagerly (give enforce_eager=True)"),
         ({"tensor_parallel_size": 2}, "pipeline and tensor parallelism are not supported yet"),
         ({"worker_cls": "my.Worker"}, "it brings its own worker class"),
         (
