@@ -418,6 +418,12 @@ class Policy:
         return bool(self._overriding("observe"))
 
     @cached_property
+    def keeps_token_state(self) -> bool:
+        """Whether a stage keeps per-token state (:meth:`new_tokens`): otherwise a pass that neither
+        evicts nor is observed asks nothing of the policy."""
+        return bool(self._overriding("new_tokens"))
+
+    @cached_property
     def watches_evictions(self) -> bool:
         """Whether a stage reads the evicted entries (:meth:`on_evict`): otherwise the cache
         does not build the mask of them."""

@@ -108,12 +108,20 @@ class PagedEntries:
 
 @dataclass
 class LayerEntries:
-    """What one layer holds of a request beside the keys and values: positions ``[1, Hkv, n]``
-    (int64), the policy's per-token state ``[1, Hkv, n, ...]`` and its per-layer memo."""
+    """What one layer holds of a request beside the keys and values: the positions ``[1, Hkv, n]``
+    (int64) it held after ``recorded`` processed tokens (every later token is held too, in order:
+    :meth:`positions_at`), the policy's per-token state ``[1, Hkv, n, ...]`` and per-layer memo."""
 
     positions: torch.Tensor
+    recorded: int = 0
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     memo: dict[str, object] = field(default_factory=dict)
+
+    def positions_at(self, tokens: int) -> torch.Tensor:
+        """The positions held once ``tokens`` tokens are processed, if nothing was evicted since
+        :attr:`recorded`: those recorded, then the later tokens'."""
+        later = torch.arange(self.recorded, tokens, device=self.positions.device)
+        return torch.cat([self.positions, later.expand(1, self.positions.shape[1], -1)], dim=-1)
 
 
 class RequestEntries:
@@ -132,12 +140,17 @@ class RequestEntries:
         """Whether it ever evicts, over at most ``most_tokens`` processed tokens (its prompt and
         the most it may generate): if not, the policy has nothing to do for it, ever, and its
         passes are vLLM's alone."""
+        self.every_pass = policy.observes or policy.keeps_token_state
+        """Whether the policy reads every pass; if not, only the passes that evict."""
 
     def kept_positions(self, layers: int, heads: int) -> list[list[list[int]]]:
         """The absolute positions each of ``layers`` layers and ``heads`` KV heads holds, ascending."""
-        if not self.evicts:
+        if not self.evicts or not self.layers:  # nothing evicted: every token held
             return [[list(range(self.tokens)) for _ in range(heads)] for _ in range(layers)]
-        return [[sorted(head.tolist()) for head in self.layers[index].positions[0]] for index in sorted(self.layers)]
+        return [
+            [sorted(head.tolist()) for head in self.layers[index].positions_at(self.tokens)[0]]
+            for index in sorted(self.layers)
+        ]
 
 
 @dataclass(frozen=True)
@@ -205,30 +218,37 @@ class BlockLayout:
         return cls(offsets["keys"], offsets["values"])
 
     def gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A request's first ``length`` keys and values, each ``[Hkv, length, d]``, from its ``blocks``."""
+        """A request's first ``length`` keys and values, each ``[Hkv, length, d]``, from its ``blocks``:
+        its blocks copied whole, then each block's elements put in order."""
         needed = -(-length // kv_cache.shape[2])
-        raw = kv_cache[blocks[:needed].long()].reshape(needed, -1)
-        return self._entries(raw, self.keys, length), self._entries(raw, self.values, length)
+        raw = kv_cache.index_select(0, blocks[:needed].long()).view(needed, -1)
+        return self._in_order(raw, self.keys, length), self._in_order(raw, self.values, length)
 
     @staticmethod
-    def _entries(raw: torch.Tensor, offsets: torch.Tensor, length: int) -> torch.Tensor:
+    def _in_order(raw: torch.Tensor, offsets: torch.Tensor, length: int) -> torch.Tensor:
         heads, block_size, head_dim = offsets.shape
-        held = raw[:, offsets.reshape(-1)].reshape(raw.shape[0], heads, block_size, head_dim)
+        held = raw.index_select(1, offsets.view(-1)).view(raw.shape[0], heads, block_size, head_dim)
         return held.transpose(0, 1).reshape(heads, -1, head_dim)[:, :length]
 
-    def scatter(self, kv_cache: torch.Tensor, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write ``keys`` and ``values`` ``[Hkv, n, d]`` as a request's first ``n`` entries; what lies
-        past them in the last block stays."""
-        heads, length, head_dim = keys.shape
+    def move(
+        self, kv_cache: torch.Tensor, blocks: torch.Tensor, heads: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+    ) -> None:
+        """Copy the entry at index ``src[i]`` of KV head ``heads[i]`` of a request over the one at
+        ``dst[i]`` (keys and values), for every ``i`` at once."""
+        flat = kv_cache.view(-1)
+        for offsets in (self.keys, self.values):
+            flat[self._where(offsets, kv_cache, blocks, heads, dst)] = flat[
+                self._where(offsets, kv_cache, blocks, heads, src)
+            ]
+
+    @staticmethod
+    def _where(
+        offsets: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, heads: torch.Tensor, index: torch.Tensor
+    ) -> torch.Tensor:
+        """``[k, d]``: where entry ``index[i]`` of KV head ``heads[i]`` lies in the flattened ``kv_cache``."""
         block_size = kv_cache.shape[2]
-        needed = -(-length // block_size)
-        ids = blocks[:needed].long()
-        raw = kv_cache[ids].reshape(needed, -1)
-        for offsets, entries in ((self.keys, keys), (self.values, values)):
-            target = offsets.expand(needed, -1, -1, -1).transpose(0, 1).reshape(heads, needed * block_size, head_dim)
-            block = torch.arange(needed, device=ids.device).repeat_interleave(block_size)
-            raw[block[None, :length, None].expand(heads, -1, head_dim), target[:, :length]] = entries
-        kv_cache[ids] = raw.view(kv_cache[ids].shape)
+        block_start = blocks.long()[index // block_size] * kv_cache[0].numel()
+        return offsets[heads, index % block_size] + block_start[:, None]
 
 
 def observe_and_evict(
@@ -248,13 +268,11 @@ def observe_and_evict(
     entries = step.entries
     policy = entries.owner.policy
     length = step.held + step.num_new
-    heads = kv_cache.shape[1]
-    new_positions = torch.arange(step.tokens - step.num_new, step.tokens, device=kv_cache.device)
     layer = entries.layers.get(layer_idx)
     if layer is None:
-        empty = torch.empty(1, heads, 0, dtype=torch.long, device=kv_cache.device)
+        empty = torch.empty(1, kv_cache.shape[1], 0, dtype=torch.long, device=kv_cache.device)
         layer = entries.layers[layer_idx] = LayerEntries(empty)
-    layer.positions = torch.cat([layer.positions[..., : step.held], new_positions.expand(1, heads, -1)], dim=-1)
+    layer.positions, layer.recorded = layer.positions_at(step.tokens), step.tokens
     view = PagedEntries(
         gather=lambda: layout.gather(kv_cache, blocks, length),
         positions=layer.positions,
@@ -291,10 +309,10 @@ def observe_and_evict(
     index = torch.arange(length, device=kv_cache.device)
     prefix = index < counts[..., None]
     holes, movers = (prefix & ~keep).nonzero(), (~prefix & keep).nonzero()
+    # kvevict's layout: kept entries stay in their slots, the dropped ones below the budget are
+    # refilled in order by the kept ones above it, so only those move
+    layout.move(kv_cache, blocks, holes[:, 1], movers[:, 2], holes[:, 2])
     source = refill_sources(length, counts, holes, movers)[..., :budget]  # [1, Hkv, budget]
-    keys, values = view.keys[0], view.values[0]
-    by_entry = source[0, :, :, None].expand(-1, -1, keys.shape[-1])
-    layout.scatter(kv_cache, blocks, keys.gather(1, by_entry), values.gather(1, by_entry))
     layer.positions = layer.positions.gather(-1, source)
     for name, value in layer.state.items():
         index_shape = (*source.shape, *value.shape[3:])

@@ -141,18 +141,18 @@ class EvictionModelRunner(CPUModelRunner):
             held = entries.schedule.held(done)
             evicted[row] = done - held
             entries.passes += 1
-            self.step.append(
-                RowPass(
-                    entries=entries,
-                    row=row,
-                    start=int(starts[row]),
-                    num_new=new,
-                    held=held,
-                    tokens=done + new,
-                    passes=entries.passes,
-                    keep=entries.schedule.held(done + new),
-                )
+            step = RowPass(
+                entries=entries,
+                row=row,
+                start=int(starts[row]),
+                num_new=new,
+                held=held,
+                tokens=done + new,
+                passes=entries.passes,
+                keep=entries.schedule.held(done + new),
             )
+            if step.evicts or entries.every_pass:  # else the pass asks nothing of the policy
+                self.step.append(step)
         if evicted.any():
             shift = torch.from_numpy(evicted)
             total = int(starts[-1])
