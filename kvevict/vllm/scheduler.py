@@ -97,7 +97,6 @@ class EvictionScheduler(Scheduler):
         settings = settings_of(self.vllm_config.additional_config)
         if settings is None:
             raise ValueError("EvictionScheduler needs additional_config['kvevict'] (kvevict.vllm.config)")
-        manager = self.kv_cache_manager
         self.kv_cache_manager = EvictingKVCacheManager(
             kv_cache_config=self.kv_cache_config,
             max_model_len=self.max_model_len,
@@ -115,7 +114,6 @@ class EvictionScheduler(Scheduler):
             watermark=self.scheduler_config.watermark,
             settings=settings,
         )
-        del manager
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         """vLLM's bookkeeping of a step, then the blocks past what each request that evicted in it

@@ -73,7 +73,7 @@ class EvictionModelRunner(CPUModelRunner):
                     module.kv_cache,
                     layout,
                     metadata.block_table[step.row],
-                    rows.transpose(0, 1)[None].float(),
+                    rows.transpose(0, 1)[None],  # [1, Hq, num_new, d], as transformers hands it over
                     module.impl.scale,
                 )
 
