@@ -496,11 +496,14 @@ class EvictionCache(PassEnds, Cache):
             return [0.0 if held is None else float(held.double().mean()) for held in lengths]
         return [0 if held is None else int(held.sum()) for held in lengths]
 
-    def kept(self) -> KeptEntries:
+    def kept(self, row: int | None = None) -> KeptEntries:
         """What the cache retains against what a full cache would hold for the same tokens
-        (every token each row has seen, in every KV head of every layer)."""
+        (every token each row has seen, in every KV head of every layer); ``row``: of that row alone."""
+        rows = slice(None) if row is None else slice(row, row + 1)
         heads = [
-            (layer.head_lengths(), [row.seen for row in layer.rows]) for layer in self.layers if layer.is_initialized
+            (layer.head_lengths()[rows], [info.seen for info in layer.rows[rows]])
+            for layer in self.layers
+            if layer.is_initialized
         ]
         return KeptEntries(
             entries=sum(int(held.sum()) for held, _ in heads),
@@ -518,12 +521,10 @@ class EvictionCache(PassEnds, Cache):
         hold for the tokens it has seen), ``decode_peak`` and ``peak`` (prefill included)."""
         layers = [layer.row_bytes()[row] for layer in self.layers]
         rows = [layer.rows[row] for layer in self.eviction_layers]
-        held = [layer.head_lengths()[row] for layer in self.eviction_layers if layer.is_initialized]
-        entries, heads = sum(int(h.sum()) for h in held), sum(h.numel() for h in held)
-        full = sum(info.seen * h.numel() for info, h in zip(rows, held))
+        kept = self.kept(row)
         return {
-            "retained_mean": entries / heads if heads else 0.0,
-            "kept_share": entries / full if full else 1.0,
+            "retained_mean": kept.mean,
+            "kept_share": kept.share,
             "kv_bytes": sum(allocated for allocated, _ in layers),
             "real_bytes": sum(real for _, real in layers),
             "layer_bytes": layers,

@@ -46,13 +46,16 @@ class EvictionModelRunner(CPUModelRunner):
         self.step: list[RowPass] = []
         """The requests of the pass under way (set by :meth:`_prepare_inputs`)."""
         self.layout: BlockLayout | None = None
+        self.attention: list[Attention] = []
+        """The model's attention layers, in order (found once the model is loaded)."""
         self.finished: dict[str, list[list[list[int]]]] = {}
         """What the last :data:`FINISHED_KEPT` finished requests held when they finished (:meth:`kept`)."""
 
     # -- the model: a hook after each attention layer ------------------------------------------
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
-        for index, module in enumerate(attention_layers(self.model)):
+        self.attention = attention_layers(self.model)
+        for index, module in enumerate(self.attention):
             module.register_forward_hook(self._after_attention(index))
 
     def _after_attention(self, layer_idx: int):
@@ -81,8 +84,7 @@ class EvictionModelRunner(CPUModelRunner):
 
     def _shape(self) -> tuple[int, int]:
         """The model's attention layers and KV heads per layer (on this worker)."""
-        layers = attention_layers(self.model)
-        return len(layers), layers[0].num_kv_heads
+        return len(self.attention), self.attention[0].num_kv_heads
 
     def _layout(self, module: Attention) -> BlockLayout:
         """The block layout of ``module``'s cache (every layer's alike: probed once)."""
