@@ -14,7 +14,7 @@ the request's first blocks.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kvevict.driver import refill_sources
+from kvevict.rows import StackedRows, uniform
 from kvevict.signals import compute_signals
 from kvevict.vllm.schedule import EvictionSchedule
 
@@ -41,21 +42,24 @@ class CacheSide:
 
 @dataclass
 class PagedEntries:
-    """One request's held entries of one layer (plus the pass's new ones), ``[1, Hkv, n, ...]``:
-    an :class:`~kvevict.views.EntryView`. Its keys and values are gathered from the paged cache
-    when the policy first reads them (most decode steps of most policies read neither)."""
+    """The held entries of one layer (plus the pass's new ones) of one request, or of requests in
+    lockstep as one batch (:func:`lockstep`), ``[B, Hkv, n, ...]``: an
+    :class:`~kvevict.views.EntryView`. Its keys and values are gathered from the paged cache when
+    the policy first reads them (most decode steps of most policies read neither). Counters that
+    differ between the requests (``seen``, ``prompt_length``) are ``[B, 1, 1]`` tensors."""
 
     gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]
-    """Gathers the request's keys and values ``[Hkv, n, d]`` from its blocks."""
+    """Gathers the requests' keys and values ``[B, Hkv, n, d]`` from their blocks."""
     positions: torch.Tensor
     state: dict[str, torch.Tensor]
-    seen: int
-    prompt_length: int
+    seen: int | torch.Tensor
+    prompt_length: int | torch.Tensor
+    decode_step: int
     budget: int | None
     num_new: int
     passes: int
     layer_idx: int
-    memo: dict[str, object]
+    memo: MutableMapping[str, object]
     owner: CacheSide
     valid: torch.Tensor | None = None
     new_columns: torch.Tensor | None = None
@@ -64,8 +68,7 @@ class PagedEntries:
 
     @cached_property
     def _entries(self) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.gather()
-        return keys[None], values[None]
+        return self.gather()
 
     @property
     def keys(self) -> torch.Tensor:
@@ -82,10 +85,6 @@ class PagedEntries:
     @property
     def policy(self) -> Any:
         return self.owner.policy
-
-    @property
-    def decode_step(self) -> int:
-        return self.seen - self.prompt_length
 
     @property
     def num_kv_heads(self) -> int:
@@ -218,41 +217,84 @@ class BlockLayout:
         return cls(offsets["keys"], offsets["values"])
 
     def gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A request's first ``length`` keys and values, each ``[Hkv, length, d]``, from its ``blocks``:
-        its blocks copied whole, then each block's elements put in order."""
+        """Requests' first ``length`` keys and values, each ``[B, Hkv, length, d]``, from their
+        ``blocks`` (``[B, blocks per request]``): their blocks copied whole, then each block's
+        elements put in order."""
         needed = -(-length // kv_cache.shape[2])
-        raw = kv_cache.index_select(0, blocks[:needed].long()).view(needed, -1)
+        rows = blocks.shape[0]
+        raw = kv_cache.index_select(0, blocks[:, :needed].reshape(-1).long()).view(rows, needed, -1)
         return self._in_order(raw, self.keys, length), self._in_order(raw, self.values, length)
 
     @staticmethod
     def _in_order(raw: torch.Tensor, offsets: torch.Tensor, length: int) -> torch.Tensor:
         heads, block_size, head_dim = offsets.shape
-        held = raw.index_select(1, offsets.view(-1)).view(raw.shape[0], heads, block_size, head_dim)
-        return held.transpose(0, 1).reshape(heads, -1, head_dim)[:, :length]
+        rows, needed = raw.shape[:2]
+        held = raw.index_select(2, offsets.view(-1)).view(rows, needed, heads, block_size, head_dim)
+        return held.transpose(1, 2).reshape(rows, heads, -1, head_dim)[:, :, :length]
 
     def move(
-        self, kv_cache: torch.Tensor, blocks: torch.Tensor, heads: torch.Tensor, src: torch.Tensor, dst: torch.Tensor
+        self,
+        kv_cache: torch.Tensor,
+        blocks: torch.Tensor,
+        rows: torch.Tensor,
+        heads: torch.Tensor,
+        src: torch.Tensor,
+        dst: torch.Tensor,
     ) -> None:
-        """Copy the entry at index ``src[i]`` of KV head ``heads[i]`` of a request over the one at
-        ``dst[i]`` (keys and values), for every ``i`` at once."""
+        """Copy the entry at index ``src[i]`` of KV head ``heads[i]`` of request ``rows[i]`` (whose
+        blocks are ``blocks[rows[i]]``) over the one at ``dst[i]`` (keys and values), for every ``i`` at once."""
         flat = kv_cache.view(-1)
         for offsets in (self.keys, self.values):
-            flat[self._where(offsets, kv_cache, blocks, heads, dst)] = flat[
-                self._where(offsets, kv_cache, blocks, heads, src)
+            flat[self._where(offsets, kv_cache, blocks, rows, heads, dst)] = flat[
+                self._where(offsets, kv_cache, blocks, rows, heads, src)
             ]
 
     @staticmethod
     def _where(
-        offsets: torch.Tensor, kv_cache: torch.Tensor, blocks: torch.Tensor, heads: torch.Tensor, index: torch.Tensor
+        offsets: torch.Tensor,
+        kv_cache: torch.Tensor,
+        blocks: torch.Tensor,
+        rows: torch.Tensor,
+        heads: torch.Tensor,
+        index: torch.Tensor,
     ) -> torch.Tensor:
-        """``[k, d]``: where entry ``index[i]`` of KV head ``heads[i]`` lies in the flattened ``kv_cache``."""
+        """``[k, d]``: where entry ``index[i]`` of KV head ``heads[i]`` of request ``rows[i]`` lies
+        in the flattened ``kv_cache``."""
         block_size = kv_cache.shape[2]
-        block_start = blocks.long()[index // block_size] * kv_cache[0].numel()
+        block_start = blocks.long()[rows, index // block_size] * kv_cache[0].numel()
         return offsets[heads, index % block_size] + block_start[:, None]
 
 
+def lockstep(steps: list[RowPass], layer_idx: int) -> list[list[RowPass]]:
+    """The requests of a pass in groups that run through the policy's hooks at once, as
+    :meth:`kvevict.layer.EvictionLayer.views` batches rows in lockstep: a
+    :attr:`~kvevict.policies.Policy.batched` policy (its stages treat rows independently) and
+    requests that hold as many entries, add as many, keep as many, under the same budget, at the
+    same pass and decode step, with the same policy data (``memo`` and ``shared`` keys, read
+    stacked). Prompt lengths (so ``seen``) may differ. Each request gets what it gets alone."""
+    groups: dict[tuple, list[RowPass]] = {}
+    for step in steps:
+        entries = step.entries
+        if not entries.owner.policy.batched:
+            groups[(id(step),)] = [step]
+            continue
+        layer = entries.layers.get(layer_idx)
+        key = (
+            step.held,
+            step.num_new,
+            step.keep,
+            step.passes,
+            step.tokens - entries.schedule.prompt_length,
+            entries.schedule.budget,
+            tuple(layer.memo) if layer is not None else None,
+            tuple(entries.owner.shared),
+        )
+        groups.setdefault(key, []).append(step)
+    return list(groups.values())
+
+
 def observe_and_evict(
-    step: RowPass,
+    group: list[RowPass],
     layer_idx: int,
     kv_cache: torch.Tensor,
     layout: BlockLayout,
@@ -260,46 +302,65 @@ def observe_and_evict(
     query: torch.Tensor,
     scale: float,
 ) -> None:
-    """Run one layer's part of a pass for one request, as :meth:`kvevict.driver.PolicyDriver.
-    after_attention` runs it in kvevict's cache: record the new entries' positions and initial
-    state, hand the policy the signals it asks for (``query`` ``[1, Hq, num_new, d]``, the pass's
-    queries after RoPE), and, when the schedule says the pass evicts, keep the policy's selection,
-    compacted into the request's first blocks."""
-    entries = step.entries
-    policy = entries.owner.policy
-    length = step.held + step.num_new
-    layer = entries.layers.get(layer_idx)
-    if layer is None:
-        empty = torch.empty(1, kv_cache.shape[1], 0, dtype=torch.long, device=kv_cache.device)
-        layer = entries.layers[layer_idx] = LayerEntries(empty)
-    layer.positions, layer.recorded = layer.positions_at(step.tokens), step.tokens
+    """Run one layer's part of a pass for requests in lockstep (:func:`lockstep`: one request, or
+    several as one batch), as :meth:`kvevict.driver.PolicyDriver.after_attention` runs it in
+    kvevict's cache: record the new entries' positions and initial state, hand the policy the
+    signals it asks for (``query`` ``[B, Hq, num_new, d]``, the pass's queries after RoPE), and,
+    when the schedule says the pass evicts, keep the policy's selection, compacted into each
+    request's first blocks (``blocks``, ``[B, blocks per request]``: the requests' block-table rows)."""
+    first = group[0]
+    policy = first.entries.owner.policy
+    length = first.held + first.num_new
+    layers = []
+    for step in group:
+        layer = step.entries.layers.get(layer_idx)
+        if layer is None:
+            empty = torch.empty(1, kv_cache.shape[1], 0, dtype=torch.long, device=kv_cache.device)
+            layer = step.entries.layers[layer_idx] = LayerEntries(empty)
+        layer.positions, layer.recorded = layer.positions_at(step.tokens), step.tokens
+        layers.append(layer)
+    alone = len(group) == 1
+    state = (
+        layers[0].state if alone else {name: torch.cat([la.state[name] for la in layers]) for name in layers[0].state}
+    )
     view = PagedEntries(
         gather=lambda: layout.gather(kv_cache, blocks, length),
-        positions=layer.positions,
-        state=layer.state,
-        seen=step.tokens,
-        prompt_length=entries.schedule.prompt_length,
-        budget=entries.schedule.budget,
-        num_new=step.num_new,
-        passes=step.passes,
+        positions=layers[0].positions if alone else torch.cat([la.positions for la in layers]),
+        state=state,
+        seen=uniform([step.tokens for step in group], kv_cache.device),
+        prompt_length=uniform([step.entries.schedule.prompt_length for step in group], kv_cache.device),
+        decode_step=first.tokens - first.entries.schedule.prompt_length,
+        budget=first.entries.schedule.budget,
+        num_new=first.num_new,
+        passes=first.passes,
         layer_idx=layer_idx,
-        memo=layer.memo,
-        owner=entries.owner,
+        memo=layers[0].memo if alone else StackedRows([la.memo for la in layers]),
+        owner=first.entries.owner if alone else CacheSide(policy, StackedRows([s.entries.owner.shared for s in group])),
     )
-    for name, value in policy.new_tokens(view, step.num_new).items():  # the view reads the same dict
-        layer.state[name] = (
-            torch.cat([layer.state[name][:, :, : step.held], value], dim=2) if name in layer.state else value
-        )
+    for name, value in policy.new_tokens(view, first.num_new).items():  # the view reads the same dict
+        state[name] = torch.cat([state[name][:, :, : first.held], value], dim=2) if name in state else value
     phase = view.phase()
-    requirements = policy.requirements(phase, step.evicts)
+    requirements = policy.requirements(phase, first.evicts)
     signals = compute_signals(requirements, view, phase, query, scale)
     policy.observe(view, signals)
-    if not step.evicts:
-        return
-    budget = step.keep
+    positions = view.positions
+    if first.evicts:
+        positions, state = _evict(view, signals, first.keep, kv_cache, layout, blocks)
+    if not alone or first.evicts:
+        for row, layer in enumerate(layers):
+            layer.positions = positions[row : row + 1]
+            layer.state = {name: value[row : row + 1] for name, value in state.items()}
+
+
+def _evict(
+    view: PagedEntries, signals: Any, budget: int, kv_cache: torch.Tensor, layout: BlockLayout, blocks: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Keep the policy's selection of ``budget`` entries per head in ``view``'s requests, laid out
+    as kvevict's cache lays them out; the kept entries' positions and state."""
+    policy, length = view.policy, view.length
     slots = policy.drop_lowest(view, signals, budget)
     if slots is not None:
-        keep = torch.ones_like(layer.positions, dtype=torch.bool)
+        keep = torch.ones_like(view.positions, dtype=torch.bool)
         keep.scatter_(-1, slots[..., None], False)
     else:
         keep = policy.select(view, signals, budget)
@@ -311,11 +372,10 @@ def observe_and_evict(
     holes, movers = (prefix & ~keep).nonzero(), (~prefix & keep).nonzero()
     # kvevict's layout: kept entries stay in their slots, the dropped ones below the budget are
     # refilled in order by the kept ones above it, so only those move
-    layout.move(kv_cache, blocks, holes[:, 1], movers[:, 2], holes[:, 2])
-    source = refill_sources(length, counts, holes, movers)[..., :budget]  # [1, Hkv, budget]
-    layer.positions = layer.positions.gather(-1, source)
-    for name, value in layer.state.items():
+    layout.move(kv_cache, blocks, holes[:, 0], holes[:, 1], movers[:, 2], holes[:, 2])
+    source = refill_sources(length, counts, holes, movers)[..., :budget]  # [B, Hkv, budget]
+    state = {}
+    for name, value in view.state.items():
         index_shape = (*source.shape, *value.shape[3:])
-        layer.state[name] = value.gather(
-            2, source.reshape(*source.shape, *([1] * (value.dim() - 3))).expand(index_shape)
-        )
+        state[name] = value.gather(2, source.reshape(*source.shape, *([1] * (value.dim() - 3))).expand(index_shape))
+    return view.positions.gather(-1, source), state

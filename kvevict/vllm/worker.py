@@ -8,8 +8,9 @@ same :class:`~kvevict.vllm.schedule.EvictionSchedule` as the scheduler
   length count only the entries held (:meth:`EvictionModelRunner._prepare_inputs`): a request
   that evicted ``e`` entries writes token ``p`` at slot ``p − e`` of its block table;
 - after each attention layer, a forward hook hands the policy the pass's queries and the
-  request's entries, and on a pass the schedule says evicts, compacts what the policy keeps into
-  the request's first blocks (:func:`~kvevict.vllm.paged.observe_and_evict`);
+  requests' entries (requests in lockstep at once, as one batch: :func:`~kvevict.vllm.paged.lockstep`),
+  and on a pass the schedule says evicts, compacts what the policy keeps into each request's
+  first blocks (:func:`~kvevict.vllm.paged.observe_and_evict`);
 - after the pass, the block-table rows of the requests that evicted stop at their kept entries,
   as the scheduler's table does when it next schedules them.
 """
@@ -27,7 +28,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from kvevict.vllm.config import settings_of
-from kvevict.vllm.paged import BlockLayout, RequestEntries, RowPass, observe_and_evict
+from kvevict.vllm.paged import BlockLayout, RequestEntries, RowPass, lockstep, observe_and_evict
 
 FINISHED_KEPT = 256
 """Finished requests whose kept positions a worker remembers (:meth:`EvictionModelRunner.kept`)."""
@@ -68,15 +69,16 @@ class EvictionModelRunner(CPUModelRunner):
                 return
             query = args[0].view(-1, module.num_heads, module.head_size)
             layout = self._layout(module)
-            for step in self.step:
-                rows = query[step.start : step.start + step.num_new]  # [num_new, Hq, d]
+            for group in lockstep(self.step, layer_idx):
+                rows = [query[step.start : step.start + step.num_new] for step in group]  # [num_new, Hq, d] each
                 observe_and_evict(
-                    step,
+                    group,
                     layer_idx,
                     module.kv_cache,
                     layout,
-                    metadata.block_table[step.row],
-                    rows.transpose(0, 1)[None],  # [1, Hq, num_new, d], as transformers hands it over
+                    metadata.block_table[[step.row for step in group]],
+                    # [B, Hq, num_new, d], as transformers hands it over
+                    (rows[0][None] if len(rows) == 1 else torch.stack(rows)).transpose(1, 2),
                     module.impl.scale,
                 )
 
