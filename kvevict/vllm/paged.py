@@ -45,11 +45,14 @@ class PagedEntries:
     """The held entries of one layer (plus the pass's new ones) of one request, or of requests in
     lockstep as one batch (:func:`lockstep`), ``[B, Hkv, n, ...]``: an
     :class:`~kvevict.views.EntryView`. Its keys and values are gathered from the paged cache when
-    the policy first reads them (most decode steps of most policies read neither). Counters that
+    the policy first reads them, each side on its own (most decode steps of most policies read
+    neither, and TOVA's evictions only the keys). Counters that
     differ between the requests (``seen``, ``prompt_length``) are ``[B, 1, 1]`` tensors."""
 
-    gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]
-    """Gathers the requests' keys and values ``[B, Hkv, n, d]`` from their blocks."""
+    blocks: Callable[[], torch.Tensor]
+    """Copies the requests' blocks from the paged cache (:meth:`BlockLayout.blocks_of`)."""
+    in_order: Callable[[torch.Tensor, str], torch.Tensor]
+    """Puts one side of the copied blocks in order, ``[B, Hkv, n, d]`` (:meth:`BlockLayout.in_order`)."""
     positions: torch.Tensor
     state: dict[str, torch.Tensor]
     seen: int | torch.Tensor
@@ -67,16 +70,16 @@ class PagedEntries:
     window: int | None = None
 
     @cached_property
-    def _entries(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.gather()
+    def _blocks(self) -> torch.Tensor:
+        return self.blocks()
 
-    @property
+    @cached_property
     def keys(self) -> torch.Tensor:
-        return self._entries[0]
+        return self.in_order(self._blocks, "keys")
 
-    @property
+    @cached_property
     def values(self) -> torch.Tensor:
-        return self._entries[1]
+        return self.in_order(self._blocks, "values")
 
     @property
     def device(self) -> torch.device:
@@ -216,21 +219,55 @@ class BlockLayout:
             offsets[name] = index
         return cls(offsets["keys"], offsets["values"])
 
-    def gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Requests' first ``length`` keys and values, each ``[B, Hkv, length, d]``, from their
-        ``blocks`` (``[B, blocks per request]``): their blocks copied whole, then each block's
-        elements put in order."""
+    @cached_property
+    def both(self) -> torch.Tensor:
+        """``[Hkv, block_size, 2·d]``: the keys' offsets, then the values' (one index for a move)."""
+        return torch.cat([self.keys, self.values], dim=-1)
+
+    @cached_property
+    def strides(self) -> dict[str, tuple[int, int, int, int] | None]:
+        """Per side, ``(offset, head, token, channel)`` strides when its offsets are affine in head,
+        token and channel (every layout vLLM's CPU kernels use: natural or transposed), so a
+        strided view reads a side without an index; None where they are not."""
+        found = {}
+        for name, offsets in (("keys", self.keys), ("values", self.values)):
+            base = int(offsets[0, 0, 0])
+            steps = [int(offsets.select(axis, 1)[0, 0] - base) if offsets.shape[axis] > 1 else 0 for axis in range(3)]
+            heads, tokens, channels = (torch.arange(size, device=offsets.device) for size in offsets.shape)
+            affine = base + heads[:, None, None] * steps[0] + tokens[None, :, None] * steps[1] + channels * steps[2]
+            found[name] = (base, *steps) if min(steps) >= 0 and torch.equal(affine, offsets) else None
+        return found
+
+    def blocks_of(self, kv_cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+        """``[B, blocks needed, block memory]``: the blocks holding requests' first ``length``
+        entries (``blocks``: their block-table rows, ``[B, blocks per request]``), copied whole."""
         needed = -(-length // kv_cache.shape[2])
         rows = blocks.shape[0]
-        raw = kv_cache.index_select(0, blocks[:, :needed].reshape(-1).long()).view(rows, needed, -1)
-        return self._in_order(raw, self.keys, length), self._in_order(raw, self.values, length)
+        return kv_cache.index_select(0, blocks[:, :needed].reshape(-1).long()).view(rows, needed, -1)
 
-    @staticmethod
-    def _in_order(raw: torch.Tensor, offsets: torch.Tensor, length: int) -> torch.Tensor:
+    def in_order(self, raw: torch.Tensor, side: str, length: int) -> torch.Tensor:
+        """One side (``"keys"`` or ``"values"``) of the entries in ``raw`` (:meth:`blocks_of`),
+        ``[B, Hkv, length, d]``, each block's elements put in order."""
+        offsets = getattr(self, side)
         heads, block_size, head_dim = offsets.shape
-        rows, needed = raw.shape[:2]
-        held = raw.index_select(2, offsets.view(-1)).view(rows, needed, heads, block_size, head_dim)
-        return held.transpose(1, 2).reshape(rows, heads, -1, head_dim)[:, :, :length]
+        rows, needed, memory = raw.shape
+        strides = self.strides[side]
+        if strides is not None:
+            base, head, token, channel = strides
+            held = raw.as_strided(
+                (rows, heads, needed, block_size, head_dim),
+                (needed * memory, head, memory, token, channel),
+                raw.storage_offset() + base,
+            )
+        else:
+            held = raw.index_select(2, offsets.view(-1)).view(rows, needed, heads, block_size, head_dim).transpose(1, 2)
+        return held.reshape(rows, heads, -1, head_dim)[:, :, :length]
+
+    def gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Requests' first ``length`` keys and values, each ``[B, Hkv, length, d]``, from their
+        ``blocks`` (``[B, blocks per request]``)."""
+        raw = self.blocks_of(kv_cache, blocks, length)
+        return self.in_order(raw, "keys", length), self.in_order(raw, "values", length)
 
     def move(
         self,
@@ -244,25 +281,16 @@ class BlockLayout:
         """Copy the entry at index ``src[i]`` of KV head ``heads[i]`` of request ``rows[i]`` (whose
         blocks are ``blocks[rows[i]]``) over the one at ``dst[i]`` (keys and values), for every ``i`` at once."""
         flat = kv_cache.view(-1)
-        for offsets in (self.keys, self.values):
-            flat[self._where(offsets, kv_cache, blocks, rows, heads, dst)] = flat[
-                self._where(offsets, kv_cache, blocks, rows, heads, src)
-            ]
+        flat[self._where(kv_cache, blocks, rows, heads, dst)] = flat[self._where(kv_cache, blocks, rows, heads, src)]
 
-    @staticmethod
     def _where(
-        offsets: torch.Tensor,
-        kv_cache: torch.Tensor,
-        blocks: torch.Tensor,
-        rows: torch.Tensor,
-        heads: torch.Tensor,
-        index: torch.Tensor,
+        self, kv_cache: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor, index: torch.Tensor
     ) -> torch.Tensor:
-        """``[k, d]``: where entry ``index[i]`` of KV head ``heads[i]`` of request ``rows[i]`` lies
-        in the flattened ``kv_cache``."""
-        block_size = kv_cache.shape[2]
-        block_start = blocks.long()[rows, index // block_size] * kv_cache[0].numel()
-        return offsets[heads, index % block_size] + block_start[:, None]
+        """``[k, 2·d]``: where the key and value of entry ``index[i]`` of KV head ``heads[i]`` of
+        request ``rows[i]`` lie in the flattened ``kv_cache``."""
+        _, _, block_size, width = kv_cache.shape
+        block_start = blocks.long()[rows, index // block_size] * (kv_cache.shape[1] * block_size * width)
+        return self.both[heads, index % block_size] + block_start[:, None]
 
 
 def lockstep(steps: list[RowPass], layer_idx: int) -> list[list[RowPass]]:
@@ -324,7 +352,8 @@ def observe_and_evict(
         layers[0].state if alone else {name: torch.cat([la.state[name] for la in layers]) for name in layers[0].state}
     )
     view = PagedEntries(
-        gather=lambda: layout.gather(kv_cache, blocks, length),
+        blocks=lambda: layout.blocks_of(kv_cache, blocks, length),
+        in_order=lambda raw, side: layout.in_order(raw, side, length),
         positions=layers[0].positions if alone else torch.cat([la.positions for la in layers]),
         state=state,
         seen=uniform([step.tokens for step in group], kv_cache.device),

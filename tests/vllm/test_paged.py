@@ -32,14 +32,30 @@ def write_transposed(key, value, cache, slots) -> None:
         view[block, :, BLOCK_SIZE * HEAD_DIM :].view(HEADS, BLOCK_SIZE, HEAD_DIM)[:, offset] = value[token]
 
 
+SCRAMBLED = torch.randperm(HEADS * BLOCK_SIZE * 2 * HEAD_DIM, generator=torch.Generator().manual_seed(0))
+
+
+def write_scrambled(key, value, cache, slots) -> None:
+    """A layout no strided view reads: a block's natural layout, its elements shuffled."""
+    natural = torch.zeros(1, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
+    view = cache.view(cache.shape[0], -1)
+    for token, slot in enumerate(slots.tolist()):
+        block, offset = divmod(slot, BLOCK_SIZE)
+        natural.copy_(view[block, SCRAMBLED.argsort()].view_as(natural))
+        write_natural(key[token : token + 1], value[token : token + 1], natural, torch.tensor([offset]))
+        view[block] = natural.view(-1)[SCRAMBLED]
+
+
 def empty_cache() -> torch.Tensor:
     return torch.zeros(BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
 
 
-@pytest.mark.parametrize("write", [write_natural, write_transposed])
+@pytest.mark.parametrize("write", [write_natural, write_transposed, write_scrambled])
 def test_the_probed_layout_gathers_and_moves_what_was_written(write) -> None:
     cache = empty_cache()
     layout = BlockLayout.probe(write, cache)
+    strided = layout.strides["keys"] is not None and layout.strides["values"] is not None
+    assert strided == (write is not write_scrambled)  # a strided view where one exists, else an index
     keys, values = torch.randn(10, HEADS, HEAD_DIM), torch.randn(10, HEADS, HEAD_DIM)
     blocks = torch.tensor([[7, 2, 30], [5, 9, 11]])
     for row in range(2):
