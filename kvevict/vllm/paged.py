@@ -138,7 +138,7 @@ class RequestEntries:
         """Passes that were planned for this request (its first one is its prompt)."""
         self.tokens = 0
         """Tokens it has processed, once the pass under way is done."""
-        self.evicts = schedule.held(most_tokens) < most_tokens
+        self.evicts = schedule.evicts_within(most_tokens)
         """Whether it ever evicts, over at most ``most_tokens`` processed tokens (its prompt and
         the most it may generate): if not, the policy has nothing to do for it, ever, and its
         passes are vLLM's alone."""

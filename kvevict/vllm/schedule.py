@@ -65,3 +65,20 @@ class EvictionSchedule:
             return self.after_prompt + steps
         assert self.budget is not None
         return self.budget + (steps - first) % self.interval
+
+    def evicts_within(self, most_tokens: int) -> bool:
+        """Whether anything is evicted over at most ``most_tokens`` processed tokens."""
+        return self.held(most_tokens) < most_tokens
+
+    def peak(self, most_tokens: int) -> int:
+        """The most entries a head holds during any pass over at most ``most_tokens`` processed
+        tokens: the prompt while its pass attends, then one more than :meth:`held` before each
+        step (``budget + interval`` at each eviction, if the request lives to one)."""
+        prompt = self.prompt_length
+        if most_tokens <= prompt:
+            return most_tokens
+        steps, first = most_tokens - prompt, self.first_decode_eviction
+        if first is None or steps < first:
+            return max(prompt, self.after_prompt + steps)
+        assert self.budget is not None
+        return max(prompt, self.after_prompt + first, self.budget + min(self.interval, steps - first))

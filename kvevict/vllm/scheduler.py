@@ -8,11 +8,19 @@ kept entries into the request's first blocks (:mod:`kvevict.vllm.worker`), and o
 outputs are in, the blocks past them go back to the pool (:meth:`EvictionScheduler.
 update_from_output`; again, if need be, before new ones are allocated for the request's next
 tokens). Both sides read the same schedule, so they agree without messages.
+
+Admission: vLLM admits a request when its prompt fits and preempts the latest when the pool
+runs out, which, for requests that grow back to ``budget + interval`` entries between
+evictions, would recompute them again and again. The manager knows each evicting request's
+peak (:meth:`~kvevict.vllm.schedule.EvictionSchedule.peak`), so it admits one only while the
+pool holds every running evicting request's peak and its own
+(:meth:`EvictingKVCacheManager.admission_reserve`); requests that never evict are admitted as
+vLLM admits them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -40,9 +48,13 @@ class EvictingKVCacheManager(KVCacheManager):
     """vLLM's KV cache manager, sizing an evicting request's blocks by the entries it holds and
     returning the blocks past them to the pool (module docstring)."""
 
-    def __init__(self, *args: Any, settings: EvictionSettings, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, settings: EvictionSettings, running: Callable[[], Iterable[Request]] = tuple, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.settings = settings
+        self.running = running
+        """The requests the scheduler runs (whose growth an admission must leave room for)."""
         self.schedules: dict[str, EvictionSchedule] = {}
 
     def schedule_of(self, request: Request) -> EvictionSchedule:
@@ -75,8 +87,41 @@ class EvictingKVCacheManager(KVCacheManager):
             released += len(tail)
         return released
 
+    def most_tokens(self, request: Request) -> int:
+        """The most tokens ``request`` may process: its prompt and every token it may generate."""
+        return min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+
+    def blocks_for(self, tokens: int) -> int:
+        return cdiv(tokens, self.coordinator.single_type_managers[0].block_size)
+
+    def held_blocks(self, request: Request) -> int:
+        return len(self.coordinator.single_type_managers[0].req_to_blocks.get(request.request_id, ()))
+
+    def growth(self, request: Request, holding: int | None = None) -> int:
+        """Blocks an evicting ``request`` may still need beyond the ``holding`` it holds (default:
+        those it holds now) before it finishes; 0 for one that never evicts."""
+        schedule, most = self.schedule_of(request), self.most_tokens(request)
+        if not schedule.evicts_within(most):
+            return 0
+        holding = self.held_blocks(request) if holding is None else holding
+        return max(0, self.blocks_for(schedule.peak(most)) - holding)
+
+    def admission_reserve(self, request: Request, num_new_tokens: int) -> int:
+        """Free blocks an admission of ``request`` (``num_new_tokens`` now) must leave: what the other
+        running requests may still grow by, and what it may itself grow by past this pass. Nothing
+        while no other request runs (a request is always admitted to an idle pool)."""
+        others = [other for other in self.running() if other is not request]
+        if not others:
+            return 0
+        now = self.blocks_for(self.held(request) + num_new_tokens)
+        return sum(self.growth(other) for other in others) + self.growth(request, holding=now)
+
     def allocate_slots(self, request: Request, num_new_tokens: int, *args: Any, **kwargs: Any) -> KVCacheBlocks | None:
         self.release_evicted(request)
+        if not self.held_blocks(request):  # an admission: a new request, or a preempted one computed again
+            kwargs["reserved_blocks"] = kwargs.get("reserved_blocks", 0) + self.admission_reserve(
+                request, num_new_tokens
+            )
         evicted = request.num_computed_tokens - self.held(request)
         if evicted == 0:
             return super().allocate_slots(request, num_new_tokens, *args, **kwargs)
@@ -113,6 +158,7 @@ class EvictionScheduler(Scheduler):
             metrics_collector=self.kv_metrics_collector,
             watermark=self.scheduler_config.watermark,
             settings=settings,
+            running=lambda: self.running,
         )
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:

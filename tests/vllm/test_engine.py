@@ -96,11 +96,34 @@ def test_two_hundred_requests_leak_no_block(tiny_llama_dir) -> None:
         assert set(runner(llm).entries) <= set(runner(llm).requests)
 
 
+def test_evicting_requests_are_admitted_while_the_pool_holds_their_peaks(tiny_llama_dir, hf_model_tiny) -> None:
+    """Eight TOVA requests whose prompts take 2 blocks each and who grow back to 96 entries (3
+    blocks) between evictions, in a pool of 17: vLLM alone would admit all eight and preempt; the
+    plug-in admits five at a time (each one's peak and the others' fit), preempts none, and each
+    gives kvevict's tokens."""
+    prompts = prompts_of(tiny_llama_dir, {f"r{i}": 40 + i for i in range(8)})
+    running, preempted = [], []
+
+    def watch(llm) -> None:
+        scheduler = core(llm).scheduler
+        running.append(len(scheduler.running))
+        preempted.extend(r.request_id for r in scheduler.running if r.num_preemptions)
+
+    with engine(tiny_llama_dir, "tova", blocks=17, budget=80, interval=16) as llm:
+        got = serve(llm, prompts, 100, after_step=watch)
+    assert max(running) == 5 and not preempted
+    for name, ids in prompts.items():
+        reference = kvevict_reference(hf_model_tiny, ids, "tova", 100, budget=80, interval=16)
+        assert got[name].tokens == reference.tokens
+
+
 def test_a_preempted_request_is_computed_again_and_keeps_the_schedule_s_count(tiny_llama_dir, hf_model_tiny) -> None:
-    """SnapKV evicts only the prompt, so three long generations outgrow a pool of 17 blocks and vLLM
-    preempts: computed again from its tokens as one pass, it evicts down to the schedule's count
-    in that pass, the others keep kvevict's tokens, and the pool is whole at the end."""
-    prompts = prompts_of(tiny_llama_dir, {"a": 100, "b": 110, "c": 120})
+    """SnapKV evicts only the prompt. A short prompt under the budget never evicts, so it is
+    admitted as vLLM admits (nothing reserved for its growth) and outgrows a pool of 17 blocks
+    beside a long one, and vLLM preempts: computed again from its tokens as one pass, a request
+    evicts down to the schedule's count in that pass, the others keep kvevict's tokens, and the
+    pool is whole at the end."""
+    prompts = prompts_of(tiny_llama_dir, {"short": 30, "a": 100, "b": 110})
     preempted: set[str] = set()
 
     def watch(llm) -> None:
@@ -115,7 +138,8 @@ def test_a_preempted_request_is_computed_again_and_keeps_the_schedule_s_count(ti
     assert preempted and len(preempted) < len(prompts)
     for name, ids in prompts.items():
         assert len(got[name].tokens) == NEW_LONG
-        held = BUDGET + NEW_LONG - 1  # the prompt evicted to the budget, then every token kept (the last unprocessed)
+        # the prompt evicted to the budget (if over it), then every token kept (the last unprocessed)
+        held = min(len(ids), BUDGET) + NEW_LONG - 1
         assert {len(head) for layer in kept[name] for head in layer} == {held}
         if name not in preempted:
             assert got[name].tokens == kvevict_reference(hf_model_tiny, ids, "snapkv", NEW_LONG, budget=BUDGET).tokens

@@ -54,3 +54,21 @@ def test_the_schedule_is_what_the_cache_holds(policy: str, settings: dict, promp
         for seen in range(prompt_length + 1, prompt_length + 50):
             model(input_ids=tokens[:, seen - 1 : seen], past_key_values=cache)
             assert cache.layer_lengths() == [schedule.held(seen)] * 2, seen
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        EvictionSchedule(prompt_length=100, budget=64, interval=16, at_prefill=True, at_decode=True),
+        EvictionSchedule(prompt_length=40, budget=64, interval=16, at_prefill=True, at_decode=True),
+        EvictionSchedule(prompt_length=100, budget=64, interval=5, at_prefill=False, at_decode=True),
+        EvictionSchedule(prompt_length=100, budget=64, interval=1, at_prefill=True, at_decode=False),
+        EvictionSchedule(prompt_length=30, budget=None, interval=1, at_prefill=True, at_decode=True),
+    ],
+)
+def test_the_peak_is_the_most_held_during_any_pass(schedule: EvictionSchedule) -> None:
+    prompt = schedule.prompt_length
+    for most in range(1, prompt + 90):
+        during = [min(most, prompt)] + [schedule.held(t - 1) + 1 for t in range(prompt + 1, most + 1)]
+        assert schedule.peak(most) == max(during), most
+        assert schedule.evicts_within(most) == (schedule.held(most) < most)
