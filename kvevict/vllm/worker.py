@@ -43,6 +43,11 @@ class EvictionModelRunner(CPUModelRunner):
         if settings is None:
             raise ValueError("EvictionModelRunner needs additional_config['kvevict'] (kvevict.vllm.config)")
         self.settings = settings
+        self.policy = settings.make_policy()
+        """The engine's policy, bound to the model's config (its model-dependent defaults, e.g.
+        LazyEviction's α), shared by every request: what a request keeps of it lives in its
+        :class:`~kvevict.vllm.paged.RequestEntries`."""
+        self.policy.bind(self.vllm_config.model_config.hf_config.get_text_config())
         self.entries: dict[str, RequestEntries] = {}
         self.step: list[RowPass] = []
         """The requests of the pass under way (set by :meth:`_prepare_inputs`)."""
@@ -123,8 +128,7 @@ class EvictionModelRunner(CPUModelRunner):
                 most = self.max_model_len
                 if state.sampling_params is not None and state.sampling_params.max_tokens is not None:
                     most = min(most, prompt + state.sampling_params.max_tokens)
-                policy = self.settings.make_policy()
-                self.entries[req_id] = RequestEntries(self.settings.schedule(prompt), policy, most)
+                self.entries[req_id] = RequestEntries(self.settings.schedule(prompt), self.policy, most)
         return result
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:

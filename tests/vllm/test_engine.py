@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("vllm")
 
 import kvevict
+from kvevict.policies import make_policy
 from kvevict.vllm.config import SUPPORTED
 from tests.vllm.conftest import ENGINE_ARGS, core, engine, kvevict_reference, runner, serve
 
@@ -52,13 +53,18 @@ def test_an_ample_budget_is_vllm_alone(model_dir) -> None:
         assert got[name].logprobs == expected[name].logprobs
 
 
-@pytest.mark.parametrize("policy", SUPPORTED)
-def test_vllm_keeps_what_kvevict_keeps_and_gives_its_tokens(policy: str, model_dir, hf_model) -> None:
+@pytest.mark.parametrize(
+    ("policy", "interval"),
+    [*((policy, INTERVAL) for policy in SUPPORTED), ("lazyeviction", None), ("rkv", None)],  # None: the method's own
+)
+def test_vllm_keeps_what_kvevict_keeps_and_gives_its_tokens(
+    policy: str, interval: int | None, model_dir, hf_model
+) -> None:
     """Three requests of different lengths (one shorter than the budget, evicting only while it
     decodes); a fourth arrives after five steps, while the others decode."""
     prompts = prompts_of(model_dir, {"short": 30, "long": 150, "middle": 90, "late": 110})
     block_size = ENGINE_ARGS["block_size"]
-    most_blocks = math.ceil((BUDGET + INTERVAL) / block_size) + 1
+    most_blocks = math.ceil((BUDGET + (interval or make_policy(policy).default_interval(BUDGET) or 1)) / block_size) + 1
     free_at_start = {}
 
     def blocks_bounded(llm) -> None:
@@ -66,18 +72,19 @@ def test_vllm_keeps_what_kvevict_keeps_and_gives_its_tokens(policy: str, model_d
         manager = scheduler.kv_cache_manager
         free_at_start.setdefault("blocks", manager.block_pool.get_num_free_blocks())
         for request in scheduler.running:
-            if request.num_computed_tokens >= request.num_prompt_tokens:  # its prompt is compressed
+            # its prompt compressed: at prefill, or (a decode-time policy) by its first eviction
+            if manager.held(request) < request.num_computed_tokens:
                 held = manager.coordinator.single_type_managers[0].req_to_blocks[request.request_id]
                 assert len(held) <= most_blocks, (request.request_id, request.num_computed_tokens, len(held))
 
-    with engine(model_dir, policy, budget=BUDGET, interval=INTERVAL) as llm:
+    with engine(model_dir, policy, budget=BUDGET, interval=interval) as llm:
         pool = core(llm).scheduler.kv_cache_manager.block_pool
         free = pool.get_num_free_blocks()
         got = serve(llm, prompts, NEW_TOKENS, arrivals={"late": 5}, after_step=blocks_bounded)
         kept = {name: runner(llm).kept(name) for name in prompts}
         assert pool.get_num_free_blocks() == free  # every block came back
     for name, ids in prompts.items():
-        reference = kvevict_reference(hf_model, ids, policy, NEW_TOKENS, budget=BUDGET, interval=INTERVAL)
+        reference = kvevict_reference(hf_model, ids, policy, NEW_TOKENS, budget=BUDGET, interval=interval)
         assert kept[name] == reference.kept, f"{policy}: {name} keeps other entries than kvevict's cache"
         assert got[name].tokens == reference.tokens, f"{policy}: {name}"
         assert max(abs(a - b) for a, b in zip(got[name].logprobs, reference.logprobs)) < 1e-4
