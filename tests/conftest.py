@@ -119,14 +119,25 @@ def tiny_head_profile(seed: int = 0) -> dict[str, list[float]]:
     return {f"{layer}-{head}": [float(scores[layer, head])] for layer in range(layers) for head in range(heads)}
 
 
+def tiny_qfilters(kv_heads: int = COMMON["num_key_value_heads"], seed: int = 0) -> torch.Tensor:
+    """Q-Filters for the tiny models ``[layers, KV heads, head dim]``: seeded unit directions."""
+    generator = torch.Generator().manual_seed(seed)
+    head_dim = COMMON["hidden_size"] // COMMON["num_attention_heads"]
+    filters = torch.randn(COMMON["num_hidden_layers"], kv_heads, head_dim, generator=generator)
+    return filters / filters.norm(dim=-1, keepdim=True)
+
+
 def build_policy(name: str, **params):
-    """A registered policy by name, with what the tiny models need (HeadKV: a profile; Fast KVzip: gates)."""
+    """A registered policy by name, with what the tiny models need (HeadKV: a profile; Fast KVzip:
+    gates; Q-Filters: directions)."""
     import kvevict
 
     if "headkv" in name:
         params.setdefault("headkv", {"profile": tiny_head_profile()})
     if "fastkvzip" in name:  # no gates are trained for the tiny models: initial ones
         params.setdefault("gates", "initial")
+    if name.split("[")[0].split("+")[-1] == "qfilters":
+        params.setdefault("filters", tiny_qfilters())
     return kvevict.make_policy(name, **params)
 
 

@@ -1,5 +1,6 @@
 """``kvevict bench``: run tasks × policies × budgets into a results directory; and
-``kvevict bench memory|throughput|decode-speed``, microbenchmarks with parsers of their own."""
+``kvevict bench memory|throughput|decode-speed|prefill-speed|quant|vllm``, benchmarks with
+parsers of their own."""
 
 from __future__ import annotations
 
@@ -18,9 +19,12 @@ SUBCOMMANDS = {
     "decode-speed": "speed",
     "prefill-speed": "prefill_speed",
     "quant": "quantized",
+    "vllm": "served",
 }
 """``kvevict bench NAME ...``: subcommands with parsers of their own, by the module of
 :mod:`kvevict.bench` that runs them (its ``main(argv)``)."""
+SUBCOMMAND_EXTRAS = {"vllm": "vllm-cpu"}
+"""The extra a subcommand needs when it is not ``bench`` (``kvevict bench vllm`` runs in vLLM's environment)."""
 
 
 def is_subcommand(argv: Sequence[str]) -> bool:
@@ -36,7 +40,7 @@ def run_subcommand(argv: Sequence[str]) -> int:
     def run() -> int:
         return importlib.import_module(f"kvevict.bench.{SUBCOMMANDS[name]}").main(argv[2:])
 
-    return guarded(f"kvevict bench {name}", run, BENCH)
+    return guarded(f"kvevict bench {name}", run, SUBCOMMAND_EXTRAS.get(name, BENCH))
 
 
 def add_parser(commands: Subcommands) -> None:

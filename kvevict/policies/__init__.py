@@ -3,7 +3,7 @@ named over any of them.
 
 A policy is assembled from stages (:mod:`kvevict.policies.base`): a registered method
 (``_METHODS``) brings its scorer, its protector and whatever else it has of its own; a
-prefix (``_PREFIXES``) fills one more slot: ``critical`` the selector, ``adakv``,
+prefix (``_PREFIXES``) fills one more slot: ``critical`` and ``chunk`` the selector, ``adakv``,
 ``pyramidkv``, ``headkv``, ``global`` the allocator, ``moment-nc`` the corrector. So
 ``critical+adakv+snapkv`` and ``adakv+critical+snapkv`` are the same policy, and a spelling
 whose stages clash is refused by :func:`make_policy` (:class:`~kvevict.policies.pipeline.Policy`).
@@ -18,19 +18,21 @@ import ast
 
 from kvevict.policies.allocation import AdaKV, GlobalBudget, HeadKV, PyramidKV
 from kvevict.policies.base import Method, Stage
+from kvevict.policies.chunkkv import ChunkKV
 from kvevict.policies.critical import Critical
 from kvevict.policies.epikv import AttnXHS, BandAdaptive, EpiKV, HSVariance
 from kvevict.policies.expected_attention import ExpectedAttention
 from kvevict.policies.fastkvzip import FastKVzip
-from kvevict.policies.h2o import H2O
+from kvevict.policies.h2o import H2O, ObservedAttention
 from kvevict.policies.kvvar import KVKeyVariance, KVValueVariance, LagKV, LagKVDecode
 from kvevict.policies.kvzip import KVzip
 from kvevict.policies.lazyeviction import LazyEviction
 from kvevict.policies.momentkv import MomentKV, MomentNC
 from kvevict.policies.pipeline import Policy
+from kvevict.policies.qfilters import QFilters
 from kvevict.policies.raas import RaaS
 from kvevict.policies.rkv import RKV
-from kvevict.policies.simple import Full, KNorm, Random, StreamingLLM
+from kvevict.policies.simple import Full, KeyDiff, KNorm, Random, StreamingLLM
 from kvevict.policies.snapkv import SnapKV
 from kvevict.policies.thinkv import SegmentHS, ThinKV
 from kvevict.policies.tova import TOVA
@@ -61,9 +63,12 @@ _METHODS: tuple[type[Method], ...] = (
     KVzip,
     ExpectedAttention,
     FastKVzip,
+    KeyDiff,
+    ObservedAttention,
+    QFilters,
 )
 POLICIES: dict[str, type[Method]] = {cls.name: cls for cls in _METHODS}
-_PREFIXES: tuple[type[Stage], ...] = (Critical, AdaKV, PyramidKV, HeadKV, MomentNC, GlobalBudget)
+_PREFIXES: tuple[type[Stage], ...] = (Critical, AdaKV, PyramidKV, HeadKV, MomentNC, GlobalBudget, ChunkKV)
 PREFIXES: dict[str, type[Stage]] = {cls.name: cls for cls in _PREFIXES}
 """Stages named over a policy (``prefix+policy``), by name."""
 ALIASES = {"pyramidkv": "pyramidkv+snapkv", "headkv": "headkv+snapkv"}
@@ -79,9 +84,30 @@ COMPOSED = (
     "moment-nc+streamingllm",
     "global+snapkv",
     "global+expected-attention",
+    "chunk+snapkv",
 )
 """The compositions the papers evaluate (listed and tested like every policy; any other
 ``prefix+...+policy`` whose stages do not clash works too)."""
+
+KVPRESS = {
+    "random": "RandomPress",
+    "knorm": "KnormPress",
+    "streamingllm": "StreamingLLMPress",
+    "tova": "TOVAPress",
+    "snapkv": "SnapKVPress",
+    "observed-attention": "ObservedAttentionPress",
+    "keydiff": "KeyDiffPress",
+    "qfilters": "QFilterPress",
+    "lagkv": "LagKVPress",
+    "expected-attention": "ExpectedAttentionPress",
+    "kvzip": "KVzipPress",
+    "pyramidkv": "PyramidKVPress",
+    "adakv+<policy>": "AdaKVPress",
+    "critical+<policy>": "CriticalKVPress",
+    "critical+adakv+snapkv": "CriticalAdaKVPress",
+    "chunk+<policy>": "ChunkKVPress",
+}
+"""kvpress's name of the policies it also has (kvpress 0.5), for users who come from it."""
 
 
 def list_policies() -> list[str]:
@@ -178,6 +204,7 @@ def make_policy(name: str, **params: object) -> Policy:
 
 
 __all__ = [
+    "KVPRESS",
     "POLICIES",
     "PREFIXES",
     "Method",

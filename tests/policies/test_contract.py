@@ -29,6 +29,8 @@ POLICIES = [
     "kvzip[plus=true]",
     "kvzip[per_layer=true]",
     "kvzip[precision=bf16]",
+    "chunk+keydiff",
+    "chunk+snapkv[chunk.reuse=2]",
 ]
 EVICTING = [name for name in POLICIES if name != "full"]
 PROMPT = 96

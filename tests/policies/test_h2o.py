@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import kvevict
-from kvevict.policies.h2o import ACCUMULATED, h2o_accumulate
+from kvevict.policies.h2o import ACCUMULATED, h2o_accumulate, observed_attention_scores
 from tests.conftest import greedy, prompt, tiny_model
 
 
@@ -58,3 +58,28 @@ def test_h2o_prefill_regime_evicts_the_prompt_then_keeps_every_decoded_token() -
     cache = kvevict.EvictionCache(model, "h2o[regime=prefill]", budget=16)
     greedy(model, prompt(40), cache, new_tokens=5)
     assert cache.layer_lengths() == [16 + 4] * 2  # the prompt to the budget, then every decoded entry
+
+
+def test_observed_attention_is_the_mean_attention_from_the_queries_that_saw_each_entry() -> None:
+    accumulated = torch.tensor([[[3.0, 1.0, 0.5]]])  # attention received, positions 0, 1, 2 of a 3-token prompt
+    positions = torch.tensor([[[0, 1, 2]]])
+    assert observed_attention_scores(accumulated, positions, 3).tolist() == [[[1.0, 0.5, 0.5]]]
+
+
+def test_observed_attention_keeps_the_entries_with_the_most_mean_attention() -> None:
+    """Against the eager attention matrix: column sums over every prompt query, divided by the
+    queries below each key, GQA mean; the prompt compressed once, nothing evicted while decoding."""
+    model = tiny_model(attn="eager")
+    ids = prompt(120)
+    cache = kvevict.EvictionCache(model, "observed-attention", budget=40)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)
+        attentions = model(input_ids=ids, output_attentions=True).attentions
+    seen_by = torch.arange(120, 0, -1).float()
+    for layer, weights in zip(cache.layers, attentions):
+        scores = (weights.sum(dim=2) / seen_by).reshape(1, 2, 2, 120).mean(dim=2)
+        expected = scores.topk(40, dim=-1).indices.sort(dim=-1).values
+        assert torch.equal(layer.positions.sort(dim=-1).values, expected)
+    generating = kvevict.EvictionCache(model, "observed-attention", budget=40)
+    greedy(model, ids, generating, new_tokens=3)  # the prompt, then two more tokens fed
+    assert generating.layer_lengths() == [42, 42]

@@ -2,13 +2,31 @@ import pytest
 import torch
 
 import kvevict
-from kvevict.policies.simple import knorm_scores
+from kvevict.policies.simple import keydiff_scores, knorm_scores
 from tests.conftest import greedy, prompt, tiny_model
 
 
 def test_knorm_score_is_minus_the_key_norm() -> None:
     keys = torch.tensor([[3.0, 4.0], [1.0, 0.0], [0.0, 2.0]])[None, None]  # [1, 1, 3, 2]
     assert knorm_scores(keys).tolist() == [[[-5.0, -1.0, -2.0]]]
+
+
+def test_keydiff_score_is_minus_the_cosine_to_the_mean_unit_key() -> None:
+    # unit keys (1, 0), (0, 1), (1, 0) (the third is (2, 0) normalised): anchor (2/3, 1/3)
+    keys = torch.tensor([[1.0, 0.0], [0.0, 3.0], [2.0, 0.0]])[None, None]
+    norm = (4 / 9 + 1 / 9) ** 0.5
+    expected = [-(2 / 3) / norm, -(1 / 3) / norm, -(2 / 3) / norm]
+    assert torch.allclose(keydiff_scores(keys), torch.tensor([[expected]]))
+    # an entry that is not real leaves the anchor: (1, 0) and (0, 1) alone give (1/2, 1/2)
+    valid = torch.tensor([[[True, True, False]]])
+    assert torch.allclose(keydiff_scores(keys, valid)[..., :2], torch.tensor([[[-(0.5**0.5), -(0.5**0.5)]]]))
+
+
+def test_keydiff_evicts_while_decoding_by_default() -> None:
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "keydiff", budget=40)
+    greedy(model, prompt(96), cache, new_tokens=5)
+    assert cache.layer_lengths() == [40, 40]
 
 
 def test_knorm_keeps_the_low_norm_keys() -> None:
