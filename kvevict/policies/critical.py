@@ -19,7 +19,7 @@ VALUE_NORM = "value_norm"
 decode entry whose norm waits to be computed with others (:meth:`Critical.observe`)."""
 PENDING = "pending"
 """Memo key: decode entries per KV head whose norm is not computed yet, an int."""
-ATTENTION_SCORERS = "tova, h2o, snapkv, momentkv[mi=false] (with any allocator)"
+ATTENTION_SCORERS = "tova, h2o, snapkv, observed-attention, momentkv[mi=false] (with any allocator)"
 """The registered methods whose scores are attention received and that leave the selection to
 ``critical`` (checked against the registry by tests/policies/test_composition.py)."""
 
@@ -83,7 +83,7 @@ class Critical(Selector):
     all of ``W_O``). Works at prefill and at decode time, wherever ``X`` evicts. ``alpha=0`` is
     the stage-2-only ablation.
 
-    ``X`` must score by attention received (tova, h2o, snapkv, momentkv with ``mi=false``):
+    ``X`` must score by attention received (tova, h2o, snapkv, observed-attention, momentkv with ``mi=false``):
     the bound weights an attention probability by the value's norm.
     """
 

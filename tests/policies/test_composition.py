@@ -114,7 +114,7 @@ def test_critical_works_over_the_attention_scorers_it_names() -> None:
         except ValueError:
             continue
         accepted.append(base)
-    assert accepted == ["tova", "h2o", "snapkv"]  # and momentkv without its MI loop:
+    assert accepted == ["tova", "h2o", "snapkv", "observed-attention"]  # and momentkv without its MI loop:
     build_policy("critical+momentkv[mi=false]")
     assert ATTENTION_SCORERS.startswith(", ".join(accepted) + ", momentkv[mi=false]")
 
