@@ -49,9 +49,10 @@ class PagedEntries:
     neither, and TOVA's evictions only the keys). Counters that
     differ between the requests (``seen``, ``prompt_length``) are ``[B, 1, 1]`` tensors."""
 
-    read: Callable[[str], torch.Tensor]
-    """Reads one side (``"keys"``, ``"values"``) of the requests' entries from the paged cache,
-    ``[B, Hkv, n, d]`` (:meth:`BlockLayout.read`)."""
+    blocks: Callable[[], torch.Tensor]
+    """Copies the requests' blocks from the paged cache (:meth:`BlockLayout.blocks_of`)."""
+    in_order: Callable[[torch.Tensor, str], torch.Tensor]
+    """Puts one side of the copied blocks in order, ``[B, Hkv, n, d]`` (:meth:`BlockLayout.in_order`)."""
     positions: torch.Tensor
     state: dict[str, torch.Tensor]
     seen: int | torch.Tensor
@@ -69,12 +70,16 @@ class PagedEntries:
     window: int | None = None
 
     @cached_property
+    def _blocks(self) -> torch.Tensor:
+        return self.blocks()
+
+    @cached_property
     def keys(self) -> torch.Tensor:
-        return self.read("keys")
+        return self.in_order(self._blocks, "keys")
 
     @cached_property
     def values(self) -> torch.Tensor:
-        return self.read("values")
+        return self.in_order(self._blocks, "values")
 
     @property
     def device(self) -> torch.device:
@@ -233,33 +238,36 @@ class BlockLayout:
             found[name] = (base, *steps) if min(steps) >= 0 and torch.equal(affine, offsets) else None
         return found
 
-    def read(self, kv_cache: torch.Tensor, blocks: torch.Tensor, length: int, side: str) -> torch.Tensor:
-        """One side (``"keys"`` or ``"values"``) of requests' first ``length`` entries, ``[B, Hkv,
-        length, d]``, from their ``blocks`` (their block-table rows, ``[B, blocks per request]``).
-        Where the side's layout is affine (:attr:`strides`), one copy of that side alone, through a
-        strided view of the whole cache; else the blocks copied whole, then put in order."""
-        _, heads, block_size, width = kv_cache.shape
-        head_dim = width // 2
-        rows, needed = blocks.shape[0], -(-length // block_size)
-        chosen = blocks[:, :needed].reshape(-1).long()
+    def blocks_of(self, kv_cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+        """``[B, blocks needed, block memory]``: the blocks holding requests' first ``length``
+        entries (``blocks``: their block-table rows, ``[B, blocks per request]``), copied whole."""
+        needed = -(-length // kv_cache.shape[2])
+        rows = blocks.shape[0]
+        return kv_cache.index_select(0, blocks[:, :needed].reshape(-1).long()).view(rows, needed, -1)
+
+    def in_order(self, raw: torch.Tensor, side: str, length: int) -> torch.Tensor:
+        """One side (``"keys"`` or ``"values"``) of the entries in ``raw`` (:meth:`blocks_of`),
+        ``[B, Hkv, length, d]``, each block's elements put in order."""
+        offsets = getattr(self, side)
+        heads, block_size, head_dim = offsets.shape
+        rows, needed, memory = raw.shape
         strides = self.strides[side]
         if strides is not None:
             base, head, token, channel = strides
-            view = kv_cache.as_strided(  # [Hkv, blocks, block_size, d]: the side across the cache
-                (heads, kv_cache.shape[0], block_size, head_dim),
-                (head, kv_cache[0].numel(), token, channel),
-                kv_cache.storage_offset() + base,
+            held = raw.as_strided(
+                (rows, heads, needed, block_size, head_dim),
+                (needed * memory, head, memory, token, channel),
+                raw.storage_offset() + base,
             )
-            held = view.index_select(1, chosen).view(heads, rows, needed * block_size, head_dim).transpose(0, 1)
         else:
-            raw = kv_cache.index_select(0, chosen).view(rows * needed, -1)
-            held = raw.index_select(1, getattr(self, side).view(-1)).view(rows, needed, heads, block_size, head_dim)
-            held = held.transpose(1, 2).reshape(rows, heads, needed * block_size, head_dim)
-        return held[:, :, :length]
+            held = raw.index_select(2, offsets.view(-1)).view(rows, needed, heads, block_size, head_dim).transpose(1, 2)
+        return held.reshape(rows, heads, -1, head_dim)[:, :, :length]
 
     def gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Requests' first ``length`` keys and values, each ``[B, Hkv, length, d]`` (:meth:`read`)."""
-        return self.read(kv_cache, blocks, length, "keys"), self.read(kv_cache, blocks, length, "values")
+        """Requests' first ``length`` keys and values, each ``[B, Hkv, length, d]``, from their
+        ``blocks`` (``[B, blocks per request]``)."""
+        raw = self.blocks_of(kv_cache, blocks, length)
+        return self.in_order(raw, "keys", length), self.in_order(raw, "values", length)
 
     def move(
         self,
@@ -343,7 +351,8 @@ def observe_and_evict(
         layers[0].state if alone else {name: torch.cat([la.state[name] for la in layers]) for name in layers[0].state}
     )
     view = PagedEntries(
-        read=lambda side: layout.read(kv_cache, blocks, length, side),
+        blocks=lambda: layout.blocks_of(kv_cache, blocks, length),
+        in_order=lambda raw, side: layout.in_order(raw, side, length),
         positions=held_positions(layers, [step.tokens for step in group]),
         state=state,
         seen=uniform([step.tokens for step in group], kv_cache.device),
