@@ -28,7 +28,7 @@ _recorded: dict[int, list[torch.Tensor]] | None = None
 
 def _recording_attention(module: torch.nn.Module, query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     if _recorded is not None:
-        _recorded.setdefault(module.layer_idx, []).append(query.detach().float().flatten(0, 0))
+        _recorded.setdefault(module.layer_idx, []).append(query.detach().float())
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, *args, **kwargs)
 
 

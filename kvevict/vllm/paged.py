@@ -263,12 +263,6 @@ class BlockLayout:
             held = raw.index_select(2, offsets.view(-1)).view(rows, needed, heads, block_size, head_dim).transpose(1, 2)
         return held.reshape(rows, heads, -1, head_dim)[:, :, :length]
 
-    def gather(self, kv_cache: torch.Tensor, blocks: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Requests' first ``length`` keys and values, each ``[B, Hkv, length, d]``, from their
-        ``blocks`` (``[B, blocks per request]``)."""
-        raw = self.blocks_of(kv_cache, blocks, length)
-        return self.in_order(raw, "keys", length), self.in_order(raw, "values", length)
-
     def move(
         self,
         kv_cache: torch.Tensor,

@@ -46,6 +46,12 @@ def write_scrambled(key, value, cache, slots) -> None:
         view[block] = natural.view(-1)[SCRAMBLED]
 
 
+def gather(layout: BlockLayout, cache: torch.Tensor, blocks: torch.Tensor, length: int):
+    """Requests' first ``length`` keys and values, ``[B, Hkv, length, d]`` each, as the policy reads them."""
+    raw = layout.blocks_of(cache, blocks, length)
+    return layout.in_order(raw, "keys", length), layout.in_order(raw, "values", length)
+
+
 def empty_cache() -> torch.Tensor:
     return torch.zeros(BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
 
@@ -61,13 +67,13 @@ def test_the_probed_layout_gathers_and_moves_what_was_written(write) -> None:
     for row in range(2):
         slots = blocks[row, torch.arange(10) // BLOCK_SIZE] * BLOCK_SIZE + torch.arange(10) % BLOCK_SIZE
         write(keys + row, values - row, cache, slots)
-    got_keys, got_values = layout.gather(cache, blocks, 10)
+    got_keys, got_values = gather(layout, cache, blocks, 10)
     for row in range(2):
         assert torch.equal(got_keys[row], (keys + row).transpose(0, 1))
         assert torch.equal(got_values[row], (values - row).transpose(0, 1))
     # entry 9 of head 1 of request 1 over entry 0; entry 5 of head 0 of request 0 over entry 2
     layout.move(cache, blocks, torch.tensor([1, 0]), torch.tensor([1, 0]), torch.tensor([9, 5]), torch.tensor([0, 2]))
-    moved_keys, moved_values = layout.gather(cache, blocks, 10)
+    moved_keys, moved_values = gather(layout, cache, blocks, 10)
     assert torch.equal(moved_keys[1, 1, 0], keys[9, 1] + 1) and torch.equal(moved_values[0, 0, 2], values[5, 0])
     assert torch.equal(moved_keys[1, 0], got_keys[1, 0]) and torch.equal(moved_keys[0, 1], got_keys[0, 1])
 
@@ -134,7 +140,7 @@ def test_requests_in_lockstep_evict_as_one_batch_exactly_as_each_alone(policy: s
         for row, request in enumerate(alone):
             held = request.schedule.held(request.tokens)
             assert torch.equal(
-                *(layout.gather(c, blocks[row : row + 1], held)[0] for c in (layer_cache, together_cache[layer]))
+                *(gather(layout, c, blocks[row : row + 1], held)[0] for c in (layer_cache, together_cache[layer]))
             )
 
 
