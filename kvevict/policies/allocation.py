@@ -106,10 +106,11 @@ def model_fingerprint(config: PretrainedConfig) -> dict[str, object]:
     }
 
 
-def bundled_profile(config: PretrainedConfig) -> Path | None:
-    """The bundled head profile computed for this model, if any."""
+def bundled_profile(config: PretrainedConfig, folder: str = PROFILES) -> Path | None:
+    """The file bundled in the package's ``folder`` for this model, if any: a JSON whose
+    ``"model"`` is the model's fingerprint (head profiles; Q-Filters, :mod:`kvevict.policies.qfilters`)."""
     fingerprint = model_fingerprint(config)
-    directory = resources.files("kvevict").joinpath(PROFILES)
+    directory = resources.files("kvevict").joinpath(folder)
     if not directory.is_dir():
         return None
     for entry in directory.iterdir():

@@ -5,13 +5,12 @@ its head's queries, found offline (:mod:`kvevict.calibration`) and shipped for t
 from __future__ import annotations
 
 import json
-from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.allocation import model_fingerprint
+from kvevict.policies.allocation import bundled_profile
 from kvevict.policies.base import Method
 from kvevict.policies.params import Param, declare, integer
 
@@ -43,18 +42,6 @@ def qfilter_scores(keys: torch.Tensor, filters: torch.Tensor) -> torch.Tensor:
     """Q-Filters' score of every key (Eq. 4): ``⟨k_i, u_h⟩``, ``keys`` ``[B, Hkv, n, d]``,
     ``filters`` ``[Hkv, d]``. ``[B, Hkv, n]`` fp32."""
     return torch.einsum("bhnd,hd->bhn", keys.float(), filters.to(keys.device, torch.float32))
-
-
-def bundled_filters(config: PretrainedConfig) -> Path | None:
-    """The Q-Filters shipped for this model, if any."""
-    fingerprint = model_fingerprint(config)
-    directory = resources.files("kvevict").joinpath(FOLDER)
-    if not directory.is_dir():
-        return None
-    for entry in directory.iterdir():
-        if entry.name.endswith(".json") and json.loads(entry.read_text()).get("model") == fingerprint:
-            return Path(str(entry))
-    return None
 
 
 def load_filters(source: str | Path | torch.Tensor, layers: int, kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -112,7 +99,7 @@ class QFilters(Method):
 
     def bind(self, config: PretrainedConfig) -> None:
         super().bind(config)
-        source = self.filters if self.filters is not None else bundled_filters(config)
+        source = self.filters if self.filters is not None else bundled_profile(config, FOLDER)
         if source is None:
             raise ValueError(
                 f"qfilters has no filters for this model ({config.model_type}, {config.num_hidden_layers} layers): "

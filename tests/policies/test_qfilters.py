@@ -5,7 +5,8 @@ import torch
 
 import kvevict
 from kvevict.calibration import qfilters, record_queries, save_qfilters
-from kvevict.policies.qfilters import bundled_filters, qfilter_directions, qfilter_scores
+from kvevict.policies.allocation import bundled_profile
+from kvevict.policies.qfilters import FOLDER, qfilter_directions, qfilter_scores
 from tests.conftest import prompt, tiny_model, tiny_qfilters
 
 
@@ -71,7 +72,7 @@ def test_smollm2_s_shipped_filters_rank_keys_as_attention_does(smollm2) -> None:
     from kvevict.bench.haystack import essays
 
     model, tokenizer = smollm2
-    assert bundled_filters(model.config) is not None
+    assert bundled_profile(model.config, FOLDER) is not None
     policy = kvevict.make_policy("qfilters")
     policy.bind(model.config)
     ids = torch.tensor([tokenizer.encode(essays()[-40000:], add_special_tokens=False)[:512]])
