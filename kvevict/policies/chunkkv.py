@@ -73,7 +73,6 @@ class ChunkKV(Selector):
 
     name = "chunk"
     batched = True
-    by_top_scores = False
     summary = "keep whole chunks of 10 consecutive tokens by their summed score, the same in every head (ChunkKV)"
     PARAMS = declare(size=integer(10, low=1), reuse=integer(1, low=1))
 

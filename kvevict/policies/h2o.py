@@ -92,7 +92,7 @@ class ObservedAttention(CumulativeAttention):
 
     The column sums are computed in query chunks (no ``n × n`` matrix, no eager attention),
     reduced over the GQA group by ``group``; prefill only; no sinks or window unless given
-    (docs/methods.md).
+    (docs/policies.md).
     """
 
     name = "observed-attention"

@@ -1,5 +1,5 @@
 """Methods that read no attention: Full, Random, KNorm and StreamingLLM (DESIGN §3), and KeyDiff
-(docs/methods.md)."""
+(docs/policies.md)."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def keydiff_scores(keys: torch.Tensor, valid: torch.Tensor | None = None) -> tor
 class KeyDiff(Method):
     """KeyDiff: evict the keys most similar to their head's mean key direction.
 
-    Score (arXiv 2504.15364, Eq. 3–4; docs/methods.md): ``−cos(k_i, ā)``, ``ā`` the mean of the
+    Score (arXiv 2504.15364, Eq. 3–4; docs/policies.md): ``−cos(k_i, ā)``, ``ā`` the mean of the
     head's unit keys over the entries it holds. Attention-free, so it runs in fused-attention
     stacks and evicts while decoding as well as at prefill (``regime="both"`` by default); no
     sinks or window unless given.
