@@ -173,6 +173,11 @@ class RowPass:
     keep: int
 
     @property
+    def decode_step(self) -> int:
+        """Tokens the request has generated once the pass is done (its prompt's pass: 0)."""
+        return self.tokens - self.entries.schedule.prompt_length
+
+    @property
     def evicts(self) -> bool:
         """Whether the pass ends with an eviction: on the schedule's steps, and on the pass that
         computes a preempted request again from nothing, if it then holds more than the schedule's count."""
@@ -306,7 +311,7 @@ def lockstep(steps: list[RowPass], layer_idx: int) -> list[list[RowPass]]:
             step.num_new,
             step.keep,
             step.passes,
-            step.tokens - entries.schedule.prompt_length,
+            step.decode_step,
             entries.schedule.budget,
             tuple(layer.memo) if layer is not None else None,
             tuple(entries.owner.shared),
@@ -351,7 +356,7 @@ def observe_and_evict(
         state=state,
         seen=uniform([step.tokens for step in group], kv_cache.device),
         prompt_length=uniform([step.entries.schedule.prompt_length for step in group], kv_cache.device),
-        decode_step=first.tokens - first.entries.schedule.prompt_length,
+        decode_step=first.decode_step,
         budget=first.entries.schedule.budget,
         num_new=first.num_new,
         passes=first.passes,

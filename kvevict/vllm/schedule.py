@@ -20,6 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def lifetime(prompt_length: int, max_tokens: int | None, max_model_len: int) -> int:
+    """The most tokens a request may process: its prompt and every token it may generate, within
+    the engine's longest sequence (``max_tokens`` None: up to it). The scheduler sizes admissions
+    and the workers decide whether a request ever evicts by it, so they agree."""
+    return max_model_len if max_tokens is None else min(prompt_length + max_tokens, max_model_len)
+
+
 @dataclass(frozen=True)
 class EvictionSchedule:
     """One request's schedule (module docstring). ``budget`` None: nothing is ever evicted."""

@@ -30,7 +30,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from kvevict.vllm.config import EvictionSettings, settings_of
-from kvevict.vllm.schedule import EvictionSchedule
+from kvevict.vllm.schedule import EvictionSchedule, lifetime
 
 
 @contextmanager
@@ -87,10 +87,6 @@ class EvictingKVCacheManager(KVCacheManager):
             released += len(tail)
         return released
 
-    def most_tokens(self, request: Request) -> int:
-        """The most tokens ``request`` may process: its prompt and every token it may generate."""
-        return min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-
     def blocks_for(self, tokens: int) -> int:
         return cdiv(tokens, self.coordinator.single_type_managers[0].block_size)
 
@@ -100,7 +96,8 @@ class EvictingKVCacheManager(KVCacheManager):
     def growth(self, request: Request, holding: int | None = None) -> int:
         """Blocks an evicting ``request`` may still need beyond the ``holding`` it holds (default:
         those it holds now) before it finishes; 0 for one that never evicts."""
-        schedule, most = self.schedule_of(request), self.most_tokens(request)
+        schedule = self.schedule_of(request)
+        most = lifetime(request.num_prompt_tokens, request.max_tokens, self.max_model_len)
         if not schedule.evicts_within(most):
             return 0
         holding = self.held_blocks(request) if holding is None else holding

@@ -29,6 +29,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 
 from kvevict.vllm.config import settings_of
 from kvevict.vllm.paged import BlockLayout, RequestEntries, RowPass, lockstep, observe_and_evict
+from kvevict.vllm.schedule import lifetime
 
 FINISHED_KEPT = 256
 """Finished requests whose kept positions a worker remembers (:meth:`EvictionModelRunner.kept`)."""
@@ -125,9 +126,8 @@ class EvictionModelRunner(CPUModelRunner):
             entries = self.entries.get(req_id)
             prompt = state.num_prompt_tokens
             if entries is None or entries.schedule.prompt_length != prompt or req_id in resumed:
-                most = self.max_model_len
-                if state.sampling_params is not None and state.sampling_params.max_tokens is not None:
-                    most = min(most, prompt + state.sampling_params.max_tokens)
+                params = state.sampling_params
+                most = lifetime(prompt, None if params is None else params.max_tokens, self.max_model_len)
                 self.entries[req_id] = RequestEntries(self.settings.schedule(prompt), self.policy, most)
         return result
 
