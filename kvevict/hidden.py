@@ -5,7 +5,8 @@ token ``t`` (``hidden_states[l + 1]`` of transformers; for the last layer, befor
 norm). The first token of a sequence has no predecessor: ``g_l(0) = 0``.
 
 :class:`HiddenStateRecorder` reads it with forward hooks on only the decoder layers a policy
-asks for (DESIGN §1.4: no monkey-patching), for the passes that run through its cache:
+asks for (DESIGN §1.4: no monkey-patching), for the passes that run through its cache, into a
+:class:`HiddenSeries` (the vLLM plug-in keeps one per request, fed by hooks of its own):
 
 * a pass of ``n`` tokens (the prompt, or one decode token) yields ``g_l`` of those ``n``
   tokens at once, stored in fp32 by absolute position; nothing is ever recomputed;
@@ -67,8 +68,10 @@ def hidden_changes(hidden: torch.Tensor, previous: torch.Tensor | None = None) -
     return torch.linalg.vector_norm(hidden - before, dim=-1)
 
 
-class HiddenStateRecorder:
-    """Records ``g_l`` of every token on the hooked ``layers`` and freezes per-token scores.
+class HiddenSeries:
+    """``g_l`` of every token on ``layers``, recorded pass by pass, and the per-token scores frozen
+    from them: the data half of :class:`HiddenStateRecorder`, with no model attached (the vLLM
+    plug-in keeps one per request and records from its own hooks, :mod:`kvevict.vllm.worker`).
 
     Each row of the batch keeps its own series, by the absolute position of its own tokens
     (a row's left padding is not recorded): rows may have seen different numbers of tokens,
@@ -77,78 +80,29 @@ class HiddenStateRecorder:
     tokens from the trailing ``context`` changes: O(1) amortised work per decode step.
 
     Args:
-        model: the causal LM whose decoder layers are hooked.
-        layers: decoder layer indices to hook (only these).
+        layers: decoder layer indices recorded (only these).
         scorer: the policy's score of ``m`` consecutive tokens from their changes; the score of
             a token may depend on the ``context`` tokens before it and on nothing after it
             (None: record the changes only).
         context: how many earlier tokens a score depends on (e.g. 63 for a 64-token window).
-        cache: record only the passes whose ``past_key_values`` is this object (None: all).
-            Its ``pass_tokens()`` says how many of a pass's last columns are each row's real
-            tokens (the rest is left padding); without a cache every column is real.
     """
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        layers: Sequence[int],
-        scorer: ScoreFunction | None = None,
-        *,
-        context: int = 0,
-        cache: object | None = None,
-    ):
-        modules = decoder_layers(model)
-        wanted = tuple(sorted(set(layers)))
-        bad = [i for i in wanted if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(modules)]
-        if not wanted or bad:
-            raise ValueError(
-                f"hidden-state layers must be decoder layer indices in 0..{len(modules) - 1}, got {list(layers)}"
-            )
-        self.layers = wanted
+    def __init__(self, layers: Sequence[int], scorer: ScoreFunction | None = None, *, context: int = 0):
+        self.layers = tuple(sorted(set(layers)))
         self.scorer = scorer
         self.context = context
-        self._cache = None if cache is None else weakref.ref(cache)
         self.reset()
-        self._modules = {i: modules[i] for i in wanted}
-        self._install()
 
     def reset(self) -> None:
         """Forget every token recorded: the next pass starts new sequences at position 0
-        (what ``EvictionCache.reset()`` needs); the hooks stay."""
+        (what ``EvictionCache.reset()`` needs)."""
         self._series = {i: _Series() for i in self.layers}
-        """``g_l`` of every row's tokens, by absolute position, per hooked layer."""
+        """``g_l`` of every row's tokens, by absolute position, per recorded layer."""
         self._table = _Series(fill=float("inf"))
         """Frozen per-token scores of each row's first ``scored`` positions, then ``+inf`` (at
         least one column): a lookup is one gather, whatever it asks for."""
         self._last: dict[int, torch.Tensor] = {}
-        """The hidden state ``[B, D]`` of each row's last token, per hooked layer."""
-
-    def _install(self) -> None:
-        me = weakref.ref(self)
-        handles = [module.register_forward_hook(_hook(me, i), with_kwargs=True) for i, module in self._modules.items()]
-        self._finalizer = weakref.finalize(self, _remove, handles)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> HiddenStateRecorder:
-        """A copy with its own hooks, recording for the copy of its cache (``copy.deepcopy`` of an
-        ``EvictionCache`` maps the cache to its copy in ``memo``) and sharing the model."""
-        twin = copy.copy(self)
-        twin._series = {i: series.copy() for i, series in self._series.items()}
-        twin._table = self._table.copy()
-        twin._last = {i: t.clone() for i, t in self._last.items()}
-        if self._cache is not None:
-            cache = self._cache()
-            twin._cache = weakref.ref(memo.get(id(cache), cache))
-        twin._install()
-        return twin
-
-    @property
-    def active(self) -> bool:
-        """Whether the hooks are still installed."""
-        return self._finalizer.alive
-
-    def close(self) -> None:
-        """Remove the hooks (idempotent); the recorded values stay readable."""
-        self._finalizer()
+        """The hidden state ``[B, D]`` of each row's last token, per recorded layer."""
 
     @property
     def changes(self) -> dict[int, torch.Tensor]:
@@ -168,10 +122,8 @@ class HiddenStateRecorder:
         return self._table.view()
 
     def _real_tokens(self, batch: int, columns: int) -> list[int]:
-        """How many of a pass's last ``columns`` are each row's real tokens."""
-        cache = None if self._cache is None else self._cache()
-        counts = getattr(cache, "pass_tokens", None)
-        return [columns] * batch if counts is None else counts()
+        """How many of a pass's last ``columns`` are each row's real tokens (here: all of them)."""
+        return [columns] * batch
 
     def record(self, layer: int, hidden: torch.Tensor) -> None:
         """Append the changes of the tokens of one pass ``[B, n, D]`` through ``layer`` (each row's
@@ -232,9 +184,6 @@ class HiddenStateRecorder:
         rows = table[:, None, :] if row is None else table[row : row + 1, None, :]
         return rows.expand(positions.shape[0], positions.shape[1], -1).gather(2, positions)  # (faster than take)
 
-    def wants(self, past_key_values: Any) -> bool:
-        return self._cache is None or past_key_values is self._cache()
-
     # -- saving and loading (kvevict.persist) ----------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Every row's series, scores and last hidden states, by name (what :meth:`load_state` reads)."""
@@ -256,9 +205,9 @@ class HiddenStateRecorder:
         self._last = {i: tensors[f"hidden.last.{i}"].to(device) for i in self.layers if f"hidden.last.{i}" in tensors}
 
     # -- rows of a batch that runs on -------------------------------------------------------
-    def splice(self, row: int, source: HiddenStateRecorder) -> None:
+    def splice(self, row: int, source: HiddenSeries) -> None:
         """Row ``row`` (the batch size: a new last row) takes the only row of ``source`` (a
-        recorder of the same layers): its changes, scores and last hidden states."""
+        series of the same layers): its changes, scores and last hidden states."""
         for i, series in self._series.items():
             series.put_row(row, source._series[i])
         self._table.put_row(row, source._table)
@@ -279,6 +228,77 @@ class HiddenStateRecorder:
             series.select_rows(kept)
         index = torch.tensor(list(kept), dtype=torch.long)
         self._last = {i: last[index.to(last.device)] for i, last in self._last.items()}
+
+
+class HiddenStateRecorder(HiddenSeries):
+    """A :class:`HiddenSeries` fed by forward hooks on the model's decoder layers it records.
+
+    Args:
+        model: the causal LM whose decoder layers are hooked.
+        layers: decoder layer indices to hook (only these).
+        scorer: as :class:`HiddenSeries`'s.
+        context: as :class:`HiddenSeries`'s.
+        cache: record only the passes whose ``past_key_values`` is this object (None: all).
+            Its ``pass_tokens()`` says how many of a pass's last columns are each row's real
+            tokens (the rest is left padding); without a cache every column is real.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        layers: Sequence[int],
+        scorer: ScoreFunction | None = None,
+        *,
+        context: int = 0,
+        cache: object | None = None,
+    ):
+        modules = decoder_layers(model)
+        wanted = tuple(sorted(set(layers)))
+        bad = [i for i in wanted if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(modules)]
+        if not wanted or bad:
+            raise ValueError(
+                f"hidden-state layers must be decoder layer indices in 0..{len(modules) - 1}, got {list(layers)}"
+            )
+        super().__init__(wanted, scorer, context=context)
+        self._cache = None if cache is None else weakref.ref(cache)
+        self._modules = {i: modules[i] for i in wanted}
+        self._install()
+
+    def _install(self) -> None:
+        me = weakref.ref(self)
+        handles = [module.register_forward_hook(_hook(me, i), with_kwargs=True) for i, module in self._modules.items()]
+        self._finalizer = weakref.finalize(self, _remove, handles)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> HiddenStateRecorder:
+        """A copy with its own hooks, recording for the copy of its cache (``copy.deepcopy`` of an
+        ``EvictionCache`` maps the cache to its copy in ``memo``) and sharing the model."""
+        twin = copy.copy(self)
+        twin._series = {i: series.copy() for i, series in self._series.items()}
+        twin._table = self._table.copy()
+        twin._last = {i: t.clone() for i, t in self._last.items()}
+        if self._cache is not None:
+            cache = self._cache()
+            twin._cache = weakref.ref(memo.get(id(cache), cache))
+        twin._install()
+        return twin
+
+    @property
+    def active(self) -> bool:
+        """Whether the hooks are still installed."""
+        return self._finalizer.alive
+
+    def close(self) -> None:
+        """Remove the hooks (idempotent); the recorded values stay readable."""
+        self._finalizer()
+
+    def _real_tokens(self, batch: int, columns: int) -> list[int]:
+        """How many of a pass's last ``columns`` are each row's real tokens (the cache's count)."""
+        cache = None if self._cache is None else self._cache()
+        counts = getattr(cache, "pass_tokens", None)
+        return [columns] * batch if counts is None else counts()
+
+    def wants(self, past_key_values: Any) -> bool:
+        return self._cache is None or past_key_values is self._cache()
 
 
 class _Series:

@@ -26,7 +26,7 @@ KEY = "kvevict"
 SETTINGS = ("policy", "budget", "keep", "interval")
 VLLM_SERIES = "0.32."
 """The vLLM release series the plug-in is written against (its scheduler, worker and block layout)."""
-SUPPORTED = ("streamingllm", "h2o", "tova", "snapkv", "lazyeviction", "rkv")
+SUPPORTED = ("streamingllm", "h2o", "tova", "snapkv", "lazyeviction", "rkv", "epikv")
 """Policies the plug-in evicts in vLLM's paged cache, under the cross-host contract."""
 SCHEDULER = "kvevict.vllm.scheduler.EvictionScheduler"
 WORKER = "kvevict.vllm.worker.EvictionWorker"

@@ -30,14 +30,27 @@ from kvevict.vllm.schedule import EvictionSchedule
 @dataclass
 class CacheSide:
     """What a policy reads of the cache behind a view (:class:`~kvevict.views.CacheSide`): the
-    policy and the request's data shared across layers. Hidden states and rotary tables are not
-    offered (the plug-in refuses policies that read them)."""
+    policy, the request's data shared across layers and, for a policy that reads hidden states,
+    the request's :class:`~kvevict.hidden.HiddenSeries`. Rotary tables are not offered (the
+    plug-in refuses policies that read them)."""
 
     policy: Any
     shared: dict[str, object] = field(default_factory=dict)
     hidden: Any = None
     rotary: Any = None
     eviction_layers: tuple = ()
+
+
+@dataclass(frozen=True)
+class StackedHidden:
+    """The hidden-state series of requests in lockstep, looked up as one batch (each row in its own)."""
+
+    series: list[Any]
+
+    def lookup(self, positions: torch.Tensor, row: int | None = None, end: int | None = None) -> torch.Tensor:
+        if row is not None:
+            return self.series[row].lookup(positions, end=end)
+        return torch.cat([one.lookup(positions[b : b + 1], end=end) for b, one in enumerate(self.series)])
 
 
 @dataclass
@@ -130,9 +143,11 @@ class RequestEntries:
     """A request's eviction state on a worker: its schedule, passes, and per layer what
     :class:`LayerEntries` holds. Layers are created on the request's first pass."""
 
-    def __init__(self, schedule: EvictionSchedule, policy: Any, most_tokens: int):
+    def __init__(self, schedule: EvictionSchedule, policy: Any, most_tokens: int, hidden: Any = None):
         self.schedule = schedule
-        self.owner = CacheSide(policy)
+        self.owner = CacheSide(policy, hidden=hidden)
+        """The policy, the request's shared data and its hidden-state series (``hidden``, a
+        :class:`~kvevict.hidden.HiddenSeries`, for a policy that reads hidden states)."""
         self.layers: dict[int, LayerEntries] = {}
         self.passes = 0
         """Passes that were planned for this request (its first one is its prompt)."""
@@ -142,8 +157,9 @@ class RequestEntries:
         """Whether it ever evicts, over at most ``most_tokens`` processed tokens (its prompt and
         the most it may generate): if not, the policy has nothing to do for it, ever, and its
         passes are vLLM's alone."""
-        self.every_pass = policy.observes or policy.keeps_token_state
-        """Whether the policy reads every pass; if not, only the passes that evict."""
+        self.every_pass = policy.observes or policy.keeps_token_state or hidden is not None
+        """Whether the policy reads every pass (its hidden states recorded included); if not,
+        only the passes that evict."""
 
     def kept_positions(self, layers: int, heads: int) -> list[list[list[int]]]:
         """The absolute positions each of ``layers`` layers and ``heads`` KV heads holds, ascending."""
@@ -362,7 +378,7 @@ def observe_and_evict(
         passes=first.passes,
         layer_idx=layer_idx,
         memo=layers[0].memo if alone else StackedRows([la.memo for la in layers]),
-        owner=first.entries.owner if alone else CacheSide(policy, StackedRows([s.entries.owner.shared for s in group])),
+        owner=first.entries.owner if alone else stacked_owner(policy, group),
     )
     for name, value in policy.new_tokens(view, first.num_new).items():  # the view reads the same dict
         state[name] = torch.cat([state[name][:, :, : first.held], value], dim=2) if name in state else value
@@ -377,6 +393,14 @@ def observe_and_evict(
     if not alone or first.evicts:  # (a pass that evicts nothing holds every new token: positions are implied)
         for row, layer in enumerate(layers):
             layer.state = {name: value[row : row + 1] for name, value in state.items()}
+
+
+def stacked_owner(policy: Any, group: list[RowPass]) -> CacheSide:
+    """What the policy reads of the cache for requests in lockstep: their shared data stacked,
+    their hidden-state series (if the policy reads them) looked up row by row."""
+    owners = [step.entries.owner for step in group]
+    hidden = None if owners[0].hidden is None else StackedHidden([owner.hidden for owner in owners])
+    return CacheSide(policy, StackedRows([owner.shared for owner in owners]), hidden)
 
 
 def held_positions(layers: list[LayerEntries], tokens: list[int]) -> torch.Tensor:

@@ -7,6 +7,10 @@ same :class:`~kvevict.vllm.schedule.EvictionSchedule` as the scheduler
 - the RoPE positions stay each token's true index, while its slot and the attention's sequence
   length count only the entries held (:meth:`EvictionModelRunner._prepare_inputs`): a request
   that evicted ``e`` entries writes token ``p`` at slot ``p − e`` of its block table;
+- a policy that reads hidden states (EpiKV's family) gets them from forward hooks on the decoder
+  layers it names: each request's tokens' residual stream after the layer (vLLM's layers return it
+  as ``hidden + residual``, the sum transformers' layers return) goes to the request's
+  :class:`~kvevict.hidden.HiddenSeries`, which freezes each token's score as kvevict's cache does;
 - after each attention layer, a forward hook hands the policy the pass's queries and the
   requests' entries (requests in lockstep at once, as one batch: :func:`~kvevict.vllm.paged.lockstep`),
   and on a pass the schedule says evicts, compacts what the policy keeps into each request's
@@ -27,6 +31,7 @@ from vllm.utils.math_utils import cdiv
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from kvevict.hidden import HiddenSeries
 from kvevict.vllm.config import settings_of
 from kvevict.vllm.paged import BlockLayout, RequestEntries, RowPass, lockstep, observe_and_evict
 from kvevict.vllm.schedule import lifetime
@@ -55,6 +60,8 @@ class EvictionModelRunner(CPUModelRunner):
         self.layout: BlockLayout | None = None
         self.attention: list[Attention] = []
         """The model's attention layers, in order (found once the model is loaded)."""
+        self.hidden_layers: tuple[int, ...] = ()
+        """The decoder layers whose outputs the policy reads (found once the model is loaded)."""
         self.finished: dict[str, list[list[list[int]]]] = {}
         """What the last :data:`FINISHED_KEPT` finished requests held when they finished (:meth:`kept`)."""
 
@@ -64,6 +71,22 @@ class EvictionModelRunner(CPUModelRunner):
         self.attention = attention_layers(self.model)
         for index, module in enumerate(self.attention):
             module.register_forward_hook(self._after_attention(index))
+        self.hidden_layers = tuple(sorted(set(self.policy.hidden_layers(len(self.attention)))))
+        if self.hidden_layers:
+            layers = decoder_layers(self.model, self.attention)
+            for index in self.hidden_layers:
+                layers[index].register_forward_hook(self._after_decoder_layer(index))
+
+    def _after_decoder_layer(self, layer_idx: int):
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            if not self.step:
+                return
+            stream = output[0] + output[1] if isinstance(output, tuple) and output[1] is not None else output
+            stream = stream[0] if isinstance(stream, tuple) else stream
+            for step in self.step:
+                step.entries.owner.hidden.record(layer_idx, stream[step.start : step.start + step.num_new][None])
+
+        return hook
 
     def _after_attention(self, layer_idx: int):
         def hook(module: Attention, args: tuple, output: torch.Tensor) -> None:
@@ -128,7 +151,11 @@ class EvictionModelRunner(CPUModelRunner):
             if entries is None or entries.schedule.prompt_length != prompt or req_id in resumed:
                 params = state.sampling_params
                 most = lifetime(prompt, None if params is None else params.max_tokens, self.max_model_len)
-                self.entries[req_id] = RequestEntries(self.settings.schedule(prompt), self.policy, most)
+                hidden = None
+                if self.hidden_layers:
+                    policy = self.policy
+                    hidden = HiddenSeries(self.hidden_layers, policy.hidden_scores, context=policy.hidden_context)
+                self.entries[req_id] = RequestEntries(self.settings.schedule(prompt), self.policy, most, hidden)
         return result
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:
@@ -210,3 +237,18 @@ def same_request(internal: str, given: str) -> bool:
 def attention_layers(model: torch.nn.Module) -> list[Attention]:
     """The model's attention layers, in order (their index is kvevict's layer index)."""
     return [module for module in model.modules() if isinstance(module, Attention)]
+
+
+def decoder_layers(model: torch.nn.Module, attention: list[Attention]) -> list[torch.nn.Module]:
+    """The model's decoder layers, in order: the module list whose ``i``-th layer holds the
+    ``i``-th attention layer."""
+    for module in model.modules():
+        if (
+            isinstance(module, torch.nn.ModuleList)
+            and len(module) == len(attention)
+            and all(any(sub is attn for sub in layer.modules()) for layer, attn in zip(module, attention))
+        ):
+            return list(module)
+    raise TypeError(
+        f"cannot find the decoder layers of {type(model).__name__} (a module list holding its attention layers)"
+    )

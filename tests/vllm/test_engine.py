@@ -55,7 +55,7 @@ def test_an_ample_budget_is_vllm_alone(model_dir) -> None:
 
 @pytest.mark.parametrize(
     ("policy", "interval"),
-    [*((policy, INTERVAL) for policy in SUPPORTED), ("lazyeviction", None), ("rkv", None)],  # None: the method's own
+    [*((policy, INTERVAL) for policy in SUPPORTED), ("lazyeviction", None), ("rkv", None), ("epikv", None)],  # None: its own
 )
 def test_vllm_keeps_what_kvevict_keeps_and_gives_its_tokens(
     policy: str, interval: int | None, model_dir, hf_model, tiny_llama_dir
