@@ -10,8 +10,9 @@ Imports vLLM only inside :func:`configure`, so the settings and schedules are te
 
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvevict.budgets import Budget
@@ -24,6 +25,10 @@ logger = logging.getLogger(__name__)
 KEY = "kvevict"
 """The key of ``additional_config`` the plug-in reads."""
 SETTINGS = ("policy", "budget", "keep", "interval")
+REQUEST_SETTINGS = ("budget", "policy")
+"""What a request may set for itself in ``SamplingParams.extra_args["kvevict"]`` (:meth:`EvictionSettings.for_request`)."""
+REQUEST_CHECK = "kvevict.vllm.requests:RequestSettings"
+"""The logits processor whose ``validate_params`` refuses a request's bad settings at admission."""
 VLLM_SERIES = "0.32."
 """The vLLM release series the plug-in is written against (its scheduler, worker and block layout)."""
 SUPPORTED = ("streamingllm", "h2o", "tova", "snapkv", "lazyeviction", "rkv", "epikv")
@@ -62,6 +67,44 @@ class EvictionSettings:
         if interval is not None and (isinstance(interval, bool) or not isinstance(interval, int) or interval < 1):
             raise ValueError(f"additional_config['kvevict']['interval'] must be an integer >= 1, got {interval!r}")
         settings = cls(str(raw["policy"]), Budget(raw.get("budget"), raw.get("keep")), interval)
+        settings.check_policy()
+        return settings
+
+    def for_request(self, extra_args: Any) -> EvictionSettings:
+        """The settings of a request whose ``SamplingParams.extra_args`` are ``extra_args``: the
+        engine's, or with the request's own budget (``{"kvevict": {"budget": N}}``), or no eviction
+        (``{"kvevict": {"policy": "full"}}``); the dict may come as its JSON text (the OpenAI
+        server's ``vllm_xargs`` hold no nested dict). Anything else raises a one-line ``ValueError``."""
+        raw = extra_args.get(KEY) if isinstance(extra_args, dict) else None
+        if raw is None:
+            return self
+        if isinstance(raw, str):  # the OpenAI server's vllm_xargs take no nested dict: the same as JSON
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError:
+                raise ValueError(f"a request's extra_args['kvevict'] is not JSON: {raw!r}") from None
+        if not isinstance(raw, dict):
+            # a ValueError, not a TypeError: vLLM's front end answers only a ValueError with HTTP 400
+            raise ValueError(f"a request's extra_args['kvevict'] must be a dict of {' and '.join(REQUEST_SETTINGS)}")  # noqa: TRY004
+        unknown = sorted(set(raw) - set(REQUEST_SETTINGS))
+        if unknown:
+            raise ValueError(
+                f"a request may set only {' and '.join(REQUEST_SETTINGS)} in extra_args['kvevict'], got {unknown} "
+                "(the engine's additional_config sets the rest)"
+            )
+        policy = raw.get("policy", self.policy)
+        if policy not in (self.policy, "full"):
+            raise ValueError(
+                f"this engine evicts with {self.policy!r}: a request may ask for it or for 'full' (no eviction), "
+                f"not {policy!r}"
+            )
+        if policy == "full":
+            if "budget" in raw:
+                raise ValueError("a request that asks for policy 'full' (no eviction) takes no budget")
+            return replace(self, policy="full", budget=Budget())
+        if "budget" not in raw:
+            return self
+        settings = replace(self, budget=Budget(raw["budget"]))
         settings.check_policy()
         return settings
 
@@ -155,7 +198,8 @@ def configure(vllm_config: Any) -> None:
     """For an engine whose ``additional_config`` names the plug-in: check its settings and the
     engine's, refusing in one line what the plug-in cannot honour, then set the scheduler and
     worker classes that evict, and run the model eagerly (the plug-in's hooks are Python, which
-    torch.compile would trace). Engines without it are left as they are."""
+    torch.compile would trace); and check each request's own settings when it is admitted
+    (:mod:`kvevict.vllm.requests`). Engines without it are left as they are."""
     try:
         settings = settings_of(vllm_config.additional_config)
     except (TypeError, ValueError) as error:
@@ -169,6 +213,12 @@ def configure(vllm_config: Any) -> None:
         raise EngineRefused(f"kvevict's vLLM plug-in refuses this engine: {'; '.join(reasons)}")
     vllm_config.scheduler_config.scheduler_cls = SCHEDULER
     vllm_config.parallel_config.worker_cls = WORKER
+    from kvevict.vllm import requests
+
+    requests.ENGINE = settings  # what this process's front end checks each request against
+    model = vllm_config.model_config
+    if REQUEST_CHECK not in (model.logits_processors or []):
+        model.logits_processors = [*(model.logits_processors or []), REQUEST_CHECK]
     if not vllm_config.model_config.enforce_eager:  # before vLLM derives its compilation settings from it
         logger.info("kvevict's vLLM plug-in runs the model eagerly: its hooks after each attention layer are Python")
         vllm_config.model_config.enforce_eager = True

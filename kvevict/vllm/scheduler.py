@@ -60,7 +60,9 @@ class EvictingKVCacheManager(KVCacheManager):
     def schedule_of(self, request: Request) -> EvictionSchedule:
         schedule = self.schedules.get(request.request_id)
         if schedule is None or schedule.prompt_length != request.num_prompt_tokens:
-            schedule = self.schedules[request.request_id] = self.settings.schedule(request.num_prompt_tokens)
+            params = request.sampling_params
+            settings = self.settings.for_request(None if params is None else params.extra_args)
+            schedule = self.schedules[request.request_id] = settings.schedule(request.num_prompt_tokens)
         return schedule
 
     def held(self, request: Request) -> int:

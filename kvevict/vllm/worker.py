@@ -155,7 +155,8 @@ class EvictionModelRunner(CPUModelRunner):
                 if self.hidden_layers:
                     policy = self.policy
                     hidden = HiddenSeries(self.hidden_layers, policy.hidden_scores, context=policy.hidden_context)
-                self.entries[req_id] = RequestEntries(self.settings.schedule(prompt), self.policy, most, hidden)
+                schedule = self.settings.for_request(None if params is None else params.extra_args).schedule(prompt)
+                self.entries[req_id] = RequestEntries(schedule, self.policy, most, hidden)
         return result
 
     def _prepare_inputs(self, scheduler_output: Any, num_scheduled_tokens: np.ndarray) -> Any:

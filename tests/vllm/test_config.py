@@ -45,3 +45,33 @@ def test_bad_settings_are_refused_in_one_line(raw, message: str) -> None:
     with pytest.raises((ValueError, TypeError)) as refused:
         EvictionSettings.parse(raw)
     assert message in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_a_request_may_set_its_own_budget_or_no_eviction() -> None:
+    engine = EvictionSettings.parse({"policy": "h2o", "budget": 64, "interval": 8})
+    assert engine.for_request(None) is engine and engine.for_request({"other": 1}) is engine
+    own = engine.for_request({"kvevict": {"budget": 32}})
+    assert own.budget == Budget(32) and own.policy == "h2o" and own.interval == 8
+    assert engine.for_request({"kvevict": '{"budget": 32}'}) == own  # the OpenAI server's vllm_xargs: JSON text
+    assert engine.for_request({"kvevict": {"policy": "h2o"}}) is engine
+    full = engine.for_request({"kvevict": {"policy": "full"}})
+    assert full.schedule(100).budget is None and not full.schedule(100).evicts_within(1000)
+
+
+@pytest.mark.parametrize(
+    ("request_settings", "message"),
+    [
+        ({"interval": 4}, r"a request may set only budget and policy in extra_args\['kvevict'\], got \['interval'\]"),
+        ({"policy": "tova"}, r"this engine evicts with 'h2o': a request may ask for it or for 'full'"),
+        ({"policy": "full", "budget": 10}, r"policy 'full' \(no eviction\) takes no budget"),
+        ({"budget": 0}, r"budget must be a positive integer"),
+        ({"budget": 3}, r"budget 3 is smaller than h2o's sinks"),
+        ("{budget: 3", r"extra_args\['kvevict'\] is not JSON"),
+        (["budget"], r"extra_args\['kvevict'\] must be a dict of budget and policy"),
+    ],
+)
+def test_what_a_request_may_not_set_is_refused_in_one_line(request_settings, message: str) -> None:
+    engine = EvictionSettings.parse({"policy": "h2o", "budget": 64})
+    with pytest.raises(ValueError, match=message) as refused:
+        engine.for_request({"kvevict": request_settings})
+    assert "\n" not in str(refused.value)

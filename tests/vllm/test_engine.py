@@ -55,7 +55,12 @@ def test_an_ample_budget_is_vllm_alone(model_dir) -> None:
 
 @pytest.mark.parametrize(
     ("policy", "interval"),
-    [*((policy, INTERVAL) for policy in SUPPORTED), ("lazyeviction", None), ("rkv", None), ("epikv", None)],  # None: its own
+    [
+        *((policy, INTERVAL) for policy in SUPPORTED),
+        ("lazyeviction", None),
+        ("rkv", None),
+        ("epikv", None),
+    ],  # None: its own
 )
 def test_vllm_keeps_what_kvevict_keeps_and_gives_its_tokens(
     policy: str, interval: int | None, model_dir, hf_model, tiny_llama_dir
@@ -158,3 +163,36 @@ def test_a_preempted_request_is_computed_again_and_keeps_the_schedule_s_count(ti
 @pytest.fixture(scope="module")
 def hf_model_tiny(tiny_llama_dir):
     return kvevict.load_model(str(tiny_llama_dir))[0]
+
+
+def test_a_request_runs_at_its_own_budget_or_without_eviction(tiny_llama_dir, hf_model_tiny) -> None:
+    """Under an engine that evicts with TOVA at 48, a request asking for 64 keeps what kvevict's
+    cache keeps at 64, and one asking for 'full' what it keeps without eviction, beside one that
+    asks for nothing; a request asking for another policy is refused when it is added."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    prompts = prompts_of(tiny_llama_dir, {"engine": 90, "own": 100, "full": 110})
+    asked = {"engine": None, "own": {"kvevict": {"budget": 64}}, "full": {"kvevict": {"policy": "full"}}}
+    with engine(tiny_llama_dir, "tova", budget=BUDGET, interval=INTERVAL) as llm:
+        for name, ids in prompts.items():
+            params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, extra_args=asked[name])
+            llm.llm_engine.add_request(name, {"prompt_token_ids": ids}, params)
+        got = {}
+        while llm.llm_engine.has_unfinished_requests():
+            for output in llm.llm_engine.step():
+                if output.finished:
+                    got[output.request_id] = list(output.outputs[0].token_ids)
+        kept = {name: runner(llm).kept(name) for name in prompts}
+        refused = SamplingParams(max_tokens=4, extra_args={"kvevict": {"policy": "h2o"}})
+        with pytest.raises(
+            VLLMValidationError, match="this engine evicts with 'tova': a request may ask for it or for 'full'"
+        ):
+            llm.generate([{"prompt_token_ids": prompts["engine"]}], refused)
+    settings = {"engine": ("tova", BUDGET), "own": ("tova", 64), "full": ("full", None)}
+    for name, ids in prompts.items():
+        policy, budget = settings[name]
+        interval = INTERVAL if budget else None
+        reference = kvevict_reference(hf_model_tiny, ids, policy, NEW_TOKENS, budget=budget, interval=interval)
+        assert got[name] == reference.tokens, name
+        assert kept[name] == reference.kept, name

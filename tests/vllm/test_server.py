@@ -73,9 +73,10 @@ def server(smollm2_dir: Path, tmp_path_factory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_dir: Path) -> dict[str, str]:
-    """The same requests, greedy, through :func:`kvevict.vllm.LLM` in this process; they differ from
-    vLLM alone's answers, so a server that ignored the plug-in would not match them."""
+def reference(smollm2_dir: Path) -> dict[str, dict[str, str]]:
+    """The same requests, greedy, through :func:`kvevict.vllm.LLM` in this process (``"evicting"``)
+    and through vLLM alone (``"alone"``); they differ, so a server that ignored the plug-in would
+    not match the first."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -87,7 +88,7 @@ def reference(smollm2_dir: Path) -> dict[str, str]:
                 "chat": llm.chat([MESSAGES], params)[0].outputs[0].text,
             }
     assert all(answers["alone"][kind] != answers["evicting"][kind] for kind in ("completion", "chat"))
-    return answers["evicting"]
+    return answers
 
 
 def client(base_url: str):
@@ -98,21 +99,36 @@ def model_name(base_url: str) -> str:
     return client(base_url).models.list().data[0].id
 
 
-def test_completions_answer_as_the_engine_does_plain_and_streamed(server: str, reference: dict[str, str]) -> None:
+def test_completions_answer_as_the_engine_does_plain_and_streamed(
+    server: str, reference: dict[str, dict[str, str]]
+) -> None:
     asked = {"model": model_name(server), "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0.0}
     asked["extra_body"] = {"ignore_eos": True}
     plain = client(server).completions.create(**asked)
     streamed = "".join(chunk.choices[0].text for chunk in client(server).completions.create(**asked, stream=True))
     assert plain.usage.completion_tokens == NEW_TOKENS
-    assert plain.choices[0].text == reference["completion"]
-    assert streamed == reference["completion"]
+    assert plain.choices[0].text == reference["evicting"]["completion"]
+    assert streamed == reference["evicting"]["completion"]
 
 
-def test_chat_completions_answer_as_the_engine_does_plain_and_streamed(server: str, reference: dict[str, str]) -> None:
+def test_chat_completions_answer_as_the_engine_does_plain_and_streamed(
+    server: str, reference: dict[str, dict[str, str]]
+) -> None:
     asked = {"model": model_name(server), "messages": MESSAGES, "max_tokens": NEW_TOKENS, "temperature": 0.0}
     asked["extra_body"] = {"ignore_eos": True}
     plain = client(server).chat.completions.create(**asked)
     chunks = client(server).chat.completions.create(**asked, stream=True)
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
-    assert plain.choices[0].message.content == reference["chat"]
-    assert streamed == reference["chat"]
+    assert plain.choices[0].message.content == reference["evicting"]["chat"]
+    assert streamed == reference["evicting"]["chat"]
+
+
+def test_a_request_asks_for_no_eviction_and_one_for_another_policy_is_refused(server: str, reference) -> None:
+    """Per-request settings go through the server's ``vllm_xargs`` as JSON text (they hold no nested dict)."""
+    asked = {"model": model_name(server), "prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0.0}
+    full = {"ignore_eos": True, "vllm_xargs": {"kvevict": json.dumps({"policy": "full"})}}
+    answer = client(server).completions.create(**asked, extra_body=full)
+    assert answer.choices[0].text == reference["alone"]["completion"]
+    other = {"ignore_eos": True, "vllm_xargs": {"kvevict": json.dumps({"policy": "h2o"})}}
+    with pytest.raises(openai.BadRequestError, match="this engine evicts with 'tova': a request may ask for it"):
+        client(server).completions.create(**asked, extra_body=other)
