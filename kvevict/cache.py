@@ -179,6 +179,11 @@ class EvictionCache(PassEnds, Cache):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.quant = QuantConfig.make(quant, quant_group, residual, head_dim)
         """How the retained keys and values are quantized between passes (None: they are not)."""
+        rewriting = [stage.name for stage in policy.stages if stage.rewrites_keys]
+        if self.quant is not None and rewriting:
+            raise ValueError(
+                f"{rewriting[0]} rewrites the kept keys, which a quantized cache holds as codes; use it without quant="
+            )
         install_attention(model)
         self.policy = policy.bound(config)
         """This cache's copy of the policy, bound to the model (the object passed is left as it is)."""
@@ -364,7 +369,8 @@ class EvictionCache(PassEnds, Cache):
         it decodes ``new_tokens`` more tokens, one per pass: what a scheduler reserves for it. A
         decode-time policy holds at most its budget plus its eviction interval (the entries
         appended since its last eviction), or, before its first decode-time eviction, what the
-        prompt left plus one interval; a row that no longer evicts grows by every new token; a
+        prompt left plus one interval; a row that no longer evicts, or a layer where a head keeps every
+        entry (:meth:`~kvevict.policies.base.Allocator.keeps_all`), grows by every new token; a
         sliding-window layer holds its window (and the token that enters it)."""
         sequence = self.sequences[row]
         evicting = sequence.budget is not None and self.policy.evicts_in("decode")
@@ -372,7 +378,7 @@ class EvictionCache(PassEnds, Cache):
         ceilings = []
         for layer in self.eviction_layers:
             held = layer.rows[row].width
-            budget = sequence.budget if evicting else None
+            budget = sequence.budget if evicting and not self.policy.allocator.keeps_all(layer.layer_idx) else None
             ceiling = decode_ceiling(held, new_tokens, budget, interval, steps)
             ceilings.append(ceiling if layer.window is None else min(ceiling, layer.window + 1))
         return ceilings

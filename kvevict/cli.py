@@ -19,6 +19,7 @@ from kvevict.commands import (
     policies,
     report,
     tasks,
+    train_duoattention,
     train_gates,
 )
 from kvevict.commands.common import guarded
@@ -35,6 +36,7 @@ COMMANDS = (
     analyze,
     train_gates,
     calibrate_qfilters,
+    train_duoattention,
     lm_eval,
 )
 """The command modules, in the order ``kvevict --help`` lists them; each has

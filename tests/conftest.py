@@ -127,9 +127,15 @@ def tiny_qfilters(kv_heads: int = COMMON["num_key_value_heads"], seed: int = 0) 
     return filters / filters.norm(dim=-1, keepdim=True)
 
 
+def tiny_duo_gates() -> torch.Tensor:
+    """DuoAttention gates for the tiny models ``[layers, KV heads]``: one retrieval head per layer
+    at the default share (0.5), the first in layer 0 and the second in layer 1."""
+    return torch.tensor([[0.9, 0.1], [0.2, 0.8]])
+
+
 def build_policy(name: str, **params):
     """A registered policy by name, with what the tiny models need (HeadKV: a profile; Fast KVzip:
-    gates; Q-Filters: directions)."""
+    gates; Q-Filters: directions; DuoAttention: head roles and sinks under the suite's budgets)."""
     import kvevict
 
     if "headkv" in name:
@@ -138,6 +144,9 @@ def build_policy(name: str, **params):
         params.setdefault("gates", "initial")
     if name.split("[")[0].split("+")[-1] == "qfilters":
         params.setdefault("filters", tiny_qfilters())
+    if name.split("[")[0].split("+")[-1] == "duoattention":
+        params.setdefault("roles", tiny_duo_gates())
+        params.setdefault("sinks", 4)
     return kvevict.make_policy(name, **params)
 
 

@@ -44,7 +44,15 @@ FAMILIES = [
 CASES = [(arch, attn) for arch in FAMILIES for attn in kernels(arch)]
 MASK_POLICIES = ["snapkv", "h2o", "adakv+snapkv"]
 """Run under every allowed kernel: prefill-only, every decode step, head-wise padding masks."""
-POLICIES = ["tova", "streamingllm", "critical+snapkv", "lazyeviction", "epikv", "expected-attention"]
+POLICIES = [
+    "tova",
+    "streamingllm",
+    "critical+snapkv",
+    "lazyeviction",
+    "epikv",
+    "expected-attention",
+    "rerotate+streamingllm",
+]
 """Run under one kernel per family: the kernel's mask path is the same as above."""
 EVICTION_CASES = [(arch, attn, policy) for arch, attn in CASES for policy in MASK_POLICIES] + [
     (arch, kernels(arch)[0], policy) for arch in FAMILIES for policy in POLICIES

@@ -20,6 +20,7 @@ from kvevict.policies.allocation import AdaKV, GlobalBudget, HeadKV, PyramidKV
 from kvevict.policies.base import Method, Stage
 from kvevict.policies.chunkkv import ChunkKV
 from kvevict.policies.critical import Critical
+from kvevict.policies.duoattention import DuoAttention
 from kvevict.policies.epikv import AttnXHS, BandAdaptive, EpiKV, HSVariance
 from kvevict.policies.expected_attention import ExpectedAttention
 from kvevict.policies.fastkvzip import FastKVzip
@@ -31,6 +32,7 @@ from kvevict.policies.momentkv import MomentKV, MomentNC
 from kvevict.policies.pipeline import Policy
 from kvevict.policies.qfilters import QFilters
 from kvevict.policies.raas import RaaS
+from kvevict.policies.rerotate import Rerotate
 from kvevict.policies.rkv import RKV
 from kvevict.policies.simple import Full, KeyDiff, KNorm, Random, StreamingLLM
 from kvevict.policies.snapkv import SnapKV
@@ -66,9 +68,10 @@ _METHODS: tuple[type[Method], ...] = (
     KeyDiff,
     ObservedAttention,
     QFilters,
+    DuoAttention,
 )
 POLICIES: dict[str, type[Method]] = {cls.name: cls for cls in _METHODS}
-_PREFIXES: tuple[type[Stage], ...] = (Critical, AdaKV, PyramidKV, HeadKV, MomentNC, GlobalBudget, ChunkKV)
+_PREFIXES: tuple[type[Stage], ...] = (Critical, AdaKV, PyramidKV, HeadKV, MomentNC, GlobalBudget, ChunkKV, Rerotate)
 PREFIXES: dict[str, type[Stage]] = {cls.name: cls for cls in _PREFIXES}
 """Stages named over a policy (``prefix+policy``), by name."""
 ALIASES = {"pyramidkv": "pyramidkv+snapkv", "headkv": "headkv+snapkv"}
@@ -106,6 +109,7 @@ KVPRESS = {
     "critical+<policy>": "CriticalKVPress",
     "critical+adakv+snapkv": "CriticalAdaKVPress",
     "chunk+<policy>": "ChunkKVPress",
+    "duoattention": "DuoAttentionPress",
 }
 """kvpress's name of the policies it also has (kvpress 0.5), for users who come from it."""
 

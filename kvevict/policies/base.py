@@ -118,6 +118,9 @@ class Stage:
     selects (:meth:`Scorer.score`, :meth:`Selector.keep`, ...), not only when it observes the
     pass: a deferred prefill eviction keeps every layer's queries until the end of the prefill
     forward only for such a stage (:meth:`~kvevict.policies.Policy.deferred_signals`)."""
+    rewrites_keys: ClassVar[bool] = False
+    """The stage writes the kept keys in place (``rerotate``): refused over a quantized cache, whose
+    stages see dequantized copies."""
     stackable: ClassVar[bool] = False
     """The stage's per-token hooks (:meth:`new_tokens`, :meth:`observe`, :meth:`Scorer.score`,
     :meth:`Protector.protected`) are the same function in every layer, treat rows
@@ -307,6 +310,11 @@ class Allocator(Stage):
     """True when the counts of one layer depend on every layer's scores (``global``): the
     prefill eviction then waits until the prefill forward has scored every layer
     (:meth:`allocate_layers`, then :meth:`counts` per layer)."""
+
+    def keeps_all(self, layer_idx: int) -> bool:
+        """Whether some head of layer ``layer_idx`` keeps every entry it holds whatever the budget
+        (DuoAttention's retrieval heads): a row's ceiling there grows with every new token."""
+        return False
 
     def allocate_layers(self, layers: list[EntryView], scores: list[torch.Tensor], comparable: bool) -> None:
         """With :attr:`across_layers`: decide every layer's counts together from their selection

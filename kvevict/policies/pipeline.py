@@ -36,9 +36,10 @@ if TYPE_CHECKING:
 
     from kvevict.views import CacheSide, EntryView
 
-NAMED_SLOTS = ("corrector", "selector", "allocator")
+NAMED_SLOTS = ("observer", "corrector", "selector", "allocator")
 """Slots a prefix may fill, in the order they are spelled in a policy's name."""
 ROLES = {
+    "observer": "rework what is kept",
     "allocator": "set how many entries each head keeps",
     "selector": "choose the entries to keep",
     "corrector": "correct the attention output",
@@ -61,6 +62,7 @@ class Policy:
             "allocator": brought.allocator,
             "selector": brought.selector,
             "corrector": brought.corrector,
+            "observer": None,  # a method's own observers are a tuple of their own (brought.observers)
         }
         prefixes: dict[str, Stage] = {}
         for stage in named:
@@ -92,6 +94,8 @@ class Policy:
         self.selector = chosen["selector"] or TopK()
         self.corrector: Corrector | None = chosen["corrector"]  # type: ignore[assignment]
         observers = [*brought.observers, *(companion for stage in self.named for companion in stage.companions())]
+        if chosen["observer"] is not None:
+            observers.append(chosen["observer"])
         stages = [self.scorer, self.protector, self.allocator, self.selector, self.corrector, *observers]
         self.stages: tuple[Stage, ...] = tuple(stage for stage in stages if stage is not None)
         """Every stage, in the order their hooks run."""
