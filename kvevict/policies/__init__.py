@@ -110,6 +110,7 @@ KVPRESS = {
     "critical+adakv+snapkv": "CriticalAdaKVPress",
     "chunk+<policy>": "ChunkKVPress",
     "duoattention": "DuoAttentionPress",
+    "rerotate+<policy>": "KeyRerotationPress",
 }
 """kvpress's name of the policies it also has (kvpress 0.5), for users who come from it."""
 
