@@ -10,6 +10,19 @@ from kvevict.commands.common import Subcommands
 from kvevict.headroles import Recipe
 
 
+HELP = {
+    "sinks": "first tokens a streaming head attends",
+    "recent": "recent tokens a streaming head attends",
+    "length": "tokens of each synthetic passkey context",
+    "passkeys": "passkeys per context",
+    "passkey_words": "words per passkey",
+    "steps": "optimisation steps, one context each",
+    "lr": "Adam's learning rate",
+    "penalty": "weight of the L1 term on the gates (lambda)",
+    "seed": "seed of the contexts",
+}
+
+
 def add_parser(commands: Subcommands) -> None:
     parser = commands.add_parser(
         "train-duoattention",
@@ -22,8 +35,9 @@ def add_parser(commands: Subcommands) -> None:
     parser.add_argument("--out", required=True, type=Path, help="the JSON file to write")
     for field in fields(Recipe):
         kind = float if isinstance(field.default, float) else int
+        flag = f"--{field.name.replace('_', '-')}"
         parser.add_argument(
-            f"--{field.name.replace('_', '-')}", type=kind, default=field.default, help=f"(default: {field.default})"
+            flag, type=kind, default=field.default, help=f"{HELP[field.name]} (default: {field.default})"
         )
     parser.set_defaults(run=run, extra=None)
 
