@@ -9,7 +9,6 @@ from pathlib import Path
 from kvevict.commands.common import Subcommands
 from kvevict.headroles import Recipe
 
-
 HELP = {
     "sinks": "first tokens a streaming head attends",
     "recent": "recent tokens a streaming head attends",
