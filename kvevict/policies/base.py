@@ -118,6 +118,10 @@ class Stage:
     selects (:meth:`Scorer.score`, :meth:`Selector.keep`, ...), not only when it observes the
     pass: a deferred prefill eviction keeps every layer's queries until the end of the prefill
     forward only for such a stage (:meth:`~kvevict.policies.Policy.deferred_signals`)."""
+    mixes_heads: ClassVar[bool] = False
+    """A head's scores or selection read other KV heads of its layer (TOVA's mean over every head,
+    ChunkKV's chunk sums): under vLLM's tensor parallelism, where each worker holds some heads, such
+    a policy is refused."""
     rewrites_keys: ClassVar[bool] = False
     """The stage writes the kept keys in place (``rerotate``): refused over a quantized cache, whose
     stages see dequantized copies."""

@@ -71,6 +71,7 @@ class ChunkKV(Selector):
     their chunks first.
     """
 
+    mixes_heads = True  # a chunk's score sums every KV head of the layer
     name = "chunk"
     batched = True
     summary = "keep whole chunks of 10 consecutive tokens by their summed score, the same in every head (ChunkKV)"

@@ -434,6 +434,11 @@ class Policy:
         return bool(self._overriding("new_tokens"))
 
     @cached_property
+    def mixes_heads(self) -> bool:
+        """Whether a stage reads other KV heads of a layer to score or select one (:attr:`Stage.mixes_heads`)."""
+        return any(stage.mixes_heads for stage in self.stages)
+
+    @cached_property
     def watches_evictions(self) -> bool:
         """Whether a stage reads the evicted entries (:meth:`on_evict`): otherwise the cache
         does not build the mask of them."""

@@ -34,6 +34,7 @@ class TOVA(Method):
     summary = "evict the entry the current query attends least (mean over heads)"
     batched = True
     attention_scores = True
+    mixes_heads = True  # the mean over every query head of the layer
     PARAMS = SINKS_AND_WINDOW
 
     def requirements(self, phase: Phase, evicting: bool, regime: Regime) -> Requirements:

@@ -177,8 +177,14 @@ def refusals(vllm_config: Any, version: str) -> list[str]:
     if vllm_config.cache_config.cache_dtype not in ("auto", None):
         reasons.append(f"a quantized KV cache ({vllm_config.cache_config.cache_dtype}) is not supported")
     parallel = vllm_config.parallel_config
-    if parallel.pipeline_parallel_size > 1 or parallel.tensor_parallel_size > 1:
-        reasons.append("pipeline and tensor parallelism are not supported yet")
+    if parallel.pipeline_parallel_size > 1:
+        reasons.append("pipeline parallelism is not supported")
+    settings = settings_of(vllm_config.additional_config)
+    if parallel.tensor_parallel_size > 1 and settings is not None and settings.make_policy().mixes_heads:
+        reasons.append(
+            f"{settings.policy} reads every KV head of a layer to score one, and tensor parallelism splits the heads "
+            "across workers (use a policy that scores each head alone, e.g. h2o, snapkv, streamingllm, epikv)"
+        )
     model = vllm_config.model_config
     if model.get_sliding_window() is not None or "sliding_attention" in (
         getattr(model.hf_text_config, "layer_types", None) or ()

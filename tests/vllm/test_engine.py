@@ -6,6 +6,7 @@ others decode; evicted blocks go back to the pool, and nothing leaks."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
@@ -198,3 +199,21 @@ def test_a_request_runs_at_its_own_budget_or_without_eviction(tiny_llama_dir, hf
         reference = kvevict_reference(hf_model_tiny, ids, policy, NEW_TOKENS, budget=budget, interval=interval)
         assert got[name] == reference.tokens, name
         assert kept[name] == reference.kept, name
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="two workers need two cores")
+def test_tensor_parallel_workers_each_evict_their_own_heads(tiny_llama_dir, hf_model_tiny, monkeypatch) -> None:
+    """Tensor parallelism of 2: each worker holds one of the tiny model's two KV heads and evicts it
+    under the request's one count; together they keep what kvevict's cache keeps and give its tokens."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # a core each (vLLM's CPU workers bind by NUMA node)
+    prompts = prompts_of(tiny_llama_dir, {"a": 90, "b": 120})
+    parallel = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    with engine(tiny_llama_dir, "h2o", budget=BUDGET, interval=INTERVAL, **parallel) as llm:
+        got = serve(llm, prompts, NEW_TOKENS)
+        halves = {name: llm.collective_rpc("kvevict_kept", args=(name,)) for name in prompts}
+    for name, ids in prompts.items():
+        first, second = halves[name]
+        kept = [mine + theirs for mine, theirs in zip(first, second)]  # worker 0 holds head 0, worker 1 head 1
+        reference = kvevict_reference(hf_model_tiny, ids, "h2o", NEW_TOKENS, budget=BUDGET, interval=INTERVAL)
+        assert kept == reference.kept, name
+        assert got[name].tokens == reference.tokens, name

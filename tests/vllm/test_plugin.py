@@ -92,7 +92,11 @@ def sliding_dir(tmp_path_factory, smollm2_dir):
             "speculative",
         ),
         ({"kv_cache_dtype": "fp8"}, "a quantized KV cache (fp8) is not supported"),
-        ({"tensor_parallel_size": 2}, "pipeline and tensor parallelism are not supported yet"),
+        ({"pipeline_parallel_size": 2}, "pipeline parallelism is not supported"),
+        (
+            {"tensor_parallel_size": 2, "additional_config": {"kvevict": {"policy": "tova", "budget": 64}}},
+            "tova reads every KV head of a layer to score one, and tensor parallelism splits the heads",
+        ),
         ({"worker_cls": "my.Worker"}, "it brings its own worker class"),
         (
             {"additional_config": {"kvevict": {"policy": "adakv+snapkv", "budget": 64}}},
