@@ -157,9 +157,8 @@ class RequestEntries:
         """Whether it ever evicts, over at most ``most_tokens`` processed tokens (its prompt and
         the most it may generate): if not, the policy has nothing to do for it, ever, and its
         passes are vLLM's alone."""
-        self.every_pass = policy.observes or policy.keeps_token_state or hidden is not None
-        """Whether the policy reads every pass (its hidden states recorded included); if not,
-        only the passes that evict."""
+        self.every_pass = policy.observes or policy.keeps_token_state
+        """Whether the policy reads every pass's attention layers; if not, only the passes that evict."""
 
     def kept_positions(self, layers: int, heads: int) -> list[list[list[int]]]:
         """The absolute positions each of ``layers`` layers and ``heads`` KV heads holds, ascending."""

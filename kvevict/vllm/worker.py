@@ -96,9 +96,12 @@ class EvictionModelRunner(CPUModelRunner):
             metadata = metadata[module.layer_name] if isinstance(metadata, dict) else metadata
             if metadata is None:  # a warm-up or profiling pass
                 return
+            steps = [step for step in self.step if step.evicts or step.entries.every_pass]
+            if not steps:  # (a pass that only records hidden states)
+                return
             query = args[0].view(-1, module.num_heads, module.head_size)
             layout = self._layout(module)
-            for group in lockstep(self.step, layer_idx):
+            for group in lockstep(steps, layer_idx):
                 rows = [query[step.start : step.start + step.num_new] for step in group]  # [num_new, Hq, d] each
                 observe_and_evict(
                     group,
@@ -187,7 +190,8 @@ class EvictionModelRunner(CPUModelRunner):
                 passes=entries.passes,
                 keep=entries.schedule.held(done + new),
             )
-            if step.evicts or entries.every_pass:  # else the pass asks nothing of the policy
+            # else the pass asks nothing of the policy (a hidden-state policy records every pass's decoder outputs)
+            if step.evicts or entries.every_pass or entries.owner.hidden is not None:
                 self.step.append(step)
         if evicted.any():
             shift = torch.from_numpy(evicted)
