@@ -84,15 +84,16 @@ class Rerotate(Observer):
 
     def on_evict(self, layer: EntryView, evicted: torch.Tensor) -> None:
         kept = ~evicted if layer.valid is None else layer.valid & ~evicted
-        moves = shifts(layer.positions, evicted, layer.valid).masked_fill(~kept, 0)
-        if not bool(moves.any()):
+        moved = shifts(layer.positions, evicted, layer.valid).masked_fill(~kept, 0)
+        where = moved.nonzero(as_tuple=True)  # only the keys before an evicted one move (a decode step: the sinks)
+        if not where[0].numel():
             return
-        steps, index = torch.unique(moves, return_inverse=True)
+        steps, index = torch.unique(moved[where], return_inverse=True)
         cos, sin = layer.owner.rotary(steps, layer.layer_idx)
         scale = (cos * cos + sin * sin).sqrt()  # a scaled variant's attention factor: keep it out of δ's rotation
-        cos, sin = (cos / scale)[index], (sin / scale)[index]
         keys = layer.keys
-        keys.copy_(torch.where(kept[..., None], rotate(keys, cos.to(keys.device), sin.to(keys.device)), keys))
+        cos, sin = (cos / scale)[index].to(keys.device), (sin / scale)[index].to(keys.device)
+        keys[where] = rotate(keys[where], cos, sin)  # in place: the layer's own keys
 
     def on_evict_one(self, layer: EntryView, slots: torch.Tensor) -> None:
         evicted = torch.zeros_like(layer.positions, dtype=torch.bool)
