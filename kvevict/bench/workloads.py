@@ -64,7 +64,7 @@ def _prompt_entries(cache: EvictionCache, length: int, learned: Learned) -> int:
 def predict_ceiling(cache: EvictionCache, length: int, new_tokens: int, learned: Learned) -> int:
     """The ceiling (:meth:`EvictionCache.row_ceiling`) of a row whose prompt of ``length``
     tokens is still to be prefilled into ``cache``."""
-    if any(cache.policy.allocator.keeps_all(layer) for layer in range(len(cache.eviction_layers))):
+    if any(cache.policy.allocator.keeps_all(layer.layer_idx) for layer in cache.eviction_layers):
         return length + new_tokens  # a head that keeps every entry (DuoAttention's retrieval heads)
     held = _prompt_entries(cache, length, learned)
     budget = cache.budget.resolve(length)
