@@ -29,6 +29,9 @@ REQUEST_SETTINGS = ("budget", "policy")
 """What a request may set for itself in ``SamplingParams.extra_args["kvevict"]`` (:meth:`EvictionSettings.for_request`)."""
 REQUEST_CHECK = "kvevict.vllm.requests:RequestSettings"
 """The logits processor whose ``validate_params`` refuses a request's bad settings at admission."""
+ENGINE: EvictionSettings | None = None
+"""The settings of the engine this process configured last (:func:`configure`): what its front end
+checks each request against (:mod:`kvevict.vllm.requests`)."""
 VLLM_SERIES = "0.32."
 """The vLLM release series the plug-in is written against (its scheduler, worker and block layout)."""
 SUPPORTED = ("streamingllm", "h2o", "tova", "snapkv", "lazyeviction", "rkv", "epikv")
@@ -219,9 +222,8 @@ def configure(vllm_config: Any) -> None:
         raise EngineRefused(f"kvevict's vLLM plug-in refuses this engine: {'; '.join(reasons)}")
     vllm_config.scheduler_config.scheduler_cls = SCHEDULER
     vllm_config.parallel_config.worker_cls = WORKER
-    from kvevict.vllm import requests
-
-    requests.ENGINE = settings  # what this process's front end checks each request against
+    global ENGINE
+    ENGINE = settings  # what this process's front end checks each request against
     model = vllm_config.model_config
     if REQUEST_CHECK not in (model.logits_processors or []):
         model.logits_processors = [*(model.logits_processors or []), REQUEST_CHECK]

@@ -18,10 +18,7 @@ from typing import Any
 import torch
 from vllm.v1.sample.logits_processor import LogitsProcessor
 
-from kvevict.vllm.config import EvictionSettings
-
-ENGINE: EvictionSettings | None = None
-"""The settings of the engine this process configured last (set by :func:`kvevict.vllm.config.configure`)."""
+from kvevict.vllm import config
 
 
 class RequestSettings(LogitsProcessor):
@@ -30,8 +27,8 @@ class RequestSettings(LogitsProcessor):
 
     @classmethod
     def validate_params(cls, sampling_params: Any) -> None:
-        if ENGINE is not None:
-            ENGINE.for_request(sampling_params.extra_args)
+        if config.ENGINE is not None:
+            config.ENGINE.for_request(sampling_params.extra_args)
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
         pass
