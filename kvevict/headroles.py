@@ -23,6 +23,7 @@ import torch
 from transformers import AttentionInterface
 
 from kvevict.policies.allocation import model_fingerprint
+from kvevict.signals import causal_mask
 
 MIXED = "kvevict_duo_mixed"
 """The attention function the gates are trained through."""
@@ -75,11 +76,12 @@ def _mixed_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
+    if _Training.gates is None:
+        raise RuntimeError(f"the attention function {MIXED!r} runs only inside train_gates")
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    queries, keys = query.shape[2], key.shape[2]
     if attention_mask is None:
-        base = torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries)
+        base = causal_mask(query.shape[2], key.shape[2], query.device)
     else:
         base = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
     sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -87,8 +89,6 @@ def _mixed_attention(
     streaming = sdpa(
         query, key, value, attn_mask=streaming_mask(base, _Training.sinks, _Training.recent), scale=scaling
     )
-    if _Training.gates is None:
-        raise RuntimeError(f"the attention function {MIXED!r} runs only inside train_gates")
     alpha = _Training.gates[module.layer_idx].clamp(0, 1).repeat_interleave(groups)[None, :, None, None]
     mixed = alpha * full + (1 - alpha) * streaming
     return mixed.transpose(1, 2).contiguous(), None

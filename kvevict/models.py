@@ -384,6 +384,13 @@ def check_policy_fits(model: PreTrainedModel, corrects_output: bool, budget: int
         )
 
 
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[-x₂, x₁]`` over the two halves of the last dimension: transformers' RoPE rotates ``x`` by
+    ``x·cos + rotate_half(x)·sin``."""
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
 class RotaryTable:
     """The model's rotary position embedding at any positions: ``table(positions, layer_idx)``
     → ``(cos, sin)``, each ``[n, d]`` fp32, exactly as the model rotates that layer's queries and

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvevict.models import rotate_half
 from kvevict.policies.base import Method
 from kvevict.policies.params import declare, flag, integer, number
 from kvevict.signals import Signals, group_reduce
@@ -44,8 +45,7 @@ def rope_inverse(query: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     of the queries' positions, scaled RoPE included) has inverse ``(cos − sin·P)/(cos² + sin²)``
     because ``P`` commutes with the per-pair diagonals and ``P² = −I``. fp32."""
     q = query.float()
-    rotated = torch.cat([-q[..., q.shape[-1] // 2 :], q[..., : q.shape[-1] // 2]], dim=-1)
-    return (q * cos - rotated * sin) / (cos * cos + sin * sin)
+    return (q * cos - rotate_half(q) * sin) / (cos * cos + sin * sin)
 
 
 def average_rotation(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

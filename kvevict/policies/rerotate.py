@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from kvevict.models import rotate_half
 from kvevict.policies.base import Observer
 
 if TYPE_CHECKING:
@@ -36,9 +37,8 @@ def shifts(positions: torch.Tensor, evicted: torch.Tensor, held: torch.Tensor | 
 
 def rotate(keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``k·cos + rotate_half(k)·sin``, the rotation transformers' RoPE applies (fp32 math)."""
-    half = keys.shape[-1] // 2
-    turned = torch.cat([-keys[..., half:], keys[..., :half]], dim=-1)
-    return (keys.float() * cos + turned.float() * sin).to(keys.dtype)
+    k = keys.float()
+    return (k * cos + rotate_half(k) * sin).to(keys.dtype)
 
 
 class Rerotate(Observer):
