@@ -164,8 +164,8 @@ def settings_of(additional_config: Any) -> EvictionSettings | None:
     return EvictionSettings.parse(additional_config[KEY])
 
 
-def refusals(vllm_config: Any, version: str) -> list[str]:
-    """Why an engine with these settings cannot run the plug-in (empty: it can)."""
+def refusals(vllm_config: Any, settings: EvictionSettings, version: str) -> list[str]:
+    """Why an engine with this configuration and these settings cannot run the plug-in (empty: it can)."""
     reasons = []
     if not version.startswith(VLLM_SERIES):
         reasons.append(f"it needs vLLM {VLLM_SERIES}x, found {version}")
@@ -182,8 +182,7 @@ def refusals(vllm_config: Any, version: str) -> list[str]:
     parallel = vllm_config.parallel_config
     if parallel.pipeline_parallel_size > 1:
         reasons.append("pipeline parallelism is not supported")
-    settings = settings_of(vllm_config.additional_config)
-    if parallel.tensor_parallel_size > 1 and settings is not None and settings.make_policy().mixes_heads:
+    if parallel.tensor_parallel_size > 1 and settings.make_policy().mixes_heads:
         reasons.append(
             f"{settings.policy} reads every KV head of a layer to score one, and tensor parallelism splits the heads "
             "across workers (use a policy that scores each head alone, e.g. h2o, snapkv, streamingllm, epikv)"
@@ -217,7 +216,7 @@ def configure(vllm_config: Any) -> None:
         return
     import vllm
 
-    reasons = refusals(vllm_config, vllm.__version__)
+    reasons = refusals(vllm_config, settings, vllm.__version__)
     if reasons:
         raise EngineRefused(f"kvevict's vLLM plug-in refuses this engine: {'; '.join(reasons)}")
     vllm_config.scheduler_config.scheduler_cls = SCHEDULER

@@ -193,6 +193,11 @@ class RowPass:
         return self.tokens - self.entries.schedule.prompt_length
 
     @property
+    def reads_attention(self) -> bool:
+        """Whether the policy reads the pass at the attention layers: it evicts, or reads every pass."""
+        return self.evicts or self.entries.every_pass
+
+    @property
     def evicts(self) -> bool:
         """Whether the pass ends with an eviction: on the schedule's steps, and on the pass that
         computes a preempted request again from nothing, if it then holds more than the schedule's count."""

@@ -96,7 +96,7 @@ class EvictionModelRunner(CPUModelRunner):
             metadata = metadata[module.layer_name] if isinstance(metadata, dict) else metadata
             if metadata is None:  # a warm-up or profiling pass
                 return
-            steps = [step for step in self.step if step.evicts or step.entries.every_pass]
+            steps = [step for step in self.step if step.reads_attention]
             if not steps:  # (a pass that only records hidden states)
                 return
             query = args[0].view(-1, module.num_heads, module.head_size)
@@ -191,7 +191,7 @@ class EvictionModelRunner(CPUModelRunner):
                 keep=entries.schedule.held(done + new),
             )
             # else the pass asks nothing of the policy (a hidden-state policy records every pass's decoder outputs)
-            if step.evicts or entries.every_pass or entries.owner.hidden is not None:
+            if step.reads_attention or entries.owner.hidden is not None:
                 self.step.append(step)
         if evicted.any():
             shift = torch.from_numpy(evicted)
