@@ -37,6 +37,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
+from kvevict.arena import LayerArena
 from kvevict.attention import install as install_attention
 from kvevict.budgets import Budget
 from kvevict.hidden import HiddenStateRecorder
@@ -48,7 +49,6 @@ from kvevict.policies import Method, Policy, make_policy
 from kvevict.quant import QuantConfig
 from kvevict.rows import RowView, SequenceState
 from kvevict.signals import Signals
-from kvevict.storage import LayerArena
 
 __all__ = ["EvictionCache", "EvictionLayer", "KeptEntries", "RowView"]
 
@@ -161,7 +161,7 @@ class EvictionCache(PassEnds, Cache):
         if not isinstance(policy, Policy):
             raise TypeError(f"policy must be a policy name or a kvevict Policy, got {type(policy).__name__}")
         self.budget = Budget(budget, keep)
-        if not self.budget.given and policy.name != "full":
+        if not self.budget.given and policy.method.evicts:
             raise ValueError(f"policy {policy.name!r} needs a budget: give budget= (tokens) or keep= (fraction)")
         if budget is not None:
             policy.check_budget(budget)

@@ -148,22 +148,29 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, PackedPasses, DynamicLayer):
     # codes (:meth:`end_pass`): reading these then gives new padded (dequantized) tensors,
     # and leaves the storage as it is.
     def _between_passes(self) -> bool:
-        return self.storage.packed is not None or self.storage.quantized is not None
+        storage = self.storage
+        return storage.packed is not None or storage.quantized is not None or storage.channels is not None
 
     @property
     def keys(self) -> torch.Tensor:
-        return self.storage.dense("keys", self._free_positions()) if self._between_passes() else self._exposed.keys
+        return (
+            self.storage.dense("keys", self._free_positions(), self.n) if self._between_passes() else self._exposed.keys
+        )
 
     @property
     def values(self) -> torch.Tensor:
-        return self.storage.dense("values", self._free_positions()) if self._between_passes() else self._exposed.values
+        return (
+            self.storage.dense("values", self._free_positions(), self.n)
+            if self._between_passes()
+            else self._exposed.values
+        )
 
     @property
     def positions(self) -> torch.Tensor:
         """Absolute position of each entry in its own sequence ``[B, Hkv, n]`` (the model's RoPE
         position; negative for left padding and free slots, which are never valid)."""
         if self._between_passes():
-            return self.storage.dense("positions", self._free_positions())
+            return self.storage.dense("positions", self._free_positions(), self.n)
         return self._exposed.positions
 
     @property
@@ -172,7 +179,11 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, PackedPasses, DynamicLayer):
         padding, head-wise budgets, ``keep=`` with prompts of different lengths): each is
         padded to the longest and its padding is masked out of attention and selection.
         ``None`` while every entry is real."""
-        return self.storage.dense("valid", self._free_positions()) if self._between_passes() else self._exposed.valid
+        return (
+            self.storage.dense("valid", self._free_positions(), self.n)
+            if self._between_passes()
+            else self._exposed.valid
+        )
 
     @property
     def state(self) -> dict[str, torch.Tensor]:
@@ -180,7 +191,7 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, PackedPasses, DynamicLayer):
         if not self._between_passes():
             return self._state_views
         free = self._free_positions()
-        return {name: self.storage.dense(name, free) for name in self.storage.state}
+        return {name: self.storage.dense(name, free, self.n) for name in self.storage.state}
 
     def _free_positions(self, before_pass: bool = False) -> torch.Tensor:
         """``[B]``: where free slots of unpacked storage sit, a past position of their row that
@@ -196,9 +207,44 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, PackedPasses, DynamicLayer):
         self._pass_views, self.packed_pass = None, False
         if self.owner.quant is not None:
             self.quantize()
-        elif self.is_initialized and self.storage.valid is not None and self.storage.packed is None:
+            return
+        self.prune_key_channels()
+        if self.is_initialized and self.storage.valid is not None and self.storage.packed is None:
             self.storage.pack(self.n, [row.start + row.width for row in self.rows])
             self.expose_nothing()  # no view of the old tensors
+
+    def prune_key_channels(self) -> None:
+        """At the end of a pass, the key channels rows pruned (ThinK, :meth:`RowView.keep_channels`)
+        are zeroed in the pass's new keys too, and once every row pruned, the storage holds only
+        the kept channels until the next pass (:meth:`~kvevict.storage.LayerStorage.keep_channels`)."""
+        mask = self.channel_mask()
+        if mask is None or not self.n or self.storage.packed is not None or self.storage.channels is not None:
+            return
+        self.storage.keys[:, :, : self.n].mul_(mask)
+        channels = self.pruned_channels()
+        if channels is not None:
+            self.storage.keep_channels(channels)
+            self.expose_nothing()
+
+    def pruned_channels(self) -> torch.Tensor | None:
+        """``[B, Hkv, k]``: the key channels every row keeps (ThinK, :meth:`RowView.keep_channels`),
+        once every row pruned its keys' channels; None before (the storage then holds every channel)."""
+        masks = [row.channels for row in self.rows]
+        if not self.is_initialized or not masks or any(mask is None for mask in masks):
+            return None
+        mask = torch.stack(masks)
+        return mask.nonzero()[:, -1].view(*mask.shape[:2], -1).clone()  # (not a view of nonzero's [N, 3])
+
+    def channel_mask(self) -> torch.Tensor | None:
+        """``[B, Hkv, 1, d]`` in the keys' dtype: 1 at the channels each row keeps, 0 at those it
+        pruned (a row that pruned none: 1 everywhere); None while no row pruned any."""
+        masks = [row.channels for row in self.rows]
+        if all(mask is None for mask in masks):
+            return None
+        whole = next(mask for mask in masks if mask is not None).new_ones(())
+        return torch.stack([whole.expand_as(masks[0]) if mask is None else mask for mask in masks])[:, :, None].to(
+            self.dtype
+        )
 
     def quantize(self) -> None:
         """A quantized cache's layer holds its keys and values as codes until its next pass
@@ -223,6 +269,8 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, PackedPasses, DynamicLayer):
             and not any(view.layer is self for view, _ in owner.deferred)
         ):
             self.quantize()
+            if not owner.ends_passes:  # (a closed cache's passes have no end_pass)
+                self.prune_key_channels()
 
     def unpack(self, before_pass: bool = False) -> None:
         """Before a pass (``before_pass``: its tokens are already counted) or a change of the
@@ -236,6 +284,9 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, PackedPasses, DynamicLayer):
                 self._steady = None
             else:
                 self.refresh()
+        if self.storage.channels is not None:
+            self.storage.widen_keys()
+            self.refresh()
 
     @property
     def policy(self) -> Any:
@@ -364,6 +415,7 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, PackedPasses, DynamicLayer):
             and owner.side_pass is None
             and owner.ends_passes
             and not (steady.inference and not torch.is_inference_mode_enabled())  # else leave_inference_mode
+            and not any(row.channels is not None for row in self.rows)  # (their keys are pruned at each pass end)
         )
         if self._steady_pass:  # a decode step as the last one: into the kept views of column n
             owner.advance(self.passes + 1, 1)
@@ -466,11 +518,12 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, PackedPasses, DynamicLayer):
         self.storage.reserve(self.n, theirs.width)
         self.storage.copy_row(row, source.storage, slice(theirs.start, theirs.start + theirs.width))
         spliced = RowState(sequence)
-        spliced.width, spliced.peak, spliced.decode_peak, spliced.memo = (
+        spliced.width, spliced.peak, spliced.decode_peak, spliced.memo, spliced.channels = (
             theirs.width,
             theirs.peak,
             theirs.decode_peak,
             theirs.memo,
+            theirs.channels,
         )
         self.rows[row] = spliced
         self.tokens = max(self.tokens, source.tokens)

@@ -111,7 +111,7 @@ class CacheSettings:
         if self.keep is not None and (isinstance(self.keep, bool) or not isinstance(self.keep, (int, float))):
             raise ValueError(f"model arg keep must be a fraction in (0, 1], got {self.keep!r}")
         Budget(self.budget, None if self.keep is None else float(self.keep))
-        if policy.name != "full" and self.budget is None and self.keep is None:
+        if policy.method.evicts and self.budget is None and self.keep is None:
             raise ValueError(f"policy {self.policy!r} needs model arg budget= (tokens) or keep= (fraction)")
         if self.budget is not None:
             policy.check_budget(self.budget)

@@ -141,7 +141,7 @@ class PackedPasses:
             and owner.side_pass is None
             and owner.hidden is None
             and (not self.policy.evicts_in("decode") if num_new == 1 else chunks_stay_packed(self.policy))
-            and all(row.sequence.start_passes for row in self.rows)
+            and all(row.sequence.start_passes and row.channels is None for row in self.rows)  # (ThinK masks keys)
             and self.continues_prompt(num_new) == (num_new > 1)
         )
 

@@ -20,10 +20,11 @@ from typing import Any, NamedTuple
 
 import torch
 
+from kvevict.arena import LayerArena
 from kvevict.compat import pass_cache
 from kvevict.rows import LayerStack, RowState, RowView, SequenceState, phase_of, real_columns
 from kvevict.signals import Phase, Signals
-from kvevict.storage import Columns, LayerArena, LayerStorage
+from kvevict.storage import Columns, LayerStorage
 
 SidePassObserver = Callable[[Any, torch.Tensor, Any, torch.nn.Module | None], torch.Tensor | None]
 """Receives ``(layer, query, logit spec, attention module)`` of each layer during a scoring pass, before

@@ -125,7 +125,7 @@ def save_file(cache: Any, path: str | Path, model: PreTrainedModel) -> Path:
         n, packed, quantized = layer.n, layer.storage.packed, layer.storage.quantized
         if packed is not None:  # heads or rows of different lengths: the real entries only, as held
             entries = {"valid": packed.held}
-            entries.update({_entry_name(name, layer.state): x for name, x in packed.real().items()})
+            entries.update({_entry_name(name, layer.state): x for name, x in layer.storage.packed_entries().items()})
         elif quantized is not None:  # codes, scales and zero points as held (encoded below), the rest dense
             entries = {f"state.{name}": value for name, value in layer.state.items()}
             if layer.valid is not None:
@@ -147,7 +147,11 @@ def save_file(cache: Any, path: str | Path, model: PreTrainedModel) -> Path:
                 "quantized": None if quantized is None else encoder.encode(quantized),
                 "state": list(layer.state),
                 "rows": [
-                    {**{field: getattr(row, field) for field in ROW_FIELDS}, "memo": encoder.encode(row.memo)}
+                    {
+                        **{field: getattr(row, field) for field in ROW_FIELDS},
+                        "memo": encoder.encode(row.memo),
+                        "channels": encoder.encode(row.channels),
+                    }
                     for row in layer.rows
                 ],
             }
@@ -277,6 +281,7 @@ def _restore(cache: Any, metadata: dict[str, str], tensors: dict[str, torch.Tens
             for field in ROW_FIELDS:
                 setattr(row, field, saved[field])
             row.memo = _decode(saved["memo"], tensors)
+            row.channels = _decode(saved.get("channels"), tensors)  # (ThinK: the layer's pass end prunes them again)
             layer.rows.append(row)
         layer.refresh(n)
         if quantized is not None:

@@ -1,15 +1,16 @@
 """The tensors one eviction layer holds, and the only code that replaces them.
 
 Owns: a layer's keys, values, positions, validity mask and per-token policy state
-``[B, Hkv, capacity, ...]`` (:class:`LayerStorage`), the views of its first ``n`` columns
-(:class:`Columns`), and the storage of several layers as one tensor per kind
-(:class:`LayerArena`). Every replacement of a tensor goes through :class:`LayerStorage` and
-bumps its :attr:`~LayerStorage.version`: cached views, the steady decode path and arenas
+``[B, Hkv, capacity, ...]`` (:class:`LayerStorage`) and the views of its first ``n`` columns
+(:class:`Columns`); :mod:`kvevict.arena` holds several layers' storage as one tensor per
+kind. Every replacement of a tensor goes through :class:`LayerStorage` and bumps its :attr:`~LayerStorage.version`: cached views, the steady decode path and arenas
 compare that number rather than trusting each writer to clear what it made stale.
 
 Between passes a ragged layer keeps only its real entries (:class:`PackedEntries`) and a
 quantized cache's layer holds its keys and values as codes (:mod:`kvevict.quant`,
-:meth:`LayerStorage.quantize`); the next pass gets the padded, dequantized layout back.
+:meth:`LayerStorage.quantize`), and a layer whose key channels were pruned (ThinK) only the kept
+channels (:meth:`LayerStorage.keep_channels`); the next pass gets the padded, dequantized,
+full-width layout back.
 
 Must not touch: rows, passes or policies. Which columns a row occupies, and what a pass
 appends where, is decided by :mod:`kvevict.layer`; this module only moves entries it is
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import astuple, dataclass
-from typing import Protocol
 
 import torch
 
@@ -147,6 +147,11 @@ class LayerStorage:
         """Between passes, the real entries of a ragged layer, and nothing else (:meth:`pack`)."""
         self.quantized: QuantizedEntries | None = None
         """Between passes, the keys and values of a quantized layer (:meth:`quantize`)."""
+        self.channels: torch.Tensor | None = None
+        """Between passes, when the keys hold only some channels of each head (ThinK,
+        :meth:`keep_channels`): which, ``[B, Hkv, k]`` ascending; None: every channel."""
+        self.key_dim = 0
+        """The keys' head dimension while :attr:`channels` holds them narrower."""
         self.previous: ReusableCodes | None = None
         """During a pass, what :attr:`quantized` was: its codes still in place are kept at the pass's end."""
         self._aside: tuple[tuple[object, ...], tuple[torch.Tensor, ...]] | None = None
@@ -172,6 +177,8 @@ class LayerStorage:
             held.append(self.valid)
         if self.packed is not None:
             held += self.packed.tensors()
+        if self.channels is not None:
+            held.append(self.channels)
         for quantized in (self.quantized, self.previous):
             held += [] if quantized is None else quantized.tensors()
         return held
@@ -204,7 +211,7 @@ class LayerStorage:
         self.values = values.new_zeros(b, h, 0, values.shape[-1])
         self.positions = torch.zeros(b, h, 0, dtype=torch.long, device=keys.device)
         self.valid, self.state, self.capacity = None, {}, 0
-        self.packed = self.quantized = self.previous = None
+        self.packed = self.quantized = self.previous = self.channels = None
         self.replaced()
 
     def _map(self, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -366,11 +373,48 @@ class LayerStorage:
         self.positions = quantized.positions.restore(self.capacity)
         self.replaced()
 
-    def dense(self, name: str, free: torch.Tensor) -> torch.Tensor | None:
+    def keep_channels(self, channels: torch.Tensor) -> None:
+        """Between passes, hold of each head's keys only the channels ``channels`` ``[B, Hkv, k]``
+        (ascending; ThinK's pruned key channels are zero in every key, so nothing is lost): the
+        keys' bytes fall by the pruned share (:meth:`widen_keys` before the next pass). Before
+        :meth:`pack`, whose packed entries then hold the narrow keys."""
+        assert self.channels is None and self.quantized is None and self.packed is None
+        keys = self.keys
+        self.key_dim = keys.shape[-1]
+        self.keys = keys.gather(3, channels[:, :, None, :].expand(*keys.shape[:3], channels.shape[-1]))
+        self.channels = channels
+        self.replaced()
+
+    def widened(self, keys: torch.Tensor) -> torch.Tensor:
+        """Narrow keys ``[B, Hkv, m, k]`` of :meth:`keep_channels` back at their channels, zeros elsewhere."""
+        channels = self.channels
+        assert channels is not None
+        wide = keys.new_zeros(*keys.shape[:3], self.key_dim)
+        return wide.scatter_(3, channels[:, :, None, :].expand(*keys.shape), keys)
+
+    def widen_keys(self) -> None:
+        """Every channel of the keys back (pruned ones zero) before a pass or a change of the rows."""
+        self.keys = self.widened(self.keys)
+        self.channels = None
+        self.replaced()
+
+    def packed_entries(self) -> dict[str, torch.Tensor]:
+        """The packed real entries by name, in storage order (:meth:`pack`), keys at every channel."""
+        packed = self.packed
+        assert packed is not None
+        real = packed.real()
+        if self.channels is not None:
+            rows, heads, _ = packed.held.nonzero(as_tuple=True)  # each real entry's row and head, in storage order
+            keys = real["keys"]
+            real["keys"] = keys.new_zeros(len(keys), self.key_dim).scatter_(1, self.channels[rows, heads], keys)
+        return real
+
+    def dense(self, name: str, free: torch.Tensor, n: int) -> torch.Tensor | None:
         """Entry ``name`` (``keys``, ``values``, ``positions``, ``valid``, a state entry) of the
-        packed or quantized entries, padded as a pass would see it (free slots of row ``b`` at
-        position ``free[b]``; keys and values dequantized): a new tensor, not kept (reading a
-        packed or quantized layer between passes does not inflate it)."""
+        packed, quantized or channel-pruned entries of ``n`` columns, padded as a pass would see
+        it (free slots of row ``b`` at position ``free[b]``; keys and values dequantized, keys at
+        every channel): a new tensor, or a view, not kept (reading a layer between passes does
+        not inflate it)."""
         quantized = self.quantized
         if quantized is not None:
             if name in ("keys", "values"):
@@ -380,12 +424,17 @@ class LayerStorage:
             value = self.valid if name == "valid" else self.entries()[name]
             return None if value is None else value.narrow(2, 0, quantized.n)
         packed = self.packed
-        assert packed is not None
+        if packed is None:  # only the keys' channels are set aside
+            value = self.valid if name == "valid" else self.entries()[name]
+            if value is None:
+                return None
+            return self.widened(value.narrow(2, 0, n)) if name == "keys" else value.narrow(2, 0, n)
         held = packed.held
         if name == "valid":
             return held
         slots = held_slots(held, held.shape[-1])
-        return spread(packed.real([name])[name], held, held.shape[-1], slots, free if name == "positions" else None)
+        dense = spread(packed.real([name])[name], held, held.shape[-1], slots, free if name == "positions" else None)
+        return self.widened(dense) if name == "keys" and self.channels is not None else dense
 
     def leave_inference_mode(self) -> None:
         """Storage is written in place, which torch forbids on tensors made under ``inference_mode``
@@ -491,101 +540,3 @@ def move_last_into(storages: Iterable[torch.Tensor], slots: torch.Tensor, last: 
         # the source column is copied (one entry per head): torch refuses a scatter whose
         # source lies inside the written tensor whenever it can see the overlap
         storage.scatter_(slots.dim(), indices[trailing], storage.narrow(slots.dim(), last, 1).clone())
-
-
-class StoredLayer(Protocol):
-    """What an arena needs of a layer: its storage, the columns in use, and a way to expose them anew."""
-
-    storage: LayerStorage
-    n: int
-
-    def refresh(self) -> None: ...
-
-
-class LayerArena:
-    """The storage of several layers as one tensor per kind ``[L, B, Hkv, capacity, ...]``
-    (keys, values, positions, each per-token state entry), each layer's own storage the view
-    of its slice.
-
-    Why: at the end of a pass the layers of a stack write the new entries' state, are
-    observed and refill their evicted slots together, by one operation per kind rather than
-    one per layer (on a CPU each operation costs microseconds of dispatch, more than moving
-    one entry). A layer that replaces a storage tensor (growing it, a general eviction that
-    compacts it, a batch change) bumps its version and so just leaves the arena
-    (:meth:`holds`); its stack then runs layer by layer until its layers move into a new arena.
-
-    Moving layers in costs one copy of their storage, one kind at a time (each layer's old
-    tensor is freed as it moves): the memory briefly holds one kind twice."""
-
-    def __init__(self, layers: Sequence[StoredLayer]):
-        self.layers = tuple(layers)
-        storages = [layer.storage for layer in layers]
-        self.capacity = max(storage.capacity for storage in storages)
-        self.keys = self._adopt(storages, "keys")
-        self.values = self._adopt(storages, "values")
-        self.positions = self._adopt(storages, "positions")
-        self.state = {name: self._adopt(storages, "state", name) for name in storages[0].state}
-        for layer, storage in zip(layers, storages):
-            storage.capacity = self.capacity
-            storage.replaced()
-            layer.refresh()  # the old tensors' views go with them
-        self._versions = [storage.version for storage in storages]
-
-    def _adopt(self, storages: list[LayerStorage], kind: str, name: str | None = None) -> torch.Tensor:
-        """One kind of storage of every layer, as slices of one new tensor (of the largest capacity)."""
-
-        def get(storage: LayerStorage) -> torch.Tensor:
-            return getattr(storage, kind) if name is None else storage.state[name]
-
-        like = get(storages[0])
-        block = like.new_zeros(len(storages), *like.shape[:2], self.capacity, *like.shape[3:])
-        for i, storage in enumerate(storages):
-            old = get(storage)
-            block[i].narrow(2, 0, old.shape[2]).copy_(old)
-            if name is None:
-                setattr(storage, kind, block[i])
-            else:
-                storage.state[name] = block[i]
-        return block
-
-    @staticmethod
-    def fits(layers: Sequence[StoredLayer]) -> bool:
-        """Whether ``layers`` (more than one, every entry real) hold storage of one layout (capacities may differ)."""
-        first = layers[0]
-
-        def layout(layer: StoredLayer) -> list[tuple[object, ...]]:
-            entries = layer.storage.entries().items()
-            return [(name, x.shape[:2], x.shape[3:], x.dtype, x.device) for name, x in entries]
-
-        return len(layers) > 1 and all(
-            layer.storage.valid is None and layer.n == first.n and layout(layer) == layout(first) for layer in layers
-        )
-
-    def holds(self, layers: Sequence[StoredLayer]) -> bool:
-        """Whether the storage of ``layers`` is (still) this arena's: no tensor of theirs replaced since."""
-        return tuple(layers) == self.layers and [layer.storage.version for layer in layers] == self._versions
-
-    @staticmethod
-    def stacked(block: torch.Tensor, n: int) -> torch.Tensor:
-        """``block`` ``[L, B, ...]``'s first ``n`` entries with the layers' rows stacked:
-        ``[L·B, Hkv, n, ...]`` (a view)."""
-        return block.narrow(3, 0, n).flatten(0, 1)
-
-    def write_new(self, length: int, num_new: int, values: dict[str, torch.Tensor]) -> None:
-        """The new entries' state ``{name: [L·B, Hkv, num_new, ...]}`` into every layer's columns
-        ``length - num_new .. length``."""
-        for name, value in values.items():
-            block = self.state[name]
-            new = block.narrow(3, length - num_new, num_new)
-            new.copy_(value.reshape(*block.shape[:3], *value.shape[2:]))
-
-    def write_back(self, length: int, replaced: dict[str, torch.Tensor]) -> None:
-        """Copy the state entries a stage replaced (``[L·B, Hkv, length, ...]``) into the layers."""
-        for name, value in replaced.items():
-            self.stacked(self.state[name], length).copy_(value)
-
-    def fill(self, slots: torch.Tensor, last: int) -> None:
-        """Drop entry ``slots`` ``[L·B, Hkv]`` of every head of every layer: the entry of column
-        ``last`` takes its slot (:meth:`LayerStorage.move_last_into`, for all layers at once)."""
-        blocks = [self.keys, self.values, self.positions, *self.state.values()]
-        move_last_into(blocks, slots.view(*self.keys.shape[:3]), last)

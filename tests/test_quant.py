@@ -31,10 +31,10 @@ from tests.conftest import (
     resident_storages,
     tiny_model,
 )
-from tests.policies.test_contract import BUDGET, POLICIES, PROMPT
+from tests.policies.test_contract import BUDGET, POLICIES, PROMPT, rewrites_keys
 
-QUANTIZABLE = [name for name in POLICIES if not name.startswith("rerotate+")]
-"""Every policy of the contract suite but those that rewrite kept keys (refused over codes: test_rerotate.py)."""
+QUANTIZABLE = [name for name in POLICIES if not rewrites_keys(name)]
+"""Every policy of the contract suite but those that rewrite kept keys (refused over codes: test_rerotate.py, test_think.py)."""
 QUANT = {"quant": "int4", "quant_group": 8, "residual": 8}
 """The tiny models' head dimension is 16: groups of 8 tokens (keys) and 8 channels (values)."""
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from kvevict.storage import LayerArena, LayerStorage
+from kvevict.storage import LayerStorage
 
 
 def filled(batch: int = 2, heads: int = 2, n: int = 5, dim: int = 4) -> LayerStorage:
@@ -63,21 +63,18 @@ def test_a_gather_keeps_the_chosen_entries_in_tensors_of_the_new_capacity() -> N
     assert torch.equal(storage.positions[:, :, :3], source)
 
 
-def test_an_arena_holds_its_layers_until_one_replaces_a_tensor() -> None:
-    class Layer:
-        def __init__(self) -> None:
-            self.storage, self.n, self.refreshed = filled(), 5, 0
-
-        def refresh(self) -> None:
-            self.refreshed += 1
-
-    layers = [Layer(), Layer()]
-    before = [layer.storage.keys[:, :, :5].clone() for layer in layers]
-    arena = LayerArena(layers)
-    assert all(layer.refreshed == 1 for layer in layers)  # their views are of the arena now
-    assert arena.holds(layers)
-    for layer, keys in zip(layers, before):
-        assert torch.equal(layer.storage.keys[:, :, :5], keys)
-        assert layer.storage.keys.untyped_storage().data_ptr() == arena.keys.untyped_storage().data_ptr()
-    layers[1].storage.reserve(5, 40)
-    assert not arena.holds(layers)
+def test_kept_key_channels_are_held_narrow_and_read_back_at_their_places() -> None:
+    storage = filled(dim=4)
+    keys = storage.keys.clone()
+    channels = torch.tensor([[[0, 2], [1, 3]], [[2, 3], [0, 1]]])  # [B, Hkv, k]: each head its own
+    storage.keep_channels(channels)
+    assert storage.keys.shape[-1] == 2 and storage.key_dim == 4
+    widened = storage.dense("keys", torch.zeros(2, dtype=torch.long), 5)
+    expected = torch.zeros_like(keys).scatter_(
+        3,
+        channels[:, :, None].expand(-1, -1, keys.shape[2], -1),
+        keys.gather(3, channels[:, :, None].expand(-1, -1, keys.shape[2], -1)),
+    )
+    assert torch.equal(widened, expected[:, :, :5])
+    storage.widen_keys()
+    assert storage.channels is None and torch.equal(storage.keys, expected)

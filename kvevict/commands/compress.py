@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
 
     policy = make_policy(args.policy)  # bad input fails before the model loads
     storage = quant_options(args)
-    if args.budget is None and args.keep is None and args.policy != "full":
+    if args.budget is None and args.keep is None and policy.method.evicts:
         raise ValueError("give --keep (a fraction of the document) or --budget (tokens per KV head)")
     if args.budget is not None:
         Budget(args.budget, args.keep)

@@ -36,6 +36,7 @@ from kvevict.policies.rerotate import Rerotate
 from kvevict.policies.rkv import RKV
 from kvevict.policies.simple import Full, KeyDiff, KNorm, Random, StreamingLLM
 from kvevict.policies.snapkv import SnapKV
+from kvevict.policies.think import Think
 from kvevict.policies.thinkv import SegmentHS, ThinKV
 from kvevict.policies.tova import TOVA
 from kvevict.signals import Requirements, Signals, group_reduce
@@ -71,11 +72,22 @@ _METHODS: tuple[type[Method], ...] = (
     DuoAttention,
 )
 POLICIES: dict[str, type[Method]] = {cls.name: cls for cls in _METHODS}
-_PREFIXES: tuple[type[Stage], ...] = (Critical, AdaKV, PyramidKV, HeadKV, MomentNC, GlobalBudget, ChunkKV, Rerotate)
+_PREFIXES: tuple[type[Stage], ...] = (
+    Critical,
+    AdaKV,
+    PyramidKV,
+    HeadKV,
+    MomentNC,
+    GlobalBudget,
+    ChunkKV,
+    Rerotate,
+    Think,
+)
 PREFIXES: dict[str, type[Stage]] = {cls.name: cls for cls in _PREFIXES}
 """Stages named over a policy (``prefix+policy``), by name."""
-ALIASES = {"pyramidkv": "pyramidkv+snapkv", "headkv": "headkv+snapkv"}
-"""Methods known by one name that are an allocator over their paper's scorer."""
+ALIASES = {"pyramidkv": "pyramidkv+snapkv", "headkv": "headkv+snapkv", "think": "think+full"}
+"""Methods known by one name that are a stage over another policy (an allocator over their paper's
+scorer; ThinK's channel pruning over the full cache)."""
 COMPOSED = (
     "adakv+snapkv",
     "pyramidkv",
@@ -88,6 +100,8 @@ COMPOSED = (
     "global+snapkv",
     "global+expected-attention",
     "chunk+snapkv",
+    "think",
+    "think+snapkv",
 )
 """The compositions the papers evaluate (listed and tested like every policy; any other
 ``prefix+...+policy`` whose stages do not clash works too)."""
@@ -111,6 +125,8 @@ KVPRESS = {
     "chunk+<policy>": "ChunkKVPress",
     "duoattention": "DuoAttentionPress",
     "rerotate+<policy>": "KeyRerotationPress",
+    "think": "ThinKPress",
+    "think+<policy>": "ThinKPress",
 }
 """kvpress's name of the policies it also has (kvpress 0.5), for users who come from it."""
 
@@ -198,6 +214,8 @@ def make_policy(name: str, **params: object) -> Policy:
             f"unknown policy {name!r}; known policies: {', '.join(POLICIES)}; prefixes (as 'prefix+policy'): "
             f"{', '.join(PREFIXES)}; aliases: {', '.join(ALIASES)}"
         )
+    if name in ALIASES and base == "full":  # (``think[ratio=0.5]``) a stage over the full cache takes the parameters
+        params = {prefixes[0]: {**(params.pop(prefixes[0], None) or {}), **params}}
     named = []
     for prefix in prefixes:
         own = params.pop(prefix, None) or {}

@@ -123,8 +123,11 @@ class Stage:
     ChunkKV's chunk sums): under vLLM's tensor parallelism, where each worker holds some heads, such
     a policy is refused."""
     rewrites_keys: ClassVar[bool] = False
-    """The stage writes the kept keys in place (``rerotate``): refused over a quantized cache, whose
-    stages see dequantized copies."""
+    """The stage writes the kept keys in place (``rerotate``, ``think``): refused over a quantized
+    cache, whose stages see dequantized copies."""
+    acts_alone: ClassVar[bool] = False
+    """The stage has work of its own over a policy that never evicts (``think`` prunes channels of
+    the full cache); other named stages are refused over one."""
     stackable: ClassVar[bool] = False
     """The stage's per-token hooks (:meth:`new_tokens`, :meth:`observe`, :meth:`Scorer.score`,
     :meth:`Protector.protected`) are the same function in every layer, treat rows

@@ -69,7 +69,7 @@ class Policy:
             slot = stage.slot
             if slot not in NAMED_SLOTS:
                 raise ValueError(f"{spelled}: {stage.name} is a {slot}, which cannot be named over a policy")
-            if not method.evicts:
+            if not method.evicts and not stage.acts_alone:
                 raise ValueError(
                     f"{spelled}: {method.name} never evicts, so {stage.name} would have nothing to do; "
                     f"put {stage.name} over an evicting policy"

@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from kvevict.driver import refill_sources
-from kvevict.rows import StackedRows, uniform
+from kvevict.rows import uniform
 from kvevict.signals import compute_signals
+from kvevict.stacked import StackedRows
 from kvevict.vllm.schedule import EvictionSchedule
 
 

@@ -33,13 +33,23 @@ POLICIES = [
     "chunk+snapkv[chunk.reuse=2]",
     "rerotate+streamingllm",
     "rerotate+adakv+snapkv",
+    "think+adakv+snapkv",
 ]
-EVICTING = [name for name in POLICIES if name != "full"]
+EVICTING = [name for name in POLICIES if build_policy(name).method.evicts]  # (not full, nor ThinK over it)
+
+
+def rewrites_keys(policy: str) -> bool:
+    """Whether ``policy`` changes the keys it keeps on purpose (rerotate, ThinK: their own tests say how)."""
+    return any(stage.rewrites_keys for stage in build_policy(policy).stages)
+
+
 PROMPT = 96
 BUDGET = 40
 
 
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize(
+    "policy", [name for name in POLICIES if not name.startswith("think")]
+)  # (channels: test_think)
 def test_budget_at_least_length_is_identical_to_no_eviction(policy: str, attn: str) -> None:
     model = tiny_model(attn=attn)
     ids = prompt(PROMPT)
@@ -142,7 +152,7 @@ def test_absolute_positions_survive_eviction(policy: str) -> None:
         # depend on earlier evictions, so only the prompt entries (prefilled in full) compare.
         comparable = valid & (positions < PROMPT) if idx else valid  # free slots of ragged heads are no entries
         sides = [(layer.keys, reference.keys), (layer.values, reference.values)]
-        if policy.startswith("rerotate+"):  # moves the kept keys on purpose: test_rerotate.py checks where to
+        if rewrites_keys(policy):  # moves or prunes the kept keys on purpose: test_rerotate.py, test_think.py
             sides = sides[1:]
         for mine, full_states in sides:
             index = positions.clamp(min=0)[..., None].expand(-1, -1, -1, full_states.shape[-1])

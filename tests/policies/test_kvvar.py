@@ -13,7 +13,8 @@ from kvevict.policies.kvvar import (
     lag_normalize,
     lagkv_chunk_scores,
 )
-from kvevict.rows import RowView, stack_rows
+from kvevict.rows import RowView
+from kvevict.stacked import stack_rows
 from tests.conftest import greedy, greedy_batch, head_positions, kept_indices, left_padded, prompt, tiny_model
 
 EPS = 1e-6
