@@ -241,10 +241,8 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, PackedPasses, DynamicLayer):
         masks = [row.channels for row in self.rows]
         if all(mask is None for mask in masks):
             return None
-        whole = next(mask for mask in masks if mask is not None).new_ones(())
-        return torch.stack([whole.expand_as(masks[0]) if mask is None else mask for mask in masks])[:, :, None].to(
-            self.dtype
-        )
+        every = torch.ones_like(next(mask for mask in masks if mask is not None))
+        return torch.stack([every if mask is None else mask for mask in masks])[:, :, None].to(self.dtype)
 
     def quantize(self) -> None:
         """A quantized cache's layer holds its keys and values as codes until its next pass

@@ -34,7 +34,7 @@ def batch_step(model, cache: kvevict.EvictionCache, tokens: torch.Tensor) -> tor
 
 @pytest.mark.parametrize(
     "policy",
-    ["snapkv", "h2o", "tova", "adakv+snapkv", "lazyeviction", "streamingllm"]
+    ["snapkv", "h2o", "tova", "adakv+snapkv", "lazyeviction", "streamingllm", "think+snapkv"]
     + ["epikv", "band-adaptive", "hs-variance", "attn-x-hs", "segment-hs"],  # hidden-state statistics per row
 )
 def test_spliced_rows_go_on_exactly_as_alone(policy: str) -> None:
