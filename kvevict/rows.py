@@ -362,6 +362,11 @@ class LayerStack:
     def head_lengths(self) -> torch.Tensor:
         return torch.full(self.positions.shape[:2], self.length, dtype=torch.long, device=self.device)
 
+    def keep_channels(self, keep: torch.Tensor) -> None:
+        """Each stacked layer's rows prune their part of ``keep`` (rows stacked layer after layer)."""
+        for view, part in zip(self.views, keep.split(self.rows_per_layer), strict=True):
+            view.keep_channels(part)
+
     def replaced(self) -> dict[str, torch.Tensor]:
         """The state entries a stage replaced (rather than wrote in place), by name."""
         return {name: value for name, value in self.state.items() if value is not self._stored.get(name)}
