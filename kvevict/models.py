@@ -261,6 +261,17 @@ def check_model_source(name_or_path: str) -> None:
         raise ValueError(f"model path {name_or_path!r} does not exist; a model (--model) is {MODEL_SOURCES}")
 
 
+def checkpoint_of(name_or_path: str) -> str | Path:
+    """What ``from_pretrained`` reads ``name_or_path`` from: the converted checkpoint directory of
+    an embedded model (``"smollm2"``, ``"gemma3"``), else the hub id or directory itself (checked)."""
+    check_model_source(name_or_path)
+    if name_or_path == SMOLLM2:
+        return smollm2_checkpoint()
+    if name_or_path == GEMMA3:
+        return gemma3_checkpoint()
+    return name_or_path
+
+
 def load_model(
     name_or_path: str = SMOLLM2,
     dtype: str | torch.dtype | None = None,
@@ -275,12 +286,7 @@ def load_model(
     and caches; both offline. Any
     other value is a hub id or a local directory for ``from_pretrained``.
     """
-    check_model_source(name_or_path)
-    source: str | Path = name_or_path
-    if name_or_path == SMOLLM2:
-        source = smollm2_checkpoint()
-    elif name_or_path == GEMMA3:
-        source = gemma3_checkpoint()
+    source = checkpoint_of(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(
         source, dtype=resolve_dtype(dtype), attn_implementation=attn_implementation
