@@ -3,13 +3,13 @@ implements is :mod:`kvevict.bench.task`)."""
 
 from __future__ import annotations
 
-from kvevict.bench import longbench, longgen, maths, ruler
+from kvevict.bench import longbench, longgen, maths, needles, ruler
 from kvevict.bench.task import Task
 
 
 def all_tasks() -> dict[str, Task]:
     """Every registered task by name."""
-    return {**ruler.TASKS, **longgen.TASKS, **longbench.TASKS, **maths.TASKS}
+    return {**ruler.TASKS, **needles.TASKS, **longgen.TASKS, **longbench.TASKS, **maths.TASKS}
 
 
 def get_task(name: str) -> Task:

@@ -9,7 +9,7 @@ import torch
 
 from kvevict.bench.options import comma_separated
 from kvevict.commands.common import BENCH
-from kvevict.gates.train import TrainConfig
+from kvevict.gates.train import DATA, TrainConfig
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -41,6 +41,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=defaults.order,
         help=f"weight of a pairwise ranking term in the training loss (default: {defaults.order:g}; 0: BCE alone)",
     )
+    parser.add_argument(
+        "--data",
+        choices=DATA,
+        default=defaults.data,
+        help="offline contexts: RULER's (default) or varied needle families over five haystacks",
+    )
     parser.set_defaults(run=run, extra=BENCH)
 
 
@@ -48,7 +54,21 @@ def run(args: argparse.Namespace) -> int:
     from kvevict.gates.train import SINKS, build
     from kvevict.models import load_model
 
-    fields = ("count", "length", "tokens", "top", "steps", "batch", "dim", "sinks", "rank", "seed", "lr", "order")
+    fields = (
+        "count",
+        "length",
+        "tokens",
+        "top",
+        "steps",
+        "batch",
+        "dim",
+        "sinks",
+        "rank",
+        "seed",
+        "lr",
+        "order",
+        "data",
+    )
     config = TrainConfig(model=args.model, **{key: getattr(args, key) for key in fields})
     if (
         min(config.length) <= SINKS + 1

