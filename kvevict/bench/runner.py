@@ -105,7 +105,9 @@ class BenchConfig:
             raise ValueError(f"batch size must be an integer >= 1, got {self.batch_size!r}")
         if self.samples < 1 or self.length < 1:
             raise ValueError(f"samples and length must be positive, got samples={self.samples}, length={self.length}")
-        evicting = [name for name in dict.fromkeys(self.policies) if name != "full"]
+        named = [name for name in dict.fromkeys(self.policies) if name != "full"]
+        evicting = [name for name in named if make_policy(name).method.evicts]
+        unbudgeted = [Setting(name) for name in named if name not in evicting]  # (``think``: ThinK over the full cache)
         if evicting and not (self.budgets or self.keeps):
             raise ValueError(f"policies {', '.join(evicting)} need --budgets or --keep")
         budgets = [Setting(name, budget=b) for name in evicting for b in self.budgets]
@@ -118,14 +120,18 @@ class BenchConfig:
         if (self.quant_group is not None or self.residual is not None) and not any(self.quants):
             raise ValueError("a quant group or residual needs quantized settings (--quant int8, int4 or int2)")
         check_chunk(self.prefill_chunk)
-        for name in evicting:  # what the settings ask of each policy: a prompt in chunks
+        for name in named:  # what the settings ask of each policy: a prompt in chunks, quantized storage
             policy = make_policy(name)
             if self.prefill_chunk is not None and not policy.takes_chunks:
                 raise ValueError(policy.chunk_refusal("run it without --prefill-chunk"))
+            if any(self.quants) and any(stage.rewrites_keys for stage in policy.stages):
+                raise ValueError(
+                    f"{name} rewrites the kept keys, which a quantized cache holds as codes: run it without --quant"
+                )
         # full first: it is the reference for "% of full" and for fidelity
         needs_reference = self.fidelity or any(get_task(name).scored_by_fidelity for name in self.tasks)
         reference = [Setting("full")] if "full" in self.policies or needs_reference else []
-        evicting_settings = budgets + keeps
+        evicting_settings = unbudgeted + budgets + keeps
         if self.quants:  # each setting with each option; the reference stays at full precision
             full = [
                 Setting("full", quant=quant) for quant in self.quants if quant is not None and "full" in self.policies

@@ -287,6 +287,12 @@ def test_each_quant_option_runs_every_setting_and_the_full_precision_full_cache_
     ]
 
 
+def test_a_policy_that_never_evicts_runs_once_without_a_budget() -> None:
+    settings = config(policies=("full", "think", "snapkv"), budgets=(40, 64)).settings
+    assert settings[:2] == [Setting("full"), Setting("think")]  # ThinK over the full cache: channels, not tokens
+    assert config(policies=("think",), budgets=(), keeps=()).settings == [Setting("think")]
+
+
 def test_the_quant_group_and_residual_reach_the_quantized_caches_and_their_records(
     tmp_path, model, tokenizer, monkeypatch
 ) -> None:
@@ -310,6 +316,7 @@ def test_the_quant_group_and_residual_reach_the_quantized_caches_and_their_recor
         ({"quants": ("int4",), "residual": -1}, "residual must be an integer >= 0"),
         ({"quants": ("int4",), "quant_group": 0}, "quant group must be an integer >= 1"),
         ({"residual": 16}, "needs quantized settings"),
+        ({"policies": ("think+snapkv",), "quants": (None, "int4")}, "think\\+snapkv rewrites the kept keys"),
     ],
 )
 def test_bad_quant_options_are_refused(overrides: dict, message: str) -> None:
