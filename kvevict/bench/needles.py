@@ -25,11 +25,11 @@ from kvevict.bench.ruler import (
     Builder,
     Prompt,
     RulerTask,
-    _distinct,
-    _draw_kind,
-    _essay_words,
-    _insert,
-    _wordlist,
+    distinct,
+    draw_kind,
+    essay_words,
+    insert_items,
+    wordlist,
 )
 from kvevict.bench.task import Task
 from kvevict.bench.text import split_sentences
@@ -91,7 +91,7 @@ def _code(rng: random.Random) -> str:
 
 
 def draw_value(kind: Kind, rng: random.Random) -> str:
-    return _code(rng) if kind == "codes" else _draw_kind(kind, rng)
+    return _code(rng) if kind == "codes" else draw_kind(kind, rng)
 
 
 @cache
@@ -113,13 +113,13 @@ def haystack_lines(haystack: Haystack, size: int, rng: random.Random) -> list[st
     if haystack == "noise":
         return [NOISE] * size
     if haystack == "lists":
-        adjectives, nouns = _wordlist("adjectivelist.txt"), _wordlist("nounlist.txt")
+        adjectives, nouns = wordlist("adjectivelist.txt"), wordlist("nounlist.txt")
         return [f"- {rng.choice(adjectives)} {rng.choice(nouns)}: {rng.randint(1, 400)} in stock" for _ in range(size)]
     if haystack == "code":
         lines = _code_lines()
         start = rng.randrange(len(lines))
         return list(islice(cycle(lines), start, start + size))
-    words = _essay_words()
+    words = essay_words()
     start = rng.randrange(len(words))
     sentences = split_sentences(" ".join(islice(cycle(words), start, start + 30 * size)))[:size]
     if haystack == "dialogue":
@@ -146,7 +146,7 @@ class NeedleTask(RulerTask):
 def needle_builder(family: Family, rng: random.Random) -> Builder:
     """The keys, values and question of a context of ``family``; the builder fills a haystack of any size."""
     noun = NOUNS[family.kind]
-    keys = _distinct(lambda: _draw_kind("words", rng), family.keys)
+    keys = distinct(lambda: draw_kind("words", rng), family.keys)
     values = [[draw_value(family.kind, rng) for _ in range(family.values)] for _ in keys]
     needles = [
         PHRASINGS[family.phrasing].format(noun=noun, key=key, value=value)
@@ -165,7 +165,7 @@ def needle_builder(family: Family, rng: random.Random) -> Builder:
 
     def build(size: int, rng: random.Random) -> Prompt:
         lines = haystack_lines(family.haystack, size, rng)
-        placed = _insert(lines, needles, rng)
+        placed = insert_items(lines, needles, rng)
         joined = (" " if family.haystack == "essay" else "\n").join(lines)
         metadata = {"family": family.__dict__, "depths": [round(100 * i / max(size, 1)) for i in placed]}
         return Prompt(before + joined, question, prefix, tuple(values[asked]), metadata)

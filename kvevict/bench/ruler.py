@@ -216,7 +216,7 @@ def _tokens(tokenizer: PreTrainedTokenizerBase, text: str) -> int:
     return len(tokenizer(text, add_special_tokens=False).input_ids)
 
 
-def _distinct(draw: Callable[[], str], count: int, exclude: Sequence[str] = ()) -> list[str]:
+def distinct(draw: Callable[[], str], count: int, exclude: Sequence[str] = ()) -> list[str]:
     drawn: list[str] = []
     while len(drawn) < count:
         if (item := draw()) not in drawn and item not in exclude:
@@ -225,18 +225,18 @@ def _distinct(draw: Callable[[], str], count: int, exclude: Sequence[str] = ()) 
 
 
 @cache
-def _wordlist(name: str) -> tuple[str, ...]:
+def wordlist(name: str) -> tuple[str, ...]:
     """A wonderwords word list (``nounlist.txt``, ``adjectivelist.txt``, ``verblist.txt``)."""
     return tuple(_get_words_from_text_file(name))
 
 
 @cache
-def _essay_words() -> tuple[str, ...]:
+def essay_words() -> tuple[str, ...]:
     """The essays split on whitespace, as RULER's ``re.sub(r"\\s+", " ", essay).split(" ")``."""
     return tuple(essays().split())
 
 
-def _insert(sentences: list[str], items: Sequence[str], rng: random.Random) -> list[int]:
+def insert_items(sentences: list[str], items: Sequence[str], rng: random.Random) -> list[int]:
     """RULER's insertion into a line haystack: ``items`` at distinct random indexes, the first
     item at the largest; returns the sorted indexes."""
     indexes = sorted(rng.sample(range(len(sentences)), len(items)), reverse=True)
@@ -296,10 +296,10 @@ class RulerTask(Task):
 # --- needle in a haystack (scripts/data/synthetic/niah.py) --------------------------------------
 
 
-def _draw_kind(kind: Kind, rng: random.Random) -> str:
+def draw_kind(kind: Kind, rng: random.Random) -> str:
     """A key or value as RULER draws it: an adjective-noun pair, a 7-digit number or a UUID4."""
     if kind == "words":
-        return f"{rng.choice(_wordlist('adjectivelist.txt'))}-{rng.choice(_wordlist('nounlist.txt'))}"
+        return f"{rng.choice(wordlist('adjectivelist.txt'))}-{rng.choice(wordlist('nounlist.txt'))}"
     if kind == "numbers":
         return str(rng.randint(1_000_000, 9_999_999))
     return str(uuid.UUID(int=rng.getrandbits(128), version=4))
@@ -330,8 +330,8 @@ class Niah(RulerTask):
         return 1 if self.haystack == "essay" else max(self.num_keys, self.num_queries) * self.num_values
 
     def _draw(self, rng: random.Random, tokenizer: PreTrainedTokenizerBase, length: int) -> Builder:
-        keys = _distinct(lambda: _draw_kind(self.key_type, rng), max(self.num_keys, self.num_queries))
-        values = [[_draw_kind(self.value_type, rng) for _ in range(self.num_values)] for _ in keys]
+        keys = distinct(lambda: draw_kind(self.key_type, rng), max(self.num_keys, self.num_queries))
+        values = [[draw_kind(self.value_type, rng) for _ in range(self.num_values)] for _ in keys]
         needles = [
             NEEDLE.format(type_needle_v=self.value_type, key=key, value=value)
             for key, key_values in zip(keys, values, strict=True)
@@ -350,7 +350,7 @@ class Niah(RulerTask):
 
         def build(size: int, rng: random.Random) -> Prompt:
             if self.haystack == "essay":
-                sentences = split_sentences(" ".join(islice(cycle(_essay_words()), size)))
+                sentences = split_sentences(" ".join(islice(cycle(essay_words()), size)))
                 cuts = [0, *(len(sentences) * depth // 100 for depth in depths), len(sentences)]
                 pieces = []
                 for i, (start, end) in enumerate(pairwise(cuts)):
@@ -364,12 +364,12 @@ class Niah(RulerTask):
                     lines = [
                         NEEDLE.format(
                             type_needle_v=self.value_type,
-                            key=_distinct(lambda: _draw_kind(self.key_type, rng), 1, exclude=keys)[0],
-                            value=_draw_kind(self.value_type, rng),
+                            key=distinct(lambda: draw_kind(self.key_type, rng), 1, exclude=keys)[0],
+                            value=draw_kind(self.value_type, rng),
                         )
                         for _ in range(size)
                     ]
-                placed = [round(100 * index / size) for index in _insert(lines, needles, rng)]
+                placed = [round(100 * index / size) for index in insert_items(lines, needles, rng)]
                 haystack = "\n".join(lines)
             metadata = {"haystack": self.haystack, "depths": placed, "keys": queries}
             return Prompt(before + haystack, question, prefix, answers, metadata)
@@ -437,7 +437,7 @@ class VariableTracking(RulerTask):
 
     def _chains(self, rng: random.Random, name_length: int) -> tuple[list[list[str]], list[list[str]], str]:
         """Variable names, the chains' lines and the first chain's value."""
-        names = _distinct(
+        names = distinct(
             lambda: "".join(rng.choices(string.ascii_uppercase, k=name_length)),
             self.num_chains * (self.num_hops + 1),
             exclude=("VAR",),
@@ -490,7 +490,7 @@ class VariableTracking(RulerTask):
 @cache
 def _cwe_words() -> tuple[str, ...]:
     """RULER's ``cwe`` vocabulary: the wonderwords nouns, adjectives and verbs, deduplicated."""
-    return tuple(sorted({*_wordlist("nounlist.txt"), *_wordlist("adjectivelist.txt"), *_wordlist("verblist.txt")}))
+    return tuple(sorted({*wordlist("nounlist.txt"), *wordlist("adjectivelist.txt"), *wordlist("verblist.txt")}))
 
 
 def _numbered(words: Sequence[str]) -> str:
@@ -563,7 +563,7 @@ class FrequentWords(RulerTask):
     coded_wordlen: ClassVar[int] = 6
 
     def _draw(self, rng: random.Random, tokenizer: PreTrainedTokenizerBase, length: int) -> Builder:
-        vocabulary = _distinct(
+        vocabulary = distinct(
             lambda: "".join(rng.choices(string.ascii_lowercase, k=self.coded_wordlen)), max(4, length // 50)
         )
         vocabulary[0] = "..."
