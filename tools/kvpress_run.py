@@ -55,7 +55,7 @@ def record(sample: dict[str, Any], policy: str, keep: float, prediction: str) ->
         "policy": f"kvpress:{policy}",
         "budget": None,
         "keep": keep,
-        "query_aware": False,
+        "query_aware": sample.get("query_aware", False),
         "metric": sample["metric"],
         "score": string_match_all(prediction, sample["answers"]),
         "prediction": prediction,

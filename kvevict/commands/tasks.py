@@ -24,6 +24,11 @@ def add_parser(commands: Subcommands) -> None:
     parser.add_argument("--samples", type=int, default=4, help="samples per task (default: 4)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated samples (default: 0)")
     parser.add_argument("--model", default="smollm2", help="whose tokenizer fits the lengths (default: smollm2)")
+    parser.add_argument(
+        "--query-aware",
+        action="store_true",
+        help="the compressed part is the whole prompt but its last token, as `kvevict bench --query-aware` compresses",
+    )
     parser.set_defaults(run=run, extra=BENCH)
 
 
@@ -53,14 +58,16 @@ def run(args: argparse.Namespace) -> int:
         for task in tasks:
             for sample in task.samples(tokenizer, length=args.length, count=args.samples, seed=args.seed):
                 prompt = PromptIds.of(tokenizer, sample)
+                split = prompt.ids.shape[-1] - 1 if args.query_aware else prompt.head.shape[-1]
                 record = {
                     "task": sample.task,
                     "index": sample.index,
                     "length": args.length,
                     "seed": args.seed,
                     "model": args.model,
-                    "context_ids": prompt.head[0].tolist(),
-                    "rest_ids": prompt.ids[0, prompt.head.shape[-1] :].tolist(),
+                    "query_aware": args.query_aware,
+                    "context_ids": prompt.ids[0, :split].tolist(),
+                    "rest_ids": prompt.ids[0, split:].tolist(),
                     "answers": list(sample.answers),
                     "metric": task.metric,
                     "max_new_tokens": sample.max_new_tokens,

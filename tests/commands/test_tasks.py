@@ -28,6 +28,10 @@ def test_exported_samples_are_the_prompts_bench_runs(tmp_path, smollm2) -> None:
     assert records[3]["context_ids"] == prompt.head[0].tolist()
     assert records[3]["context_ids"] + records[3]["rest_ids"] == prompt.ids[0].tolist()
     assert records[3]["answers"] == list(sample.answers) and records[3]["metric"] == "string_match_all"
+    aware = tmp_path / "aware.jsonl"
+    assert main(["tasks", "vt", "--length", "256", "--samples", "2", "--export", str(aware), "--query-aware"]) == 0
+    record = [json.loads(line) for line in aware.read_text().splitlines()][1]
+    assert record["query_aware"] and record["rest_ids"] == prompt.ids[0, -1:].tolist()  # all but the last compressed
 
 
 def test_an_export_without_tasks_is_refused(refused, tmp_path) -> None:
