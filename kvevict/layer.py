@@ -149,7 +149,7 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, PackedPasses, DynamicLayer):
     # and leaves the storage as it is.
     def _between_passes(self) -> bool:
         storage = self.storage
-        return storage.packed is not None or storage.quantized is not None or storage.channels is not None
+        return storage.packed is not None or storage.quantized is not None or storage.pruned is not None
 
     @property
     def keys(self) -> torch.Tensor:
@@ -214,35 +214,22 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, PackedPasses, DynamicLayer):
             self.expose_nothing()  # no view of the old tensors
 
     def prune_key_channels(self) -> None:
-        """At the end of a pass, the key channels rows pruned (ThinK, :meth:`RowView.keep_channels`)
-        are zeroed in the pass's new keys too, and once every row pruned, the storage holds only
-        the kept channels until the next pass (:meth:`~kvevict.storage.LayerStorage.keep_channels`)."""
-        mask = self.channel_mask()
-        if mask is None or not self.n or self.storage.packed is not None or self.storage.channels is not None:
+        """At the end of a pass, once every row pruned its prompt's key channels (ThinK,
+        :meth:`RowView.keep_channels`), the storage holds only the kept channels of those keys until
+        the next pass, and every channel of the keys appended since
+        (:meth:`~kvevict.storage.LayerStorage.keep_channels`)."""
+        storage = self.storage
+        masks = [row.channels for row in self.rows]
+        if not self.n or storage.packed is not None or storage.pruned is not None or any(m is None for m in masks):
             return
-        self.storage.keys[:, :, : self.n].mul_(mask)
-        channels = self.pruned_channels()
-        if channels is not None:
-            self.storage.keep_channels(channels)
-            self.expose_nothing()
-
-    def pruned_channels(self) -> torch.Tensor | None:
-        """``[B, Hkv, k]``: the key channels every row keeps (ThinK, :meth:`RowView.keep_channels`),
-        once every row pruned its keys' channels; None before (the storage then holds every channel)."""
-        masks = [row.channels for row in self.rows]
-        if not self.is_initialized or not masks or any(mask is None for mask in masks):
-            return None
         mask = torch.stack(masks)
-        return mask.nonzero()[:, -1].view(*mask.shape[:2], -1).clone()  # (not a view of nonzero's [N, 3])
-
-    def channel_mask(self) -> torch.Tensor | None:
-        """``[B, Hkv, 1, d]`` in the keys' dtype: 1 at the channels each row keeps, 0 at those it
-        pruned (a row that pruned none: 1 everywhere); None while no row pruned any."""
-        masks = [row.channels for row in self.rows]
-        if all(mask is None for mask in masks):
-            return None
-        every = torch.ones_like(next(mask for mask in masks if mask is not None))
-        return torch.stack([every if mask is None else mask for mask in masks])[:, :, None].to(self.dtype)
+        channels = mask.nonzero()[:, -1].view(*mask.shape[:2], -1).clone()  # (not a view of nonzero's [N, 3])
+        pruned_at = torch.tensor([row.pruned_at for row in self.rows], device=self.device).view(-1, 1, 1)
+        whole = storage.positions[:, :, : self.n] >= pruned_at
+        if storage.valid is not None:
+            whole &= storage.valid[:, :, : self.n]
+        storage.keep_channels(channels, whole)
+        self.expose_nothing()
 
     def quantize(self) -> None:
         """A quantized cache's layer holds its keys and values as codes until its next pass
@@ -282,7 +269,7 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, PackedPasses, DynamicLayer):
                 self._steady = None
             else:
                 self.refresh()
-        if self.storage.channels is not None:
+        if self.storage.pruned is not None:
             self.storage.widen_keys()
             self.refresh()
 
@@ -413,7 +400,6 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, PackedPasses, DynamicLayer):
             and owner.side_pass is None
             and owner.ends_passes
             and not (steady.inference and not torch.is_inference_mode_enabled())  # else leave_inference_mode
-            and not any(row.channels is not None for row in self.rows)  # (their keys are pruned at each pass end)
         )
         if self._steady_pass:  # a decode step as the last one: into the kept views of column n
             owner.advance(self.passes + 1, 1)
@@ -516,13 +502,13 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, PackedPasses, DynamicLayer):
         self.storage.reserve(self.n, theirs.width)
         self.storage.copy_row(row, source.storage, slice(theirs.start, theirs.start + theirs.width))
         spliced = RowState(sequence)
-        spliced.width, spliced.peak, spliced.decode_peak, spliced.memo, spliced.channels = (
+        spliced.width, spliced.peak, spliced.decode_peak, spliced.memo = (
             theirs.width,
             theirs.peak,
             theirs.decode_peak,
             theirs.memo,
-            theirs.channels,
         )
+        spliced.channels, spliced.pruned_at = theirs.channels, theirs.pruned_at
         self.rows[row] = spliced
         self.tokens = max(self.tokens, source.tokens)
         self.compacted = True  # rows no longer share the model's own column layout

@@ -123,9 +123,9 @@ def save_file(cache: Any, path: str | Path, model: PreTrainedModel) -> Path:
     layer_meta = []
     for i, layer in enumerate(layers):
         n, packed, quantized = layer.n, layer.storage.packed, layer.storage.quantized
-        if packed is not None:  # heads or rows of different lengths: the real entries only, as held
-            entries = {"valid": packed.held}
-            entries.update({_entry_name(name, layer.state): x for name, x in layer.storage.packed_entries().items()})
+        if packed is not None and layer.storage.pruned is None:  # heads or rows of different lengths: the real
+            entries = {"valid": packed.held}  # entries only, as held (keys with pruned channels: padded, below)
+            entries.update({_entry_name(name, layer.state): x for name, x in packed.real().items()})
         elif quantized is not None:  # codes, scales and zero points as held (encoded below), the rest dense
             entries = {f"state.{name}": value for name, value in layer.state.items()}
             if layer.valid is not None:
@@ -143,7 +143,7 @@ def save_file(cache: Any, path: str | Path, model: PreTrainedModel) -> Path:
             {
                 **{field: getattr(layer, field) for field in LAYER_FIELDS},
                 "n": n,
-                "packed": packed is not None,
+                "packed": packed is not None and layer.storage.pruned is None,
                 "quantized": None if quantized is None else encoder.encode(quantized),
                 "state": list(layer.state),
                 "rows": [
@@ -151,6 +151,7 @@ def save_file(cache: Any, path: str | Path, model: PreTrainedModel) -> Path:
                         **{field: getattr(row, field) for field in ROW_FIELDS},
                         "memo": encoder.encode(row.memo),
                         "channels": encoder.encode(row.channels),
+                        "pruned_at": row.pruned_at,
                     }
                     for row in layer.rows
                 ],
@@ -282,6 +283,7 @@ def _restore(cache: Any, metadata: dict[str, str], tensors: dict[str, torch.Tens
                 setattr(row, field, saved[field])
             row.memo = _decode(saved["memo"], tensors)
             row.channels = _decode(saved.get("channels"), tensors)  # (ThinK: the layer's pass end prunes them again)
+            row.pruned_at = saved.get("pruned_at", 0)
             layer.rows.append(row)
         layer.refresh(n)
         if quantized is not None:

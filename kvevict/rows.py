@@ -123,7 +123,7 @@ class RowState:
     per-layer data; its counters (``seen``, ``new``, ``passes``, ``prompt_length``, ``budget``,
     ``interval``) are read from its :class:`SequenceState`, shared by every layer."""
 
-    __slots__ = ("channels", "decode_peak", "memo", "peak", "sequence", "start", "width")
+    __slots__ = ("channels", "decode_peak", "memo", "peak", "pruned_at", "sequence", "start", "width")
 
     def __init__(self, sequence: SequenceState | None = None) -> None:
         self.sequence = SequenceState() if sequence is None else sequence
@@ -136,7 +136,9 @@ class RowState:
         """Storage columns ``start .. start + width`` hold this row (its longest head)."""
         self.memo: dict[str, object] = {}
         self.channels: torch.Tensor | None = None
-        """``[Hkv, d]`` bool: the key channels this row keeps once it pruned some (ThinK); None: every one."""
+        """``[Hkv, d]`` bool: the key channels this row's prompt keys keep once pruned (ThinK); None: every one."""
+        self.pruned_at = 0
+        """The tokens seen when the row pruned them: entries at this position and later keep every channel."""
 
     seen = property(lambda self: self.sequence.seen)
     new = property(lambda self: self.sequence.new)
@@ -239,13 +241,13 @@ class RowView:
         return phase_of(self.passes, self.prompt_pass)
 
     def keep_channels(self, keep: torch.Tensor) -> None:
-        """Prune key channels (ThinK): each head keeps its channels where ``keep`` ``[b, Hkv, d]``
-        (bool, the same number per head) and its others are zeroed in every key held, now, and in
-        each later key at the end of the pass that appends it (:meth:`~kvevict.layer.EvictionLayer.end_pass`);
-        between passes the storage holds only the kept ones (:meth:`~kvevict.storage.LayerStorage.keep_channels`)."""
+        """Prune key channels of the keys held (ThinK: the prompt's): each head keeps its channels where
+        ``keep`` ``[b, Hkv, d]`` (bool, the same number per head), its others are zeroed; keys appended
+        later keep every channel. Between passes the storage holds only the kept channels of the pruned
+        keys (:meth:`~kvevict.layer.EvictionLayer.prune_key_channels`)."""
         self.keys.mul_(keep[:, :, None].to(self.keys.dtype))  # in place: the layer's own keys
         for row, mask in zip(self.layer.rows[self.rows], keep, strict=True):
-            row.channels = mask
+            row.channels, row.pruned_at = mask, row.seen
 
     def head_lengths(self) -> torch.Tensor:
         if self.valid is not None:

@@ -24,6 +24,7 @@ from dataclasses import astuple, dataclass
 
 import torch
 
+from kvevict.channels import PrunedKeys
 from kvevict.packed import PackedEntries, held_slots
 from kvevict.quant import QuantConfig, QuantizedEntries, ReusableCodes, compress
 
@@ -147,11 +148,9 @@ class LayerStorage:
         """Between passes, the real entries of a ragged layer, and nothing else (:meth:`pack`)."""
         self.quantized: QuantizedEntries | None = None
         """Between passes, the keys and values of a quantized layer (:meth:`quantize`)."""
-        self.channels: torch.Tensor | None = None
+        self.pruned: PrunedKeys | None = None
         """Between passes, when the keys hold only some channels of each head (ThinK,
-        :meth:`keep_channels`): which, ``[B, Hkv, k]`` ascending; None: every channel."""
-        self.key_dim = 0
-        """The keys' head dimension while :attr:`channels` holds them narrower."""
+        :meth:`keep_channels`): which, and the rest of the entries that keep them all."""
         self.previous: ReusableCodes | None = None
         """During a pass, what :attr:`quantized` was: its codes still in place are kept at the pass's end."""
         self._aside: tuple[tuple[object, ...], tuple[torch.Tensor, ...]] | None = None
@@ -177,8 +176,8 @@ class LayerStorage:
             held.append(self.valid)
         if self.packed is not None:
             held += self.packed.tensors()
-        if self.channels is not None:
-            held.append(self.channels)
+        if self.pruned is not None:
+            held += self.pruned.tensors()
         for quantized in (self.quantized, self.previous):
             held += [] if quantized is None else quantized.tensors()
         return held
@@ -211,7 +210,7 @@ class LayerStorage:
         self.values = values.new_zeros(b, h, 0, values.shape[-1])
         self.positions = torch.zeros(b, h, 0, dtype=torch.long, device=keys.device)
         self.valid, self.state, self.capacity = None, {}, 0
-        self.packed = self.quantized = self.previous = self.channels = None
+        self.packed = self.quantized = self.previous = self.pruned = None
         self.replaced()
 
     def _map(self, change: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -373,41 +372,21 @@ class LayerStorage:
         self.positions = quantized.positions.restore(self.capacity)
         self.replaced()
 
-    def keep_channels(self, channels: torch.Tensor) -> None:
+    def keep_channels(self, channels: torch.Tensor, whole: torch.Tensor) -> None:
         """Between passes, hold of each head's keys only the channels ``channels`` ``[B, Hkv, k]``
-        (ascending; ThinK's pruned key channels are zero in every key, so nothing is lost): the
-        keys' bytes fall by the pruned share (:meth:`widen_keys` before the next pass). Before
-        :meth:`pack`, whose packed entries then hold the narrow keys."""
-        assert self.channels is None and self.quantized is None and self.packed is None
-        keys = self.keys
-        self.key_dim = keys.shape[-1]
-        self.keys = keys.gather(3, channels[:, :, None, :].expand(*keys.shape[:3], channels.shape[-1]))
-        self.channels = channels
+        (ascending), but every channel of the entries where ``whole`` ``[B, Hkv, n]`` (ThinK prunes the
+        prompt's keys, whose other channels are zero: nothing is lost); the keys' bytes fall by the
+        pruned share of the others (:meth:`widen_keys` before the next pass). Before :meth:`pack`."""
+        assert self.pruned is None and self.quantized is None and self.packed is None
+        self.keys, self.pruned = PrunedKeys.narrow(self.keys, channels, whole)
         self.replaced()
-
-    def widened(self, keys: torch.Tensor) -> torch.Tensor:
-        """Narrow keys ``[B, Hkv, m, k]`` of :meth:`keep_channels` back at their channels, zeros elsewhere."""
-        channels = self.channels
-        assert channels is not None
-        wide = keys.new_zeros(*keys.shape[:3], self.key_dim)
-        return wide.scatter_(3, channels[:, :, None, :].expand(*keys.shape), keys)
 
     def widen_keys(self) -> None:
-        """Every channel of the keys back (pruned ones zero) before a pass or a change of the rows."""
-        self.keys = self.widened(self.keys)
-        self.channels = None
+        """Every channel of the keys back before a pass or a change of the rows."""
+        assert self.pruned is not None
+        self.keys = self.pruned.widen(self.keys)
+        self.pruned = None
         self.replaced()
-
-    def packed_entries(self) -> dict[str, torch.Tensor]:
-        """The packed real entries by name, in storage order (:meth:`pack`), keys at every channel."""
-        packed = self.packed
-        assert packed is not None
-        real = packed.real()
-        if self.channels is not None:
-            rows, heads, _ = packed.held.nonzero(as_tuple=True)  # each real entry's row and head, in storage order
-            keys = real["keys"]
-            real["keys"] = keys.new_zeros(len(keys), self.key_dim).scatter_(1, self.channels[rows, heads], keys)
-        return real
 
     def dense(self, name: str, free: torch.Tensor, n: int) -> torch.Tensor | None:
         """Entry ``name`` (``keys``, ``values``, ``positions``, ``valid``, a state entry) of the
@@ -423,18 +402,18 @@ class LayerStorage:
                 return quantized.positions.restore(quantized.n)
             value = self.valid if name == "valid" else self.entries()[name]
             return None if value is None else value.narrow(2, 0, quantized.n)
-        packed = self.packed
+        packed, pruned = self.packed, self.pruned
         if packed is None:  # only the keys' channels are set aside
             value = self.valid if name == "valid" else self.entries()[name]
             if value is None:
                 return None
-            return self.widened(value.narrow(2, 0, n)) if name == "keys" else value.narrow(2, 0, n)
+            return pruned.widen(value.narrow(2, 0, n)) if name == "keys" and pruned else value.narrow(2, 0, n)
         held = packed.held
         if name == "valid":
             return held
         slots = held_slots(held, held.shape[-1])
         dense = spread(packed.real([name])[name], held, held.shape[-1], slots, free if name == "positions" else None)
-        return self.widened(dense) if name == "keys" and self.channels is not None else dense
+        return pruned.widen(dense) if name == "keys" and pruned is not None else dense
 
     def leave_inference_mode(self) -> None:
         """Storage is written in place, which torch forbids on tensors made under ``inference_mode``

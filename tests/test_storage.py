@@ -67,14 +67,13 @@ def test_kept_key_channels_are_held_narrow_and_read_back_at_their_places() -> No
     storage = filled(dim=4)
     keys = storage.keys.clone()
     channels = torch.tensor([[[0, 2], [1, 3]], [[2, 3], [0, 1]]])  # [B, Hkv, k]: each head its own
-    storage.keep_channels(channels)
-    assert storage.keys.shape[-1] == 2 and storage.key_dim == 4
-    widened = storage.dense("keys", torch.zeros(2, dtype=torch.long), 5)
-    expected = torch.zeros_like(keys).scatter_(
-        3,
-        channels[:, :, None].expand(-1, -1, keys.shape[2], -1),
-        keys.gather(3, channels[:, :, None].expand(-1, -1, keys.shape[2], -1)),
-    )
-    assert torch.equal(widened, expected[:, :, :5])
+    kept = torch.zeros_like(keys[:, :, :1], dtype=torch.bool).squeeze(2).scatter_(-1, channels, True)
+    whole = torch.zeros(2, 2, 5, dtype=torch.bool)
+    whole[0, 1, 4] = whole[1, 0, 3] = whole[1, 0, 1] = True  # entries appended after the pruning: every channel
+    pruned = keys * (kept[:, :, None] | torch.nn.functional.pad(whole, (0, keys.shape[2] - 5))[..., None])
+    storage.keys.copy_(pruned)
+    storage.keep_channels(channels, whole)
+    assert storage.keys.shape[-1] == 2 and storage.pruned.rest.shape == (2, 2, 2, 2)
+    assert torch.equal(storage.dense("keys", torch.zeros(2, dtype=torch.long), 5), pruned[:, :, :5])
     storage.widen_keys()
-    assert storage.channels is None and torch.equal(storage.keys, expected)
+    assert storage.pruned is None and torch.equal(storage.keys, pruned)

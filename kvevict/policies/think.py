@@ -51,10 +51,12 @@ def channels_to_keep(head_dim: int, ratio: float) -> int:
 class Think(Observer):
     """ThinK: at the end of the prompt, each KV head prunes its ``⌊ratio·d⌋`` key channels of
     lowest ``‖Q[:, j]‖·‖K[:, j]‖`` (:func:`channel_scores`, the window's last ``window`` queries
-    and the keys then held); the others are zero in every key from then on, those appended while
-    decoding included, so attention is exactly attention over the kept channels (the logit scale
-    stays the model's). Between passes the cache holds only the kept channels: the keys' bytes
-    fall by ``ratio``. Composes with any token policy (``think+snapkv``: SnapKV picks the tokens
+    and the keys then held); the prompt's keys are zero there from then on, so attention is exactly
+    attention over what is kept (the logit scale stays the model's). Keys appended afterwards keep
+    every channel, as ThinK (and kvpress's ``ThinKPress``) prune the prompt's cache only: pruning
+    the generated keys too lost every answer kvpress kept on our RULER comparison
+    (docs/measurements.md). Between passes the cache holds the prompt's keys at the kept channels
+    only: their bytes fall by ``ratio``. Composes with any token policy (``think+snapkv``: SnapKV picks the tokens
     with every channel, then ThinK prunes the channels of what is kept); ``think`` alone prunes
     channels of the full cache. Refused with ``quant=`` (the channels of codes cannot be dropped
     without re-quantizing)."""

@@ -71,31 +71,35 @@ def test_every_key_held_is_zero_exactly_at_its_heads_pruned_channels(policy: str
         assert kept.sum(dim=-1).tolist() == [KEPT] * kept.shape[0]
         valid = layer.valid if layer.valid is not None else torch.ones_like(layer.positions, dtype=torch.bool)
         index = layer.positions.clamp(min=0)[..., None].expand(-1, -1, -1, HEAD_DIM)
-        expected = reference.keys.gather(2, index) * kept[None, :, None]  # prompt and decoded keys alike
+        prompt_entry = (layer.positions < PROMPT)[..., None]  # pruned; the decoded keep every channel
+        expected = reference.keys.gather(2, index) * (kept[None, :, None] | ~prompt_entry)
         if layer.layer_idx == 0:  # (deeper keys of decoded tokens depend on the pruning before them)
             torch.testing.assert_close(layer.keys[valid], expected[valid], rtol=0, atol=1e-6)
-        pruned = ~kept[None, :, None].expand_as(layer.keys)
-        assert bool((layer.keys[pruned & valid[..., None]] == 0).all())
+        pruned = ~kept[None, :, None].expand_as(layer.keys) & prompt_entry & valid[..., None]
+        assert bool((layer.keys[pruned] == 0).all()) and bool(layer.keys[~prompt_entry.expand_as(pruned)].ne(0).any())
     assert_next_logits_match_reference(model, cache, sequences[:, -1:])  # attention over the kept channels
 
 
-def test_the_pruned_channels_are_freed() -> None:
+@pytest.mark.parametrize("new_tokens", [1, 5])
+def test_the_pruned_channels_are_freed(new_tokens: int) -> None:
+    """After the prompt the keys' pruned channels are gone; the 4 keys decoded since keep theirs."""
     model = tiny_model()
     ids = prompt(PROMPT)
     full = kvevict.EvictionCache(model, "full")
     think = kvevict.EvictionCache(model, "think")
-    greedy(model, ids, full, new_tokens=4)
-    greedy(model, ids, think, new_tokens=4)
-    pruned_keys, channel_tables = 0, 0
+    greedy(model, ids, full, new_tokens=new_tokens)
+    greedy(model, ids, think, new_tokens=new_tokens)
+    pruned_keys, tables = 0, 0
     for theirs, ours in zip(full.eviction_layers, think.eviction_layers):
         assert ours.storage.keys.shape[:3] == theirs.storage.keys.shape[:3]  # the same entries and room
         assert ours.storage.keys.shape[-1] == KEPT and ours.keys.shape[-1] == HEAD_DIM  # held narrow, read whole
         keys = theirs.storage.keys
         pruned_keys += keys.numel() // HEAD_DIM * (HEAD_DIM - KEPT) * keys.element_size()
-        kept = [ours.storage.channels, ours.rows[0].channels]  # each head's kept channels: indices and mask
-        channel_tables += sum(x.numel() * x.element_size() for x in kept)
+        pruned = ours.storage.pruned
+        assert pruned.held.sum(-1).tolist() == [[new_tokens - 1] * 2]  # the decoded entries keep every channel
+        tables += sum(x.numel() * x.element_size() for x in [*pruned.tensors(), ours.rows[0].channels])
     freed = sum(resident_storages(full).values()) - sum(resident_storages(think).values())
-    assert freed == pruned_keys - channel_tables
+    assert freed == pruned_keys - tables
 
 
 def test_a_prompt_in_chunks_whose_length_the_cache_knows_is_pruned_as_a_whole() -> None:
