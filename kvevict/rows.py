@@ -364,6 +364,10 @@ class LayerStack:
     def head_lengths(self) -> torch.Tensor:
         return torch.full(self.positions.shape[:2], self.length, dtype=torch.long, device=self.device)
 
+    def eviction_due(self, phase: Phase, num_new: int) -> bool:
+        """As each stacked view's: they stack only at one budget and step (:meth:`key`)."""
+        return self.first.eviction_due(phase, num_new)
+
     def keep_channels(self, keep: torch.Tensor) -> None:
         """Each stacked layer's rows prune their part of ``keep`` (rows stacked layer after layer)."""
         for view, part in zip(self.views, keep.split(self.rows_per_layer), strict=True):

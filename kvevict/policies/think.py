@@ -51,7 +51,8 @@ def channels_to_keep(head_dim: int, ratio: float) -> int:
 class Think(Observer):
     """ThinK: at the end of the prompt, each KV head prunes its ``⌊ratio·d⌋`` key channels of
     lowest ``‖Q[:, j]‖·‖K[:, j]‖`` (:func:`channel_scores`, the window's last ``window`` queries
-    and the keys then held); the prompt's keys are zero there from then on, so attention is exactly
+    and the keys the token policy keeps of the prompt, as kvpress's ``ComposedPress([press, ThinKPress])``
+    scores them); the prompt's keys are zero there from then on, so attention is exactly
     attention over what is kept (the logit scale stays the model's). Keys appended afterwards keep
     every channel, as ThinK (and kvpress's ``ThinKPress``) prune the prompt's cache only: pruning
     the generated keys too lost every answer kvpress kept on our RULER comparison
@@ -82,6 +83,17 @@ class Think(Observer):
         if layer.prompt_continues:
             memo["queries"] = queries
             return
+        if layer.eviction_due(signals.phase, signals.num_new):  # the prompt's eviction follows: score what it keeps
+            memo["window"] = queries
+            return
+        self._prune(layer, queries, held)
+
+    def on_evict(self, layer: EntryView, evicted: torch.Tensor) -> None:
+        memo = self.memo(layer)
+        if "window" in memo:  # the prompt's eviction (observe): ThinK scores the channels of the entries kept
+            self._prune(layer, memo.pop("window"), ~evicted if layer.valid is None else layer.valid & ~evicted)
+
+    def _prune(self, layer: EntryView, queries: torch.Tensor, held: torch.Tensor | None) -> None:
         head_dim = layer.keys.shape[-1]
         keep = kept_channels(channel_scores(queries, layer.keys, held), channels_to_keep(head_dim, self.ratio))
         layer.keep_channels(keep)

@@ -14,6 +14,7 @@ from kvevict.policies.think import channel_scores, channels_to_keep, kept_channe
 from tests.conftest import (
     assert_next_logits_match_reference,
     build_policy,
+    capture_passes,
     greedy,
     prompt,
     resident_storages,
@@ -78,6 +79,21 @@ def test_every_key_held_is_zero_exactly_at_its_heads_pruned_channels(policy: str
         pruned = ~kept[None, :, None].expand_as(layer.keys) & prompt_entry & valid[..., None]
         assert bool((layer.keys[pruned] == 0).all()) and bool(layer.keys[~prompt_entry.expand_as(pruned)].ne(0).any())
     assert_next_logits_match_reference(model, cache, sequences[:, -1:])  # attention over the kept channels
+
+
+@pytest.mark.parametrize("policy", ["think+snapkv", "think+streamingllm", "think"])
+def test_the_channels_are_scored_over_the_prompt_entries_the_token_policy_keeps(policy: str) -> None:
+    """As kvpress's ``ComposedPress([press, ThinKPress])``: the window's queries against the keys kept."""
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, build_policy(policy), budget=None if policy == "think" else 40)
+    layer = cache.eviction_layers[0]
+    passes = capture_passes(layer)
+    greedy(model, prompt(PROMPT), cache, new_tokens=1)
+    prompt_pass = passes[0]
+    kept = layer.positions[0]  # [Hkv, m]: the prompt's entries the layer holds (no decode step ran)
+    keys = prompt_pass["keys"][0].gather(1, kept[..., None].expand(-1, -1, HEAD_DIM))
+    expected = kept_channels(channel_scores(prompt_pass["query"][:, :, -32:], keys[None], None), KEPT)[0]
+    assert torch.equal(layer.rows[0].channels, expected)
 
 
 @pytest.mark.parametrize("new_tokens", [1, 5])
