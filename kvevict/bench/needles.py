@@ -127,6 +127,11 @@ def haystack_lines(haystack: Haystack, size: int, rng: random.Random) -> list[st
     return sentences
 
 
+def joined(haystack: Haystack, lines: list[str]) -> str:
+    """A haystack's units as text: an essay's sentences run on, other units one a line."""
+    return (" " if haystack == "essay" else "\n").join(lines)
+
+
 class NeedleTask(RulerTask):
     """Needles of one :class:`Family` in its haystack; the question asks for every value of one key."""
 
@@ -166,9 +171,9 @@ def needle_builder(family: Family, rng: random.Random) -> Builder:
     def build(size: int, rng: random.Random) -> Prompt:
         lines = haystack_lines(family.haystack, size, rng)
         placed = insert_items(lines, needles, rng)
-        joined = (" " if family.haystack == "essay" else "\n").join(lines)
+
         metadata = {"family": family.__dict__, "depths": [round(100 * i / max(size, 1)) for i in placed]}
-        return Prompt(before + joined, question, prefix, tuple(values[asked]), metadata)
+        return Prompt(before + joined(family.haystack, lines), question, prefix, tuple(values[asked]), metadata)
 
     return build
 

@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint_of(args.model))
     args.export.parent.mkdir(parents=True, exist_ok=True)
+    written = 0
     with args.export.open("w", encoding="utf-8") as out:
         for task in tasks:
             for sample in task.samples(tokenizer, length=args.length, count=args.samples, seed=args.seed):
@@ -73,5 +74,6 @@ def run(args: argparse.Namespace) -> int:
                     "max_new_tokens": sample.max_new_tokens,
                 }
                 out.write(json.dumps(record) + "\n")
-    print(f"{sum(1 for _ in args.export.open())} samples: {args.export}", file=sys.stderr)
+                written += 1
+    print(f"{written} samples: {args.export}", file=sys.stderr)
     return 0

@@ -156,7 +156,7 @@ def contexts(tokenizer: Any, config: TrainConfig, files: list[Path]) -> list[tor
 def varied_contexts(tokenizer: Any, config: TrainConfig) -> list[torch.Tensor]:
     """``config.count`` contexts of :data:`~kvevict.bench.needles.TRAINING`'s families, drawn with the seed:
     context ``i`` of ``length_of(config, i)`` tokens, every fourth a haystack alone (no needle)."""
-    from kvevict.bench.needles import TRAINING, NeedleTask, haystack_lines
+    from kvevict.bench.needles import TRAINING, NeedleTask, haystack_lines, joined
 
     found = []
     for index in range(config.count):
@@ -165,9 +165,7 @@ def varied_contexts(tokenizer: Any, config: TrainConfig) -> list[torch.Tensor]:
         family = TRAINING.draw(rng)
         if index % 4 == 3:  # a haystack alone: what most of a context is
             lines = haystack_lines(family.haystack, length, rng)
-            ids = tokenizer.encode(
-                " ".join(lines) if family.haystack == "essay" else "\n".join(lines), add_special_tokens=False
-            )
+            ids = tokenizer.encode(joined(family.haystack, lines), add_special_tokens=False)
         else:
             task = NeedleTask(f"training-{family.haystack}", family)
             sample = task.samples(tokenizer, length=length, count=1, seed=1000 + config.seed + index)[0]
