@@ -9,7 +9,7 @@ import torch
 
 from kvevict.bench.options import comma_separated
 from kvevict.commands.common import BENCH
-from kvevict.gates.train import DATA, TrainConfig
+from kvevict.gates.train import DATA, TEACHERS, TrainConfig
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -47,6 +47,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default=defaults.data,
         help="offline contexts: RULER's (default) or varied needle families over five haystacks",
     )
+    parser.add_argument(
+        "--teacher",
+        choices=TEACHERS,
+        default=defaults.teacher,
+        help="the scores the gates learn: kvzip's (default) or kvzip+'s (kvzip[plus=true])",
+    )
     parser.set_defaults(run=run, extra=BENCH)
 
 
@@ -68,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         "lr",
         "order",
         "data",
+        "teacher",
     )
     config = TrainConfig(model=args.model, **{key: getattr(args, key) for key in fields})
     if (

@@ -80,9 +80,16 @@ class TrainConfig:
     """Where the offline contexts come from: ``ruler`` (essay windows and RULER task contexts in turn) or
     ``varied`` (:data:`kvevict.bench.needles.TRAINING`: every fourth a haystack without needles, the others
     needles of a family drawn at random; docs/fastkvzip.md, round 20)."""
+    teacher: str = "kvzip"
+    """What the gates learn to predict: ``kvzip``'s scores, or ``kvzip+``'s (``kvzip[plus=true]``: each score
+    weighted by ``‖W_O v‖ / ‖h‖``, which kept more needles at keep 0.10; docs/fastkvzip.md, round 21)."""
 
 
 DATA = ("ruler", "varied")
+TEACHERS = ("kvzip", "kvzip+")
+AS_BEFORE = {"order": 0.0, "data": "ruler", "teacher": "kvzip"}
+"""Options whose value here is what training did before the option existed: left out of checkpoints and of the gates'
+metadata, so those written before the option still resume and still match."""
 
 
 class RecordingKVzip(KVzip):
@@ -183,9 +190,11 @@ def top_positions(scores: torch.Tensor, drawn: torch.Tensor, top: int) -> torch.
     return best.topk(min(top, best.numel() - SINKS - drawn.numel())).indices.sort().values
 
 
-def collect(model: Any, ids: torch.Tensor, positions: torch.Tensor, top: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Features ``[L, m, D]`` (fp16) and KVzip's scores ``[L, Hkv, m]`` of the context ``ids``
-    at ``positions`` (module docstring, step 2), and with ``top`` each layer's ``top`` positions
+def collect(
+    model: Any, ids: torch.Tensor, positions: torch.Tensor, top: int = 0, plus: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features ``[L, m, D]`` (fp16) and KVzip's scores ``[L, Hkv, m]`` (KVzip+'s with ``plus``) of the context
+    ``ids`` at ``positions`` (module docstring, step 2), and with ``top`` each layer's ``top`` positions
     KVzip scores highest (:func:`top_positions`) after them: ``m = len(positions) + top``, the
     last ``top`` positions differing per layer."""
     from kvevict.cache import EvictionCache
@@ -202,7 +211,8 @@ def collect(model: Any, ids: torch.Tensor, positions: torch.Tensor, top: int = 0
     try:
         # fp32 targets on every CPU (kvzip's default, ``auto``, is bf16 where bf16 is multiplied in hardware):
         # the shipped gates were distilled from them, and training again reproduces them
-        with EvictionCache(model, Policy(RecordingKVzip(precision="fp32")), keep=0.5) as cache, torch.no_grad():
+        teacher = RecordingKVzip(precision="fp32", plus=plus)
+        with EvictionCache(model, Policy(teacher), keep=0.5) as cache, torch.no_grad():
             model(input_ids=ids, **with_cache(cache), use_cache=True, logits_to_keep=1)  # no vocabulary-wide logits
             recorded = cache.policy.method.recorded
     finally:
@@ -299,24 +309,20 @@ def train(
     return stored(gates)
 
 
+def _changed(config: TrainConfig) -> dict[str, Any]:
+    """The configuration's fields, less those :data:`AS_BEFORE` its options existed."""
+    return {key: value for key, value in asdict(config).items() if key not in AS_BEFORE or value != AS_BEFORE[key]}
+
+
 def _resumable(config: TrainConfig) -> dict[str, object]:
-    """What a checkpoint must have been trained with to resume from it (any ``steps``: a run may go on); ``order``
-    only when used, so a checkpoint written before the option existed resumes."""
-    return {
-        key: value
-        for key, value in asdict(config).items()
-        if key != "steps" and (key != "order" or value) and (key != "data" or value != "ruler")
-    }
+    """What a checkpoint must have been trained with to resume from it (any ``steps``: a run may go on)."""
+    return {key: value for key, value in _changed(config).items() if key != "steps"}
 
 
 def recorded(config: TrainConfig) -> dict[str, str]:
-    """The training configuration as the gates file's metadata records it; ``top`` and ``order`` only when used, so
-    a run without them writes the metadata gates trained before the options existed hold."""
-    fields = {
-        key: value
-        for key, value in asdict(config).items()
-        if (key not in ("top", "order") or value) and (key != "data" or value != "ruler")
-    }
+    """The training configuration as the gates file's metadata records it; ``top`` only when used, so a run
+    without it writes the metadata gates trained before the option existed hold."""
+    fields = {key: value for key, value in _changed(config).items() if key != "top" or value}
     return {key: str(value) for key, value in fields.items()} | {"length": ",".join(map(str, config.length))}
 
 
@@ -327,7 +333,7 @@ def build(
     text_config = model.config.get_text_config(decoder=True)
     shape = shape_of(text_config, config.dim, config.sinks, config.rank)
     lengths = ",".join(map(str, config.length))
-    extra = f"-top{config.top}" if config.top else ""
+    extra = (f"-top{config.top}" if config.top else "") + ("-plus" if config.teacher == "kvzip+" else "")
     source = "text" if files else "offline" if config.data == "ruler" else config.data
     data = out / "data" / f"{source}-n{lengths}-t{config.tokens}{extra}-seed{config.seed}"
     data.mkdir(parents=True, exist_ok=True)
@@ -339,7 +345,7 @@ def build(
         positions = SINKS + torch.randperm(n - SINKS, generator=generator)[: config.tokens].sort().values
         path = data / f"{index:04d}.safetensors"
         if not path.is_file():
-            found = collect(model, ids, positions, config.top)
+            found = collect(model, ids, positions, config.top, plus=config.teacher == "kvzip+")
             save_file({"features": found[0].contiguous(), "targets": found[1].contiguous()}, str(path))
         saved = load_file(str(path))
         features.append(saved["features"])
@@ -364,6 +370,7 @@ def build(
 
 
 __all__ = [
+    "TEACHERS",
     "TrainConfig",
     "build",
     "collect",

@@ -51,6 +51,20 @@ def test_the_targets_are_fp32_kvzip_scores_whether_or_not_the_cpu_multiplies_bf1
     assert torch.equal(*found)
 
 
+def test_kvzip_plus_targets_weigh_each_entry_by_its_projected_value_over_the_residual_norm() -> None:
+    """``teacher="kvzip+"``: the targets are ``kvzip[plus=true]``'s scores. With one repeat query per
+    context token, an entry's score is its largest weighted probability; scaling every value by ``c`` scales
+    ``‖W_O v‖`` by ``c`` and leaves the first layer's attention (and ``‖h‖``) as it was, so its targets scale by
+    ``c`` where kvzip's own do not move."""
+    model, ids, positions = tiny_model(), prompt(48, seed=3), torch.arange(4, 48, 2)
+    plain, plus = collect(model, ids, positions)[1], collect(model, ids, positions, plus=True)[1]
+    assert not torch.allclose(plain, plus)
+    for layer in model.model.layers:
+        layer.self_attn.v_proj.weight.data *= 2.0
+    assert torch.equal(collect(model, ids, positions)[1][0], plain[0])
+    torch.testing.assert_close(collect(model, ids, positions, plus=True)[1][0], 2 * plus[0], rtol=1e-4, atol=1e-7)
+
+
 def test_training_lowers_the_distillation_loss_on_held_out_contexts(data) -> None:
     config, features, targets, held_features, held_targets = data
     run = TrainConfig(model="tiny", steps=80, batch=64, lr=1e-2)
@@ -177,6 +191,7 @@ def test_the_bare_commands_metadata_is_the_shipped_gates_and_top_is_recorded_whe
     assert recorded(TrainConfig(model="smollm2", top=256)) == run | {"top": "256"}
     assert recorded(TrainConfig(model="smollm2", order=0.5)) == run | {"order": "0.5"}
     assert "order" not in recorded(TrainConfig(model="smollm2", order=0.0))
+    assert recorded(TrainConfig(model="smollm2", teacher="kvzip+")) == run | {"teacher": "kvzip+"}
 
 
 def test_gemmas_shipped_gates_record_round_7s_recipe() -> None:
@@ -192,6 +207,8 @@ def test_a_checkpoint_names_order_only_when_used_so_one_written_before_the_optio
 
     assert "order" not in _resumable(TrainConfig(model="smollm2", order=0.0))
     assert _resumable(TrainConfig(model="smollm2", order=1.0))["order"] == 1.0
+    assert "teacher" not in _resumable(TrainConfig(model="smollm2"))
+    assert _resumable(TrainConfig(model="smollm2", teacher="kvzip+"))["teacher"] == "kvzip+"
 
 
 def test_the_ordering_loss_is_the_pairs_cross_entropy_by_hand() -> None:
