@@ -27,6 +27,9 @@ VLLM_CLI_NAME := 'import importlib.metadata as m, pathlib, sysconfig; \
 	(d / "INSTALLER").write_text("kvevict Makefile\n"); \
 	(d / "RECORD").write_text("".join(f"{d.name}/{n},,\n" for n in ("METADATA", "INSTALLER", "RECORD")))'
 
+# The main suite's pytest-xdist workers (the vLLM suite runs in one process: each test starts an engine).
+TEST_WORKERS ?= 2
+
 .PHONY: venv vllm demo test gemma3 clean
 
 $(STAMP): pyproject.toml Makefile
@@ -56,7 +59,7 @@ demo: $(STAMP)
 	$(BIN)/kvevict demo
 
 test: $(STAMP) $(VSTAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 	$(VBIN)/python -m pytest tests/vllm
 
 gemma3: $(STAMP)

@@ -22,6 +22,8 @@ from kvevict.bench.store import RESULTS_FILE, ResultStore
 from kvevict.cli import main
 from tests.conftest import tiny_model
 
+pytestmark = pytest.mark.xdist_group("ray")  # one local cluster at a time: they share LOCAL_TEMP_DIR
+
 VOLATILE = ("prefill_s", "decode_s", "finished_at")
 """Timings: the only fields that differ between two runs of the same sweep."""
 
