@@ -51,7 +51,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--teacher",
         choices=TEACHERS,
         default=defaults.teacher,
-        help="the scores the gates learn: kvzip's (default) or kvzip+'s (kvzip[plus=true])",
+        help=f"the scores the gates learn: kvzip+'s (kvzip[plus=true]) or kvzip's (default: {defaults.teacher})",
     )
     parser.set_defaults(run=run, extra=BENCH)
 

@@ -8,9 +8,9 @@
    the pairs of contexts take them in turn, so gates meant for long prompts see long contexts.
 2. **Features and targets** (:func:`collect`), the LLM frozen, forward passes only: each context
    is prefilled through an :class:`~kvevict.cache.EvictionCache` under kvevict's own ``kvzip``
-   (its repeat pass scores every entry); the features are each layer's attention input over the
-   context (what the gates read at inference), the targets KVzip's scores ``[L, Hkv, n]`` of
-   the same tokens. ``tokens`` positions per context (past the 4 sinks; by default all), drawn with the seed,
+   (its repeat pass scores every entry; KVzip+'s weighting by default, ``TrainConfig.teacher``);
+   the features are each layer's attention input over the context (what the gates read at
+   inference), the targets KVzip's scores ``[L, Hkv, n]`` of the same tokens. ``tokens`` positions per context (past the 4 sinks; by default all), drawn with the seed,
    are kept, and with ``top`` each layer's ``top`` positions KVzip scores highest
    (:func:`top_positions`; off by default, docs/fastkvzip.md round 8); each context is cached
    in ``DIR/data/`` as it is done, so collection resumes (the same data, length, positions,
@@ -80,9 +80,10 @@ class TrainConfig:
     """Where the offline contexts come from: ``ruler`` (essay windows and RULER task contexts in turn) or
     ``varied`` (:data:`kvevict.bench.needles.TRAINING`: every fourth a haystack without needles, the others
     needles of a family drawn at random; docs/fastkvzip.md, round 20)."""
-    teacher: str = "kvzip"
-    """What the gates learn to predict: ``kvzip``'s scores, or ``kvzip+``'s (``kvzip[plus=true]``: each score
-    weighted by ``‖W_O v‖ / ‖h‖``, which kept more needles at keep 0.10; docs/fastkvzip.md, round 21)."""
+    teacher: str = "kvzip+"
+    """What the gates learn to predict: ``kvzip+``'s scores (``kvzip[plus=true]``: each score weighted by
+    ``‖W_O v‖ / ‖h‖``; SmolLM2's shipped gates, which keep more needles at keep 0.10 than gates distilled from
+    ``kvzip``'s, docs/fastkvzip.md, round 21), or ``kvzip``'s (Gemma-3-270M's shipped gates)."""
 
 
 DATA = ("ruler", "varied")

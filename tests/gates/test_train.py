@@ -184,20 +184,20 @@ def shipped_run(filename: str) -> dict[str, str]:
 
 def test_the_bare_commands_metadata_is_the_shipped_gates_and_top_is_recorded_when_used() -> None:
     """``train-gates --model smollm2`` records what the shipped SmolLM2 gates hold (``top`` left out at 0, ``order``
-    at 1 recorded), so the bare command still writes them byte for byte; ``--top`` is recorded, ``--order 0`` is not
-    (gates trained before the option hold no ``order``)."""
+    at 1 and ``teacher`` kvzip+ recorded), so the bare command still writes them byte for byte; ``--top`` is
+    recorded, ``--order 0`` and ``--teacher kvzip`` are not (gates trained before the options hold neither)."""
     run = shipped_run("llama-L30-D576-H9-KV3.safetensors")
     assert recorded(TrainConfig(model="smollm2")) == run
     assert recorded(TrainConfig(model="smollm2", top=256)) == run | {"top": "256"}
     assert recorded(TrainConfig(model="smollm2", order=0.5)) == run | {"order": "0.5"}
     assert "order" not in recorded(TrainConfig(model="smollm2", order=0.0))
-    assert recorded(TrainConfig(model="smollm2", teacher="kvzip+")) == run | {"teacher": "kvzip+"}
+    assert recorded(TrainConfig(model="smollm2", teacher="kvzip")) == {k: v for k, v in run.items() if k != "teacher"}
 
 
 def test_gemmas_shipped_gates_record_round_7s_recipe() -> None:
-    """Gemma-3-270M's gates are trained with ``--tokens 256 --order 0`` (docs/fastkvzip.md, round 11): their
-    metadata is that command's."""
-    assert recorded(TrainConfig(model="gemma3", tokens=256, order=0.0)) == shipped_run(
+    """Gemma-3-270M's gates are trained with ``--tokens 256 --order 0 --teacher kvzip`` (docs/fastkvzip.md, round
+    11): their metadata is that command's."""
+    assert recorded(TrainConfig(model="gemma3", tokens=256, order=0.0, teacher="kvzip")) == shipped_run(
         "gemma3_text-L18-D640-H4-KV1.safetensors"
     )
 
@@ -207,8 +207,8 @@ def test_a_checkpoint_names_order_only_when_used_so_one_written_before_the_optio
 
     assert "order" not in _resumable(TrainConfig(model="smollm2", order=0.0))
     assert _resumable(TrainConfig(model="smollm2", order=1.0))["order"] == 1.0
-    assert "teacher" not in _resumable(TrainConfig(model="smollm2"))
-    assert _resumable(TrainConfig(model="smollm2", teacher="kvzip+"))["teacher"] == "kvzip+"
+    assert "teacher" not in _resumable(TrainConfig(model="smollm2", teacher="kvzip"))
+    assert _resumable(TrainConfig(model="smollm2"))["teacher"] == "kvzip+"
 
 
 def test_the_ordering_loss_is_the_pairs_cross_entropy_by_hand() -> None:
