@@ -10,9 +10,10 @@
    is prefilled through an :class:`~kvevict.cache.EvictionCache` under kvevict's own ``kvzip``
    (its repeat pass scores every entry; KVzip+'s weighting by default, ``TrainConfig.teacher``);
    the features are each layer's attention input over the context (what the gates read at
-   inference), the targets KVzip's scores ``[L, Hkv, n]`` of the same tokens. ``tokens`` positions per context (past the 4 sinks; by default all), drawn with the seed,
-   are kept, and with ``top`` each layer's ``top`` positions KVzip scores highest
-   (:func:`top_positions`; off by default, docs/fastkvzip.md round 8); each context is cached
+   inference), the targets KVzip's scores ``[L, Hkv, n]`` of the same tokens. ``tokens``
+   positions per context (past the 4 sinks; by default all), drawn with the seed, are kept, and
+   with ``top`` each layer's ``top`` positions KVzip scores highest (:func:`top_positions`; off
+   by default, docs/fastkvzip.md round 8); each context is cached
    in ``DIR/data/`` as it is done, so collection resumes (the same data, length, positions,
    ``top`` and seed; a given text list must then stay the same).
 3. **Training** (:func:`train`): every layer's gate at once with Adam on the binary
@@ -84,6 +85,12 @@ class TrainConfig:
     """What the gates learn to predict: ``kvzip+``'s scores (``kvzip[plus=true]``: each score weighted by
     ``‖W_O v‖ / ‖h‖``; SmolLM2's shipped gates, which keep more needles at keep 0.10 than gates distilled from
     ``kvzip``'s, docs/fastkvzip.md, round 21), or ``kvzip``'s (Gemma-3-270M's shipped gates)."""
+
+    def __post_init__(self) -> None:
+        if self.data not in DATA:
+            raise ValueError(f"unknown training data {self.data!r}; use one of {', '.join(DATA)}")
+        if self.teacher not in TEACHERS:
+            raise ValueError(f"unknown teacher {self.teacher!r}; use one of {', '.join(TEACHERS)}")
 
 
 DATA = ("ruler", "varied")

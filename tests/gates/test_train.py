@@ -194,6 +194,13 @@ def test_the_bare_commands_metadata_is_the_shipped_gates_and_top_is_recorded_whe
     assert recorded(TrainConfig(model="smollm2", teacher="kvzip")) == {k: v for k, v in run.items() if k != "teacher"}
 
 
+@pytest.mark.parametrize("field", ["data", "teacher"])
+def test_an_unknown_data_source_or_teacher_is_refused_in_one_line(field) -> None:
+    with pytest.raises(ValueError, match="unknown .*'nope'; use one of") as error:
+        TrainConfig(model="smollm2", **{field: "nope"})
+    assert "\n" not in str(error.value)
+
+
 def test_gemmas_shipped_gates_record_round_7s_recipe() -> None:
     """Gemma-3-270M's gates are trained with ``--tokens 256 --order 0 --teacher kvzip`` (docs/fastkvzip.md, round
     11): their metadata is that command's."""
