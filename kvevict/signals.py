@@ -436,6 +436,11 @@ def new_entries(x: torch.Tensor, num_new: int, columns: torch.Tensor | None = No
     return x.gather(2, _appended_index(columns, x))
 
 
+def kept_after(evicted: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """Mask ``[B, H, n]`` of the entries a layer still holds once ``evicted`` go (``valid``: its padding mask)."""
+    return ~evicted if valid is None else valid & ~evicted
+
+
 def write_new_entries(x: torch.Tensor, value: torch.Tensor, columns: torch.Tensor | None = None) -> None:
     """Write ``value`` ``[B, H, num_new, ...]`` into the appended entries of ``x`` (in place)."""
     if columns is None:

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from kvevict.signals import Signals, new_entries, row_lengths, softmax_log_partition, write_new_entries
+from kvevict.signals import Signals, kept_after, new_entries, row_lengths, softmax_log_partition, write_new_entries
 
 
 def test_the_last_columns_unless_each_row_says_where_its_own_lie() -> None:
@@ -45,3 +45,11 @@ def test_log_z_from_the_softmax_is_the_log_sum_exp_of_the_row() -> None:
     logits = torch.tensor([[0.0, math.log(3.0), float("-inf")], [5.0, 5.0, float("-inf")]])
     log_z = softmax_log_partition(logits.clone(), logits.softmax(dim=-1))
     torch.testing.assert_close(log_z, torch.tensor([math.log(4.0), 5.0 + math.log(2.0)]))
+
+
+def test_kept_after_is_what_was_held_less_what_was_evicted() -> None:
+    evicted = torch.tensor([[[True, False, False, True]]])
+    valid = torch.tensor([[[False, True, True, True]]])  # a left-padded row: its first column is padding
+    assert kept_after(evicted, None).tolist() == [[[False, True, True, False]]]
+    assert kept_after(evicted, valid).tolist() == [[[False, True, True, False]]]
+    assert kept_after(~evicted, valid).tolist() == [[[False, False, False, True]]]

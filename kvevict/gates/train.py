@@ -341,7 +341,8 @@ def build(
     text_config = model.config.get_text_config(decoder=True)
     shape = shape_of(text_config, config.dim, config.sinks, config.rank)
     lengths = ",".join(map(str, config.length))
-    extra = (f"-top{config.top}" if config.top else "") + ("-plus" if config.teacher == "kvzip+" else "")
+    plus = config.teacher == "kvzip+"
+    extra = (f"-top{config.top}" if config.top else "") + ("-plus" if plus else "")
     source = "text" if files else "offline" if config.data == "ruler" else config.data
     data = out / "data" / f"{source}-n{lengths}-t{config.tokens}{extra}-seed{config.seed}"
     data.mkdir(parents=True, exist_ok=True)
@@ -353,7 +354,7 @@ def build(
         positions = SINKS + torch.randperm(n - SINKS, generator=generator)[: config.tokens].sort().values
         path = data / f"{index:04d}.safetensors"
         if not path.is_file():
-            found = collect(model, ids, positions, config.top, plus=config.teacher == "kvzip+")
+            found = collect(model, ids, positions, config.top, plus=plus)
             save_file({"features": found[0].contiguous(), "targets": found[1].contiguous()}, str(path))
         saved = load_file(str(path))
         features.append(saved["features"])

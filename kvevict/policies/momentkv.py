@@ -26,7 +26,7 @@ from kvevict.policies.h2o import GROUP
 from kvevict.policies.params import choice, declare, flag, integer, number
 from kvevict.policies.selection import in_position_order, position_order
 from kvevict.policies.snapkv import snapkv_scores
-from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals, group_reduce
+from kvevict.signals import NOTHING, Phase, Regime, Requirements, Signals, group_reduce, kept_after
 
 if TYPE_CHECKING:
     from kvevict.views import EntryView, ScoringCache
@@ -136,7 +136,7 @@ class MomentMI(Selector):
             chunk=self.evict_chunk,
             fraction=self.evict_fraction,
         )
-        return ~evicted if layer.valid is None else layer.valid & ~evicted
+        return kept_after(evicted, layer.valid)
 
 
 def moment_bytes(cache: ScoringCache) -> int:

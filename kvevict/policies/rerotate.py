@@ -11,6 +11,7 @@ import torch
 
 from kvevict.models import rotate_half
 from kvevict.policies.base import Observer
+from kvevict.signals import kept_after
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -83,7 +84,7 @@ class Rerotate(Observer):
             raise ValueError("rerotate rotates whole keys, and this model rotates only part of each head")
 
     def on_evict(self, layer: EntryView, evicted: torch.Tensor) -> None:
-        kept = ~evicted if layer.valid is None else layer.valid & ~evicted
+        kept = kept_after(evicted, layer.valid)
         moved = shifts(layer.positions, evicted, layer.valid).masked_fill(~kept, 0)
         where = moved.nonzero(as_tuple=True)  # only the keys before an evicted one move (a decode step: the sinks)
         if not where[0].numel():

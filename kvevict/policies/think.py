@@ -19,7 +19,7 @@ import torch
 
 from kvevict.policies.base import Observer
 from kvevict.policies.params import declare, integer, number
-from kvevict.signals import new_entries
+from kvevict.signals import kept_after, new_entries
 
 if TYPE_CHECKING:
     from kvevict.signals import Signals
@@ -91,7 +91,7 @@ class Think(Observer):
     def on_evict(self, layer: EntryView, evicted: torch.Tensor) -> None:
         memo = self.memo(layer)
         if "window" in memo:  # the prompt's eviction (observe): ThinK scores the channels of the entries kept
-            self._prune(layer, memo.pop("window"), ~evicted if layer.valid is None else layer.valid & ~evicted)
+            self._prune(layer, memo.pop("window"), kept_after(evicted, layer.valid))
 
     def _prune(self, layer: EntryView, queries: torch.Tensor, held: torch.Tensor | None) -> None:
         head_dim = layer.keys.shape[-1]
