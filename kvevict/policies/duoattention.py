@@ -100,8 +100,8 @@ class DuoAttention(Method):
     head holds. No attention weights are read. Defaults: ``retrieval=0.5`` (the paper's share for
     GQA models); ``sinks=16``, the pattern the shipped gates were trained with (16 sinks and 112
     recent tokens: run it at ``budget`` ≈ 128, or train gates for another pattern; the paper's runs
-    at 100k-token contexts use longer ones). SmolLM2-135M ships its gates (docs/policies.md); any
-    other model is refused until given ``roles=``.
+    at 100k-token contexts use longer ones). SmolLM2-135M and Gemma-3-270M ship their gates
+    (docs/policies.md); any other model is refused until given ``roles=``.
     """
 
     name = "duoattention"

