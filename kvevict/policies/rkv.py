@@ -12,7 +12,7 @@ from kvevict.budgets import capped_share
 from kvevict.policies.base import Method
 from kvevict.policies.params import declare, integer, number
 from kvevict.policies.selection import in_position_order, position_order
-from kvevict.signals import Signals, attention_logits, group_reduce
+from kvevict.signals import Signals, attention_logits, group_reduce, kept_after
 
 if TYPE_CHECKING:
     from kvevict.views import EntryView
@@ -148,7 +148,7 @@ class RKV(Method):
 
     def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         window = layer.positions >= layer.seen - self.window  # the most recent entries (always retained)
-        candidates = ~window if layer.valid is None else layer.valid & ~window
+        candidates = kept_after(window, layer.valid)  # the held entries outside the window
         scores = torch.full(layer.positions.shape, float("inf"), device=layer.positions.device)
         if not bool(candidates.any()):
             return scores
