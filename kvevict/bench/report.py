@@ -40,7 +40,7 @@ class ReportRow:
     def budget_label(self) -> str:
         if self.budget is not None:
             return str(self.budget)
-        return f"{self.keep:.0%}" if self.keep is not None else "all"
+        return f"{100 * self.keep:g}%" if self.keep is not None else "all"  # 12.5%, not 12%
 
     @property
     def x(self) -> float | None:

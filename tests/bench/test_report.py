@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from kvevict.bench.report import format_report, plot_report, summarize
+from kvevict.bench.report import ReportRow, format_report, plot_report, summarize
 from kvevict.bench.store import ResultStore
 
 RUN = Path(__file__).parent / "data" / "report_run"
@@ -84,3 +84,8 @@ def test_an_interval_or_query_awareness_is_a_separate_row_where_runs_mix(tmp_pat
     }
     uniform = [record for record in store if record.get("query_aware")]  # a run that is all query-aware
     assert {row.policy for row in summarize(uniform)} == {"full", "tova"}
+
+
+def test_a_keep_is_labelled_as_given_not_rounded_to_a_whole_percent() -> None:
+    labels = [ReportRow("t", "p", None, keep, 1, 0.0, 0.0, {}).budget_label for keep in (0.125, 0.1, 0.15, None)]
+    assert labels == ["12.5%", "10%", "15%", "all"]
