@@ -163,6 +163,66 @@ class QuantizedTensor:
         return [self.codes, self.scale, self.zero]
 
 
+@dataclass
+class PackedCodes:
+    """A :class:`QuantizedTensor` ``[B, H, q, ...]`` of a layer whose heads hold different numbers
+    of entries (a head-wise or pooled budget), packed: only the codes of real entries (``held``
+    ``[B, H, q]``) and the scales and zero points of groups holding one, so that the layer's bytes
+    follow its entries, not its longest head. ``per``: entries per scale group along the columns
+    (the key group; 1 for values)."""
+
+    held: torch.Tensor
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    per: int
+
+    @classmethod
+    def of(cls, quantized: QuantizedTensor, held: torch.Tensor, per: int) -> PackedCodes:
+        groups = cls.groups_of(held, per)
+        return cls(held, quantized.codes[held], quantized.scale[groups], quantized.zero[groups], per)
+
+    @staticmethod
+    def groups_of(held: torch.Tensor, per: int) -> torch.Tensor:
+        """``[B, H, q / per]``: the scale groups holding a real entry."""
+        return held if per == 1 else held.view(*held.shape[:2], -1, per).any(dim=-1)
+
+    def unpacked(self) -> QuantizedTensor:
+        """The rectangle back (zeros where no real entry is: padding, masked out of attention)."""
+        groups = self.groups_of(self.held, self.per)
+        out = []
+        for x, where in ((self.codes, self.held), (self.scale, groups), (self.zero, groups)):
+            full = x.new_zeros(*where.shape, *x.shape[1:])
+            full[where] = x
+            out.append(full)
+        return QuantizedTensor(*out)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.held, self.codes, self.scale, self.zero]
+
+
+@dataclass
+class PackedRows:
+    """Full-precision entries ``[B, H, L, d]`` of heads with different numbers of real ones,
+    packed: only the real entries' rows (``held`` ``[B, H, L]``)."""
+
+    held: torch.Tensor
+    rows: torch.Tensor
+
+    def unpacked(self) -> torch.Tensor:
+        full = self.rows.new_zeros(*self.held.shape, self.rows.shape[-1])
+        full[self.held] = self.rows
+        return full
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.held, self.rows]
+
+
+def rectangle(held: QuantizedTensor | PackedCodes | torch.Tensor | PackedRows) -> QuantizedTensor | torch.Tensor:
+    """Codes or full-precision entries as a rectangle ``[B, H, q, ...]``, unpacked if packed."""
+    return held.unpacked() if isinstance(held, (PackedCodes, PackedRows)) else held
+
+
 def quantize_keys(keys: torch.Tensor, bits: int, group: int, held: torch.Tensor | None) -> QuantizedTensor:
     """Keys ``[B, H, q, d]`` (``q`` a multiple of ``group``) per channel, in groups of ``group``
     tokens: scale and zero ``[B, H, q / group, 1, d]``; ``held`` ``[B, H, q]`` the real entries."""
@@ -310,13 +370,13 @@ class QuantizedEntries:
     so that the next pass's end requantizes only what changed: :meth:`reusable`)."""
 
     config: QuantConfig
-    keys: QuantizedTensor
-    values: QuantizedTensor
+    keys: QuantizedTensor | PackedCodes
+    values: QuantizedTensor | PackedCodes
     starts: list[int]
     counts: list[int]
     widths: list[int]
-    residual_keys: torch.Tensor
-    residual_values: torch.Tensor
+    residual_keys: torch.Tensor | PackedRows
+    residual_values: torch.Tensor | PackedRows
     n: int
     positions: CompactPositions
 
@@ -324,8 +384,8 @@ class QuantizedEntries:
         return [
             *self.keys.tensors(),
             *self.values.tensors(),
-            self.residual_keys,
-            self.residual_values,
+            *_tensors(self.residual_keys),
+            *_tensors(self.residual_values),
             *self.positions.tensors(),
         ]
 
@@ -336,7 +396,7 @@ class QuantizedEntries:
         if valid is not None or not _aligned(self.starts, self.counts):
             real = valid
             if real is None:
-                real = torch.ones(self.positions.shape, dtype=torch.bool, device=self.residual_keys.device)
+                real = torch.ones(self.positions.shape, dtype=torch.bool, device=self.positions.device)
             held = _row_relative(real, self.starts, self.counts, False)
         return ReusableCodes(self, held)
 
@@ -356,13 +416,14 @@ class QuantizedEntries:
         dequantized, the residual as held, zeros in every column before :attr:`n` outside the
         rows' entries (a left-padded row's padding, columns past a row's end: masked out of
         attention, so they must be finite). Past :attr:`n`: room a pass appends into, unspecified."""
-        bits, group, dtype = self.config.bits, self.config.group, self.residual_keys.dtype
+        bits, group = self.config.bits, self.config.group
         aligned, tails, lengths, covered = self._layout
         dense = []
         for residual, codes, dequantize in (
-            (self.residual_keys, self.keys, dequantize_keys),
-            (self.residual_values, self.values, dequantize_values),
+            (rectangle(self.residual_keys), rectangle(self.keys), dequantize_keys),
+            (rectangle(self.residual_values), rectangle(self.values), dequantize_values),
         ):
+            dtype = residual.dtype
             out = residual.new_empty(*residual.shape[:2], columns, residual.shape[-1])
             if not covered:  # some column before n holds no entry
                 out.zero_()
@@ -391,6 +452,10 @@ class ReusableCodes:
         """``[B, H, q]``: the position of each code's entry (row-relative columns; −1 past a row's codes)."""
         entries = self.entries
         return _row_relative(entries.positions.restore(entries.n), entries.starts, entries.counts, -1)
+
+
+def _tensors(held: torch.Tensor | PackedRows) -> list[torch.Tensor]:
+    return held.tensors() if isinstance(held, PackedRows) else [held]
 
 
 def _aligned(starts: Sequence[int], counts: Sequence[int]) -> bool:
@@ -475,21 +540,35 @@ def compress(
     compact = CompactPositions.of(positions, None if previous is None else previous.entries.positions.first)
     before = None if previous is None else previous.entries
     if before is not None and _unmoved(previous, compact, starts, counts, mask is not None):
-        quantized_keys, quantized_values = before.keys, before.values
+        quantized_keys, quantized_values = rectangle(before.keys), rectangle(before.values)
     else:
         rel_positions = _row_relative(positions, starts, counts, -1)
         held = torch.ones(rel_positions.shape, dtype=torch.bool, device=keys.device) if mask is None else mask
         reuse = _reusable(previous, rel_positions, held, compact, starts)
+        previous_keys, previous_values = (
+            (None, None) if before is None else (rectangle(before.keys), rectangle(before.values))
+        )
         if before is not None and before.counts == counts and bool(reuse.all()):  # every code in place
-            quantized_keys, quantized_values = before.keys, before.values
+            quantized_keys, quantized_values = previous_keys, previous_values
         else:
             rel_keys, rel_values = _row_relative(keys, starts, counts), _row_relative(values, starts, counts)
-            previous_keys, previous_values = (None, None) if before is None else (before.keys, before.values)
             quantized_keys = _changed_keys(rel_keys, mask, reuse, previous_keys, config)
             quantized_values = _changed_values(rel_values, reuse, previous_values, config)
     widths = [width for _, width in spans]
     tails = [start + count for start, count in zip(starts, counts)]
     lengths = [width - count for width, count in zip(widths, counts)]
+    residual_keys, residual_values = _row_relative(keys, tails, lengths).clone(), _row_relative(values, tails, lengths)
+    residual_values = residual_values.clone()
+    if mask is not None and not bool(mask.all()):  # heads of different lengths: their bytes, not the longest's
+        quantized_keys = PackedCodes.of(quantized_keys, mask, config.group)
+        quantized_values = PackedCodes.of(quantized_values, mask, 1)
+    if valid is not None and max(lengths):
+        tail = _row_relative(valid, tails, lengths, False)
+        if not bool(tail.all()):
+            residual_keys, residual_values = (
+                PackedRows(tail, residual_keys[tail]),
+                PackedRows(tail, residual_values[tail]),
+            )
     return QuantizedEntries(
         config=config,
         keys=quantized_keys,
@@ -497,8 +576,8 @@ def compress(
         starts=starts,
         counts=counts,
         widths=widths,
-        residual_keys=_row_relative(keys, tails, lengths).clone(),
-        residual_values=_row_relative(values, tails, lengths).clone(),
+        residual_keys=residual_keys,
+        residual_values=residual_values,
         n=n,
         positions=compact,
     )

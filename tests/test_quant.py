@@ -11,6 +11,8 @@ from safetensors import safe_open
 import kvevict
 from kvevict.quant import (
     CompactPositions,
+    PackedCodes,
+    PackedRows,
     QuantConfig,
     dequantize_keys,
     dequantize_values,
@@ -19,6 +21,7 @@ from kvevict.quant import (
     quantize_keys,
     quantize_values,
     quantized_columns,
+    rectangle,
     unpack_into,
 )
 from tests.conftest import (
@@ -164,7 +167,7 @@ def test_a_quantized_left_padded_batch_gives_each_row_what_it_gets_alone(policy:
     batch = kvevict.EvictionCache(model, build_policy(policy), budget=budget, **QUANT)
     batch_tokens, batch_logits = greedy_batch(model, ids, mask, batch, 7)
     for layer in batch.eviction_layers:  # each row keeps its own tail at full precision, fewer than 8 entries
-        assert layer.storage.quantized.residual_keys.shape[2] < QUANT["residual"]
+        assert rectangle(layer.storage.quantized.residual_keys).shape[2] < QUANT["residual"]
     for row, ids_alone in enumerate(prompts):
         alone = kvevict.EvictionCache(model, build_policy(policy), budget=budget, **QUANT)
         tokens, logits = greedy(model, ids_alone, alone, new_tokens=7)
@@ -345,3 +348,28 @@ def test_quant_with_an_attention_kvevict_does_not_wrap_is_refused() -> None:
     model.config._attn_implementation = "flex_attention"
     with pytest.raises(ValueError, match="attention implementation 'flex_attention' is not supported"):
         kvevict.EvictionCache(model, "snapkv", budget=BUDGET, **QUANT)
+
+
+def test_a_quantized_layer_holds_codes_for_its_real_entries_not_for_its_longest_head() -> None:
+    """Head-wise budgets leave a layer's heads with different lengths: the codes, scales and
+    full-precision tail of the shorter heads are not padded to the longest (DESIGN §1.5)."""
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, "adakv+snapkv", budget=BUDGET, quant="int4", quant_group=8, residual=8)
+    with torch.no_grad():
+        model(input_ids=prompt(PROMPT), past_key_values=cache)
+    packed = 0
+    for layer in cache.eviction_layers:
+        quantized, valid = layer.storage.quantized, layer.storage.valid
+        region = quantized.counts[0]
+        real, tail = valid[..., :region], valid[..., region : quantized.n]
+        assert len(set(layer.head_lengths().flatten().tolist())) > 1  # AdaKV: heads of different lengths
+        if not bool(real.all()):
+            packed += 1
+            assert isinstance(quantized.keys, PackedCodes) and torch.equal(quantized.keys.held, real)
+            assert quantized.keys.codes.shape[0] == quantized.values.codes.shape[0] == int(real.sum())
+            assert quantized.keys.codes.numel() < rectangle(quantized.keys).codes.numel()
+        if not bool(tail.all()):
+            assert isinstance(quantized.residual_keys, PackedRows) and quantized.residual_keys.rows.shape[0] == int(
+                tail.sum()
+            )
+    assert packed  # some head's real entries end before the layer's quantized columns do
