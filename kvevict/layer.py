@@ -233,7 +233,7 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, PackedPasses, DynamicLayer):
 
     def quantize(self) -> None:
         """A quantized cache's layer holds its keys and values as codes until its next pass
-        (:mod:`kvevict.quant`; ragged layers keep their padding, in codes, rather than pack).
+        (:mod:`kvevict.quant`; a ragged layer's codes and tail are packed: its real entries only).
         A no-op without quantization."""
         if self.owner.quant is not None and self.is_initialized and self.n and self.storage.quantized is None:
             spans = [(row.start, row.width) for row in self.rows]

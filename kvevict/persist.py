@@ -134,7 +134,7 @@ def save_file(cache: Any, path: str | Path, model: PreTrainedModel) -> Path:
         else:
             entries = {"keys": layer.keys, "values": layer.values, "positions": layer.positions}
             entries.update({f"state.{name}": value for name, value in layer.state.items()})
-            if layer.valid is not None:  # (a quantized layer keeps ragged heads padded, in codes)
+            if layer.valid is not None:
                 entries["valid"] = layer.valid
             entries = {name: x.narrow(2, 0, n) for name, x in entries.items()}
         for name, x in entries.items():
