@@ -539,19 +539,20 @@ def compress(
         mask = _row_relative(real, starts, counts, False)
     compact = CompactPositions.of(positions, None if previous is None else previous.entries.positions.first)
     before = None if previous is None else previous.entries
+    quantized_keys: QuantizedTensor | PackedCodes
+    quantized_values: QuantizedTensor | PackedCodes
     if before is not None and _unmoved(previous, compact, starts, counts, mask is not None):
-        quantized_keys, quantized_values = rectangle(before.keys), rectangle(before.values)
+        quantized_keys, quantized_values = before.keys, before.values
     else:
         rel_positions = _row_relative(positions, starts, counts, -1)
         held = torch.ones(rel_positions.shape, dtype=torch.bool, device=keys.device) if mask is None else mask
         reuse = _reusable(previous, rel_positions, held, compact, starts)
-        previous_keys, previous_values = (
-            (None, None) if before is None else (rectangle(before.keys), rectangle(before.values))
-        )
         if before is not None and before.counts == counts and bool(reuse.all()):  # every code in place
-            quantized_keys, quantized_values = previous_keys, previous_values
+            quantized_keys, quantized_values = before.keys, before.values  # (as held: packed or not)
         else:
             rel_keys, rel_values = _row_relative(keys, starts, counts), _row_relative(values, starts, counts)
+            previous_keys = None if before is None else rectangle(before.keys)
+            previous_values = None if before is None else rectangle(before.values)
             quantized_keys = _changed_keys(rel_keys, mask, reuse, previous_keys, config)
             quantized_values = _changed_values(rel_values, reuse, previous_values, config)
     widths = [width for _, width in spans]
@@ -559,9 +560,8 @@ def compress(
     lengths = [width - count for width, count in zip(widths, counts)]
     residual_keys, residual_values = _row_relative(keys, tails, lengths).clone(), _row_relative(values, tails, lengths)
     residual_values = residual_values.clone()
-    if mask is not None and not bool(mask.all()):  # heads of different lengths: their bytes, not the longest's
-        quantized_keys = PackedCodes.of(quantized_keys, mask, config.group)
-        quantized_values = PackedCodes.of(quantized_values, mask, 1)
+    quantized_keys = _packed(quantized_keys, mask, config.group)
+    quantized_values = _packed(quantized_values, mask, 1)
     if valid is not None and max(lengths):
         tail = _row_relative(valid, tails, lengths, False)
         if not bool(tail.all()):
@@ -581,6 +581,17 @@ def compress(
         n=n,
         positions=compact,
     )
+
+
+def _packed(codes: QuantizedTensor | PackedCodes, held: torch.Tensor | None, per: int) -> QuantizedTensor | PackedCodes:
+    """``codes`` packed to the real entries ``held`` marks (heads of different lengths: their bytes,
+    not the longest's), or the rectangle where every entry is real; codes already packed to the
+    same entries are kept as they are (a decode step that only grew the tail)."""
+    if held is None or bool(held.all()):
+        return rectangle(codes)
+    if isinstance(codes, PackedCodes) and torch.equal(codes.held, held):
+        return codes
+    return PackedCodes.of(rectangle(codes), held, per)
 
 
 def _unmoved(
