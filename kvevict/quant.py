@@ -190,12 +190,13 @@ class PackedCodes:
     def unpacked(self) -> QuantizedTensor:
         """The rectangle back (zeros where no real entry is: padding, masked out of attention)."""
         groups = self.groups_of(self.held, self.per)
-        out = []
-        for x, where in ((self.codes, self.held), (self.scale, groups), (self.zero, groups)):
-            full = x.new_zeros(*where.shape, *x.shape[1:])
-            full[where] = x
-            out.append(full)
-        return QuantizedTensor(*out)
+        entries = _flat_index(self.held)
+        grouped = entries if groups is self.held else _flat_index(groups)
+        return QuantizedTensor(
+            _scattered(self.codes, self.held.shape, entries),
+            _scattered(self.scale, groups.shape, grouped),
+            _scattered(self.zero, groups.shape, grouped),
+        )
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.held, self.codes, self.scale, self.zero]
@@ -210,12 +211,22 @@ class PackedRows:
     rows: torch.Tensor
 
     def unpacked(self) -> torch.Tensor:
-        full = self.rows.new_zeros(*self.held.shape, self.rows.shape[-1])
-        full[self.held] = self.rows
-        return full
+        return _scattered(self.rows, self.held.shape, _flat_index(self.held))
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.held, self.rows]
+
+
+def _flat_index(held: torch.Tensor) -> torch.Tensor:
+    """The flat indices of ``held``'s true elements, in order."""
+    return held.flatten().nonzero().squeeze(1)
+
+
+def _scattered(rows: torch.Tensor, shape: torch.Size, index: torch.Tensor) -> torch.Tensor:
+    """A zero tensor ``[*shape, *rows.shape[1:]]`` holding ``rows`` at the flat ``index`` (one
+    indexed copy, where a boolean mask would find the indices again for every tensor)."""
+    full = rows.new_zeros(shape.numel(), *rows.shape[1:])
+    return full.index_copy_(0, index, rows).view(*shape, *rows.shape[1:])
 
 
 def rectangle(held: QuantizedTensor | PackedCodes | torch.Tensor | PackedRows) -> QuantizedTensor | torch.Tensor:
