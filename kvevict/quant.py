@@ -569,8 +569,8 @@ def compress(
     widths = [width for _, width in spans]
     tails = [start + count for start, count in zip(starts, counts)]
     lengths = [width - count for width, count in zip(widths, counts)]
-    residual_keys, residual_values = _row_relative(keys, tails, lengths).clone(), _row_relative(values, tails, lengths)
-    residual_values = residual_values.clone()
+    residual_keys = _row_relative(keys, tails, lengths).clone()
+    residual_values = _row_relative(values, tails, lengths).clone()
     quantized_keys = _packed(quantized_keys, mask, config.group)
     quantized_values = _packed(quantized_values, mask, 1)
     if valid is not None and max(lengths):
