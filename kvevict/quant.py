@@ -36,6 +36,8 @@ from functools import cached_property
 
 import torch
 
+from kvevict.quantcodes import PackedCodes, PackedTail, QuantizedTensor, rectangle
+
 BITS = {"int8": 8, "int4": 4, "int2": 2}
 """The ``quant=`` options and their bits per code."""
 DEFAULT_GROUP = 32
@@ -149,89 +151,6 @@ def quantize_groups(
     safe = torch.where(scale > 0, scale.float(), 1.0)
     codes = ((x32 - zero.float()) / safe).round_().clamp_(0, levels).to(torch.uint8)
     return codes, scale, zero
-
-
-@dataclass
-class QuantizedTensor:
-    """Packed codes and their groups' scales and zero points."""
-
-    codes: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.codes, self.scale, self.zero]
-
-
-@dataclass
-class PackedCodes:
-    """A :class:`QuantizedTensor` ``[B, H, q, ...]`` of a layer whose heads hold different numbers
-    of entries (a head-wise or pooled budget), packed: only the codes of real entries (``held``
-    ``[B, H, q]``) and the scales and zero points of groups holding one, so that the layer's bytes
-    follow its entries, not its longest head. ``per``: entries per scale group along the columns
-    (the key group; 1 for values)."""
-
-    held: torch.Tensor
-    codes: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
-    per: int
-
-    @classmethod
-    def of(cls, quantized: QuantizedTensor, held: torch.Tensor, per: int) -> PackedCodes:
-        groups = cls.groups_of(held, per)
-        return cls(held, quantized.codes[held], quantized.scale[groups], quantized.zero[groups], per)
-
-    @staticmethod
-    def groups_of(held: torch.Tensor, per: int) -> torch.Tensor:
-        """``[B, H, q / per]``: the scale groups holding a real entry."""
-        return held if per == 1 else held.view(*held.shape[:2], -1, per).any(dim=-1)
-
-    def unpacked(self) -> QuantizedTensor:
-        """The rectangle back (zeros where no real entry is: padding, masked out of attention)."""
-        groups = self.groups_of(self.held, self.per)
-        entries = _flat_index(self.held)
-        grouped = entries if groups is self.held else _flat_index(groups)
-        return QuantizedTensor(
-            _scattered(self.codes, self.held.shape, entries),
-            _scattered(self.scale, groups.shape, grouped),
-            _scattered(self.zero, groups.shape, grouped),
-        )
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.held, self.codes, self.scale, self.zero]
-
-
-@dataclass
-class PackedRows:
-    """Full-precision entries ``[B, H, L, d]`` of heads with different numbers of real ones,
-    packed: only the real entries' rows (``held`` ``[B, H, L]``)."""
-
-    held: torch.Tensor
-    rows: torch.Tensor
-
-    def unpacked(self) -> torch.Tensor:
-        return _scattered(self.rows, self.held.shape, _flat_index(self.held))
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.held, self.rows]
-
-
-def _flat_index(held: torch.Tensor) -> torch.Tensor:
-    """The flat indices of ``held``'s true elements, in order."""
-    return held.flatten().nonzero().squeeze(1)
-
-
-def _scattered(rows: torch.Tensor, shape: torch.Size, index: torch.Tensor) -> torch.Tensor:
-    """A zero tensor ``[*shape, *rows.shape[1:]]`` holding ``rows`` at the flat ``index`` (one
-    indexed copy, where a boolean mask would find the indices again for every tensor)."""
-    full = rows.new_zeros(shape.numel(), *rows.shape[1:])
-    return full.index_copy_(0, index, rows).view(*shape, *rows.shape[1:])
-
-
-def rectangle(held: QuantizedTensor | PackedCodes | torch.Tensor | PackedRows) -> QuantizedTensor | torch.Tensor:
-    """Codes or full-precision entries as a rectangle ``[B, H, q, ...]``, unpacked if packed."""
-    return held.unpacked() if isinstance(held, (PackedCodes, PackedRows)) else held
 
 
 def quantize_keys(keys: torch.Tensor, bits: int, group: int, held: torch.Tensor | None) -> QuantizedTensor:
@@ -386,8 +305,8 @@ class QuantizedEntries:
     starts: list[int]
     counts: list[int]
     widths: list[int]
-    residual_keys: torch.Tensor | PackedRows
-    residual_values: torch.Tensor | PackedRows
+    residual_keys: torch.Tensor | PackedTail
+    residual_values: torch.Tensor | PackedTail
     n: int
     positions: CompactPositions
 
@@ -465,8 +384,8 @@ class ReusableCodes:
         return _row_relative(entries.positions.restore(entries.n), entries.starts, entries.counts, -1)
 
 
-def _tensors(held: torch.Tensor | PackedRows) -> list[torch.Tensor]:
-    return held.tensors() if isinstance(held, PackedRows) else [held]
+def _tensors(held: torch.Tensor | PackedTail) -> list[torch.Tensor]:
+    return held.tensors() if isinstance(held, PackedTail) else [held]
 
 
 def _aligned(starts: Sequence[int], counts: Sequence[int]) -> bool:
@@ -577,8 +496,8 @@ def compress(
         tail = _row_relative(valid, tails, lengths, False)
         if not bool(tail.all()):
             residual_keys, residual_values = (
-                PackedRows(tail, residual_keys[tail]),
-                PackedRows(tail, residual_values[tail]),
+                PackedTail(tail, residual_keys[tail]),
+                PackedTail(tail, residual_values[tail]),
             )
     return QuantizedEntries(
         config=config,

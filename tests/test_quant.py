@@ -11,8 +11,6 @@ from safetensors import safe_open
 import kvevict
 from kvevict.quant import (
     CompactPositions,
-    PackedCodes,
-    PackedRows,
     QuantConfig,
     dequantize_keys,
     dequantize_values,
@@ -21,9 +19,9 @@ from kvevict.quant import (
     quantize_keys,
     quantize_values,
     quantized_columns,
-    rectangle,
     unpack_into,
 )
+from kvevict.quantcodes import PackedCodes, PackedTail, rectangle
 from tests.conftest import (
     assert_next_logits_match_reference,
     build_policy,
@@ -369,7 +367,7 @@ def test_a_quantized_layer_holds_codes_for_its_real_entries_not_for_its_longest_
             assert quantized.keys.codes.shape[0] == quantized.values.codes.shape[0] == int(real.sum())
             assert quantized.keys.codes.numel() < rectangle(quantized.keys).codes.numel()
         if not bool(tail.all()):
-            assert isinstance(quantized.residual_keys, PackedRows) and quantized.residual_keys.rows.shape[0] == int(
+            assert isinstance(quantized.residual_keys, PackedTail) and quantized.residual_keys.rows.shape[0] == int(
                 tail.sum()
             )
     assert packed  # some head's real entries end before the layer's quantized columns do
