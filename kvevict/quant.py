@@ -488,17 +488,14 @@ def compress(
     widths = [width for _, width in spans]
     tails = [start + count for start, count in zip(starts, counts)]
     lengths = [width - count for width, count in zip(widths, counts)]
-    residual_keys = _row_relative(keys, tails, lengths).clone()
-    residual_values = _row_relative(values, tails, lengths).clone()
     quantized_keys = _packed(quantized_keys, mask, config.group)
     quantized_values = _packed(quantized_values, mask, 1)
-    if valid is not None and max(lengths):
-        tail = _row_relative(valid, tails, lengths, False)
-        if not bool(tail.all()):
-            residual_keys, residual_values = (
-                PackedTail(tail, residual_keys[tail]),
-                PackedTail(tail, residual_values[tail]),
-            )
+    residual_keys, residual_values = _row_relative(keys, tails, lengths), _row_relative(values, tails, lengths)
+    tail = None if valid is None or not max(lengths) else _row_relative(valid, tails, lengths, False)
+    if tail is not None and not bool(tail.all()):  # the real entries' rows only (indexing copies them)
+        residual_keys, residual_values = PackedTail(tail, residual_keys[tail]), PackedTail(tail, residual_values[tail])
+    else:  # (a view of the pass's storage when aligned: copied, the storage is set aside)
+        residual_keys, residual_values = residual_keys.clone(), residual_values.clone()
     return QuantizedEntries(
         config=config,
         keys=quantized_keys,
