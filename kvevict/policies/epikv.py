@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvevict.policies.h2o import RECENT_WINDOW, CumulativeAttention
-from kvevict.policies.params import Param, declare, integer, is_integer, layer_indices
+from kvevict.policies.h2o import CumulativeAttention
+from kvevict.policies.params import RECENT_WINDOW, Param, declare, integer, is_integer, layer_indices
 from kvevict.policies.selection import PromptKeeping, check_prompt_chunk
 from kvevict.signals import Signals
 

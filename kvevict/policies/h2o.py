@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvevict.policies.base import Method
-from kvevict.policies.params import choice, declare, integer
+from kvevict.policies.params import RECENT_WINDOW, choice, declare, integer
 from kvevict.signals import NOTHING, GroupReduce, Phase, Regime, Requirements, Signals, group_reduce
 
 if TYPE_CHECKING:
@@ -16,7 +16,6 @@ if TYPE_CHECKING:
 
 ACCUMULATED = "attention"
 """Per-token state of :class:`CumulativeAttention`: attention received so far, ``[B, Hkv, n]`` fp32."""
-RECENT_WINDOW = integer(None, unset="min(128, budget // 4)")
 GROUP = choice("mean", "mean", "max")
 
 

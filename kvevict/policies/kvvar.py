@@ -29,8 +29,7 @@ import torch
 
 from kvevict.policies.base import Method, Ranking, Selector, SinksAndWindow, Stage, Stages
 from kvevict.policies.epikv import EPSILON, ROLLING, rolling_mean
-from kvevict.policies.h2o import RECENT_WINDOW
-from kvevict.policies.params import declare, integer
+from kvevict.policies.params import RECENT_WINDOW, declare, integer
 from kvevict.policies.selection import PromptKeeping, position_order, select_by_tiers, within_group_rank
 from kvevict.signals import Signals, new_entries
 

@@ -62,6 +62,11 @@ def integer(default: int | None, *, low: int = 0, odd: bool = False, unset: str 
     )
 
 
+RECENT_WINDOW = integer(None, unset="min(128, budget // 4)")
+"""A recent window kept by methods that evict while decoding: None means ``min(128, budget // 4)``
+(DESIGN §3), so the tokens a sequence just wrote are read before they can go."""
+
+
 def number(
     default: float | None,
     low: float,

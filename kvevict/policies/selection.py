@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvevict.policies.base import Method, Protector, Stages, keep_top, window_size
-from kvevict.policies.h2o import RECENT_WINDOW
-from kvevict.policies.params import declare
+from kvevict.policies.params import RECENT_WINDOW, declare
 from kvevict.signals import Regime
 
 if TYPE_CHECKING:

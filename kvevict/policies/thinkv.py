@@ -30,8 +30,8 @@ from torch.nn.functional import pad
 
 from kvevict.policies.base import Ranking, Scorer, Selector, SinksAndWindow, Stage, Stages
 from kvevict.policies.epikv import EpiKV
-from kvevict.policies.h2o import GROUP, RECENT_WINDOW, CumulativeAttention
-from kvevict.policies.params import Param, declare, integer, is_integer
+from kvevict.policies.h2o import GROUP, CumulativeAttention
+from kvevict.policies.params import RECENT_WINDOW, Param, declare, integer, is_integer
 from kvevict.policies.selection import select_by_tiers, within_group_rank
 from kvevict.signals import Phase, Regime, Requirements, Signals
 

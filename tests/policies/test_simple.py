@@ -29,6 +29,20 @@ def test_keydiff_evicts_while_decoding_by_default() -> None:
     assert cache.layer_lengths() == [40, 40]
 
 
+def test_keydiff_keeps_the_tokens_just_written_by_default() -> None:
+    # an attention-free score would otherwise evict a token as soon as it is written
+    model, window = tiny_model(), 40 // 4
+    kept = {}
+    for window_param in (None, 0):
+        cache = kvevict.EvictionCache(model, kvevict.make_policy("keydiff", window=window_param), budget=40)
+        greedy(model, prompt(96), cache, new_tokens=window)
+        recent = torch.arange(96 + window - 1 - window, 96 + window - 1)  # the last token written is not fed back
+        kept[window_param] = all(
+            bool(torch.isin(recent, layer.positions[0, h]).all()) for layer in cache.layers for h in range(2)
+        )
+    assert kept == {None: True, 0: False}
+
+
 def test_knorm_keeps_the_low_norm_keys() -> None:
     model = tiny_model()
     cache = kvevict.EvictionCache(model, "knorm", budget=40)
