@@ -220,7 +220,8 @@ class GlobalBudget(Allocator):
     ``⌈cap·B⌉`` entries at those later chunks (``cap = 4``), so that head cannot grow with the
     context: a pass holds at most ``⌈cap·B⌉ + chunk`` columns per layer. Where the passes stay
     packed (:func:`~kvevict.packedpass.chunks_stay_packed`, on a CPU: round 9) a head costs its
-    own entries only, and there is no cap unless one is given. Re-ranking after each
+    own entries only, and there is no cap unless one is given. A ``cap`` given caps every pooled
+    eviction, a one-pass prompt's included. Re-ranking after each
     chunk chooses what one allocation at the end would, for scores that are per-token state
     (Fast KVzip's gates, ``knorm``) up to the hidden states earlier evictions moved; an
     attention scorer (``snapkv``) scores every retained and new entry with the chunk's own
@@ -248,7 +249,7 @@ class GlobalBudget(Allocator):
             None,
             "a number >= 1, or 0 (no cap)",
             lambda v: is_number(v) and (v == 0 or v >= 1),
-            "no cap where a chunk's pass stays packed, else 4",
+            "none in one pass, nor where a chunk's pass stays packed, else 4 (a value given caps every pass)",
             float,
         ),
     )
@@ -277,18 +278,21 @@ class GlobalBudget(Allocator):
         # entries the selection leaves out (Policy.selection_scores): each head brings what it would hold alone
         chunked = layers[0].passes > 1 or layers[0].prompt_continues
         reaches = [reach(layer) for layer in layers] if chunked else None
-        cap = self.chunk_cap(layers[0].policy, layers[0].device)
-        cap = math.ceil(cap * budget) if chunked and cap else None
+        cap = self.head_cap(layers[0].policy, layers[0].device, chunked)
+        cap = math.ceil(cap * budget) if cap else None
         for layer, counts in zip(layers, global_counts(ranked, budget, self.safeguard, reaches, cap)):
             self.memo(layer)["counts"] = counts
 
-    def chunk_cap(self, policy: Assembly, device: torch.device) -> float:
-        """The cap (0: none) at a later chunk: :attr:`cap`, or when unset none where the chunks'
-        passes stay packed (:func:`~kvevict.packedpass.chunks_stay_packed`, on a CPU: a head that
-        keeps its whole context costs its own entries), else :data:`CHUNK_CAP` (each pass pads
-        every layer to its longest head)."""
+    def head_cap(self, policy: Assembly, device: torch.device, chunked: bool = True) -> float:
+        """Budgets one head keeps at most (0: none): :attr:`cap` when given, at every pass; unset,
+        none in one pass, and at a later chunk none where the chunks' passes stay packed
+        (:func:`~kvevict.packedpass.chunks_stay_packed`, on a CPU: a head that keeps its whole
+        context costs its own entries), else :data:`CHUNK_CAP` (each pass pads every layer to its
+        longest head)."""
         if self.cap is not None:
             return self.cap
+        if not chunked:
+            return 0.0
         return 0.0 if device.type == "cpu" and chunks_stay_packed(policy) else CHUNK_CAP
 
     def counts(

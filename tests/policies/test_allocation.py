@@ -154,6 +154,21 @@ def test_a_pooled_budget_meets_a_sliding_layer_the_same_below_and_above_its_wind
     assert full_kept == sorted(full_kept) and full_kept[-1] > 2 * 72
 
 
+def test_a_cap_given_bounds_every_head_of_a_one_pass_prompt() -> None:
+    """``global.cap=c``: no head keeps more than ``⌈c·B⌉`` entries, in one pass as at a later chunk
+    (it used to act only on chunked prompts, and a one-pass prompt ignored it without a word)."""
+    model = tiny_model()
+    widest = {}
+    for cap in (None, 1.1):
+        params = {} if cap is None else {"global": {"cap": cap}}
+        cache = kvevict.EvictionCache(model, kvevict.make_policy("global+snapkv", **params), budget=40)
+        with torch.no_grad():
+            model(prompt(160), past_key_values=cache, use_cache=True)
+        widest[cap] = max(int(layer.head_lengths()[0].max()) for layer in cache.eviction_layers)
+        assert sum(int(layer.head_lengths()[0].sum()) for layer in cache.eviction_layers) == 2 * 2 * 40  # one pool
+    assert widest[None] > 44 and widest[1.1] == 44
+
+
 def test_scores_without_a_common_unit_are_standardised_per_layer() -> None:
     from kvevict.policies.allocation import standardize
 
