@@ -66,6 +66,12 @@ RECENT_WINDOW = integer(None, unset="min(128, budget // 4)")
 """A recent window kept by methods that evict while decoding: None means ``min(128, budget // 4)``
 (DESIGN §3), so the tokens a sequence just wrote are read before they can go."""
 
+WRITTEN_WINDOW = integer(16)
+"""The recent window of a score that reads no query (``keydiff``, ``qfilters``), which would otherwise
+evict a token as soon as it is written: 16 tokens, the smallest screened that keeps needle answers
+whole; ``min(128, B/4)`` also protects the context's last tokens, at the needles' expense
+(docs/measurements.md)."""
+
 
 def number(
     default: float | None,

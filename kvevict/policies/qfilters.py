@@ -12,7 +12,7 @@ import torch
 
 from kvevict.policies.allocation import bundled_profile
 from kvevict.policies.base import Method
-from kvevict.policies.params import RECENT_WINDOW, Param, declare, integer
+from kvevict.policies.params import WRITTEN_WINDOW, Param, declare, integer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -77,15 +77,15 @@ class QFilters(Method):
     weights, no query at run time: it runs beside fused attention and evicts while decoding too
     (``regime=both``). The filters are computed offline once per model (``kvevict
     calibrate-qfilters``); SmolLM2-135M and Gemma-3-270M ship theirs, any other model is refused
-    until given ``filters=``. Defaults: 4 sinks and a recent window of ``min(128, budget // 4)``
-    tokens (without it, decoding evicts the tokens just written whenever they project low, and the
-    answer repeats one digit).
+    until given ``filters=``. Defaults: 4 sinks and a recent window of 16 tokens (without it,
+    decoding evicts the tokens just written whenever they project low, and the answer repeats
+    one digit).
     """
 
     name = "qfilters"
     summary = "evict the keys that project least on their head's offline query direction (no attention)"
     batched = True
-    PARAMS = declare(filters=FILTERS, sinks=integer(4), window=RECENT_WINDOW)
+    PARAMS = declare(filters=FILTERS, sinks=integer(4), window=WRITTEN_WINDOW)
 
     def __init__(self, **params: object):
         super().__init__(**params)

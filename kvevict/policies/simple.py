@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvevict.policies.base import Method
-from kvevict.policies.params import RECENT_WINDOW, declare, integer
+from kvevict.policies.params import WRITTEN_WINDOW, declare, integer
 from kvevict.signals import Signals
 
 if TYPE_CHECKING:
@@ -97,15 +97,14 @@ class KeyDiff(Method):
     Score (arXiv 2504.15364, Eq. 3–4; docs/policies.md): ``−cos(k_i, ā)``, ``ā`` the mean of the
     head's unit keys over the entries it holds. Attention-free, so it runs in fused-attention
     stacks and evicts while decoding as well as at prefill (``regime="both"`` by default).
-    Defaults: no sinks; a recent window of ``min(128, budget // 4)`` tokens, since a score that
-    reads no query would otherwise evict the tokens a sequence has just written (its answer
-    then repeats one digit).
+    Defaults: no sinks; a recent window of 16 tokens, since a score that reads no query would
+    otherwise evict the tokens a sequence has just written (its answer then repeats one digit).
     """
 
     name = "keydiff"
     summary = "evict the keys most similar to their head's mean key (attention-free)"
     batched = True
-    PARAMS = declare(sinks=integer(0), window=RECENT_WINDOW)
+    PARAMS = declare(sinks=integer(0), window=WRITTEN_WINDOW)
 
     def score(self, layer: EntryView, signals: Signals) -> torch.Tensor:
         return keydiff_scores(layer.keys, layer.valid)

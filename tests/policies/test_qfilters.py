@@ -40,7 +40,7 @@ def test_the_cache_keeps_the_keys_that_project_highest() -> None:
 def test_decoding_keeps_the_tokens_just_written_by_default() -> None:
     # no query is read, so without the default recent window a token that projects low would go as
     # soon as it is written (on needle prompts the answer then repeats one digit)
-    model, filters, window = tiny_model(), tiny_qfilters(), 40 // 4
+    model, filters, window = tiny_model(), tiny_qfilters(), 16
     kept = {}
     for name, policy in (("default", {}), ("no window", {"window": 0})):
         cache = kvevict.EvictionCache(model, kvevict.make_policy("qfilters", filters=filters, **policy), budget=40)

@@ -31,7 +31,7 @@ def test_keydiff_evicts_while_decoding_by_default() -> None:
 
 def test_keydiff_keeps_the_tokens_just_written_by_default() -> None:
     # an attention-free score would otherwise evict a token as soon as it is written
-    model, window = tiny_model(), 40 // 4
+    model, window = tiny_model(), 16
     kept = {}
     for window_param in (None, 0):
         cache = kvevict.EvictionCache(model, kvevict.make_policy("keydiff", window=window_param), budget=40)
