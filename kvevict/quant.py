@@ -36,7 +36,7 @@ from functools import cached_property
 
 import torch
 
-from kvevict.quantcodes import PackedCodes, PackedTail, QuantizedTensor, rectangle
+from kvevict.quantcodes import PackedCodes, PackedTail, QuantizedTensor, rectangle, rectangles
 
 BITS = {"int8": 8, "int4": 4, "int2": 2}
 """The ``quant=`` options and their bits per code."""
@@ -349,9 +349,11 @@ class QuantizedEntries:
         bits, group = self.config.bits, self.config.group
         aligned, tails, lengths, covered = self._layout
         dense = []
-        for residual, codes, dequantize in (
-            (rectangle(self.residual_keys), rectangle(self.keys), dequantize_keys),
-            (rectangle(self.residual_values), rectangle(self.values), dequantize_values),
+        for residual, codes, dequantize in zip(
+            rectangles(self.residual_keys, self.residual_values),
+            rectangles(self.keys, self.values),
+            (dequantize_keys, dequantize_values),
+            strict=True,
         ):
             dtype = residual.dtype
             out = residual.new_empty(*residual.shape[:2], columns, residual.shape[-1])
@@ -481,8 +483,7 @@ def compress(
             quantized_keys, quantized_values = before.keys, before.values  # (as held: packed or not)
         else:
             rel_keys, rel_values = _row_relative(keys, starts, counts), _row_relative(values, starts, counts)
-            previous_keys = None if before is None else rectangle(before.keys)
-            previous_values = None if before is None else rectangle(before.values)
+            previous_keys, previous_values = (None, None) if before is None else rectangles(before.keys, before.values)
             quantized_keys = _changed_keys(rel_keys, mask, reuse, previous_keys, config)
             quantized_values = _changed_values(rel_values, reuse, previous_values, config)
     widths = [width for _, width in spans]

@@ -47,10 +47,11 @@ class PackedCodes:
         """``[B, H, q / per]``: the scale groups holding a real entry."""
         return held if per == 1 else held.view(*held.shape[:2], -1, per).any(dim=-1)
 
-    def unpacked(self) -> QuantizedTensor:
-        """The rectangle back (zeros where no real entry is: padding, masked out of attention)."""
+    def unpacked(self, entries: torch.Tensor | None = None) -> QuantizedTensor:
+        """The rectangle back (zeros where no real entry is: padding, masked out of attention);
+        ``entries``: ``held``'s flat indices when already found (:func:`rectangles`)."""
         groups = self.groups_of(self.held, self.per)
-        entries = _flat_index(self.held)
+        entries = _flat_index(self.held) if entries is None else entries
         grouped = entries if groups is self.held else _flat_index(groups)
         return QuantizedTensor(
             _scattered(self.codes, self.held.shape, entries),
@@ -70,8 +71,8 @@ class PackedTail:
     held: torch.Tensor
     rows: torch.Tensor
 
-    def unpacked(self) -> torch.Tensor:
-        return _scattered(self.rows, self.held.shape, _flat_index(self.held))
+    def unpacked(self, entries: torch.Tensor | None = None) -> torch.Tensor:
+        return _scattered(self.rows, self.held.shape, _flat_index(self.held) if entries is None else entries)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.held, self.rows]
@@ -89,6 +90,20 @@ def _scattered(rows: torch.Tensor, shape: torch.Size, index: torch.Tensor) -> to
     return full.index_copy_(0, index, rows).view(*shape, *rows.shape[1:])
 
 
-def rectangle(held: QuantizedTensor | PackedCodes | torch.Tensor | PackedTail) -> QuantizedTensor | torch.Tensor:
+Held = QuantizedTensor | PackedCodes | torch.Tensor | PackedTail
+
+
+def rectangle(held: Held) -> QuantizedTensor | torch.Tensor:
     """Codes or full-precision entries as a rectangle ``[B, H, q, ...]``, unpacked if packed."""
     return held.unpacked() if isinstance(held, (PackedCodes, PackedTail)) else held
+
+
+def rectangles(keys: Held, values: Held) -> tuple[QuantizedTensor | torch.Tensor, QuantizedTensor | torch.Tensor]:
+    """A layer's keys and values as rectangles (:func:`rectangle`); packed to one ``held`` mask, as
+    :mod:`kvevict.quant` packs them, its indices are found once for both (a decode step unpacks
+    every layer)."""
+    packed = (PackedCodes, PackedTail)
+    if isinstance(keys, packed) and isinstance(values, packed) and keys.held is values.held:
+        entries = _flat_index(keys.held)
+        return keys.unpacked(entries), values.unpacked(entries)
+    return rectangle(keys), rectangle(values)
