@@ -358,6 +358,19 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(smollm2_checkpoint())
 
 
+def keeps_what_it_writes(policy, written: int = 16, budget: int = 40) -> bool:
+    """Whether ``policy`` on the tiny model, decoding ``written`` tokens after a 96-token prompt at
+    ``budget``, still holds in every head the last ``written`` tokens the cache saw (the last token
+    generated is not fed back, so those are positions ``95 .. 95 + written − 1``)."""
+    import kvevict
+
+    model = tiny_model()
+    cache = kvevict.EvictionCache(model, policy, budget=budget)
+    greedy(model, prompt(96), cache, new_tokens=written)
+    recent = torch.arange(95, 95 + written)
+    return all(bool(torch.isin(recent, heads).all()) for layer in cache.layers for heads in layer.positions[0])
+
+
 def greedy_batch(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, cache=None, new_tokens: int = 8):
     """Greedy generation of a left-padded batch: (new tokens ``[B, new]``, per-step logits ``[B, new, V]``)."""
     sequences, logits = greedy(model, ids, cache, new_tokens, mask)
