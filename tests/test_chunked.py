@@ -88,7 +88,9 @@ def test_chunked_prefill_holds_at_most_budget_plus_chunk(policy: str) -> None:
         held = [layer.head_lengths() for layer in cache.eviction_layers]
         assert sum(int(heads.sum()) for heads in held) <= sum(heads.numel() for heads in held) * (BUDGET + 1)
         if cache.policy.allocator.across_layers:  # one pool, chunk by chunk: a head holds at most cap·B between passes
-            cap = cache.policy.allocator.head_cap(cache.policy, model.device) or PROMPT / BUDGET  # 0: none
+            cap = (
+                cache.policy.allocator.head_cap(cache.policy, model.device, chunked=True) or PROMPT / BUDGET
+            )  # 0: none
             assert cache.peak_entries() <= math.ceil(cap * BUDGET) + CHUNK
         else:
             assert cache.peak_entries() <= max(int(heads.max()) for heads in held) + CHUNK

@@ -157,5 +157,5 @@ def test_chunks_of_a_policy_that_reads_attention_take_the_padded_path() -> None:
     packed = []
     chunks(model, cache, prompt(160), 16, False, lambda c: packed.append(any(x.packed_pass for x in c.eviction_layers)))
     assert not any(packed)
-    assert cache.policy.allocator.head_cap(cache.policy, model.device) == 4
-    assert build_policy("fastkvzip").allocator.head_cap(build_policy("fastkvzip"), model.device) == 0
+    assert cache.policy.allocator.head_cap(cache.policy, model.device, chunked=True) == 4
+    assert build_policy("fastkvzip").allocator.head_cap(build_policy("fastkvzip"), model.device, chunked=True) == 0

@@ -283,7 +283,7 @@ class GlobalBudget(Allocator):
         for layer, counts in zip(layers, global_counts(ranked, budget, self.safeguard, reaches, cap)):
             self.memo(layer)["counts"] = counts
 
-    def head_cap(self, policy: Assembly, device: torch.device, chunked: bool = True) -> float:
+    def head_cap(self, policy: Assembly, device: torch.device, chunked: bool) -> float:
         """Budgets one head keeps at most (0: none): :attr:`cap` when given, at every pass; unset,
         none in one pass, and at a later chunk none where the chunks' passes stay packed
         (:func:`~kvevict.packedpass.chunks_stay_packed`, on a CPU: a head that keeps its whole
