@@ -67,7 +67,13 @@ class AnswerReading(KVzip):
         return super().repeat_inputs(decoder, input_ids) if self.reading is None else [self.reading]
 
 
-def compressed(model: Any, context: torch.Tensor, reading: torch.Tensor | None, keep: float, counts=None):
+def compressed(
+    model: Any,
+    context: torch.Tensor,
+    reading: torch.Tensor | None,
+    keep: float,
+    counts: list[torch.Tensor] | None = None,
+) -> tuple[kvevict.EvictionCache, list[torch.Tensor]]:
     """A cache of ``context`` compressed at ``keep`` by KVzip's pool over ``reading``'s scores (None:
     KVzip's repeat), with another pass's per-head ``counts`` when given; and the counts it used."""
     cache = kvevict.EvictionCache(model, Policy(AnswerReading(reading, CountsFrom(counts)), []), keep=keep)
@@ -75,8 +81,12 @@ def compressed(model: Any, context: torch.Tensor, reading: torch.Tensor | None, 
     return cache, cache.policy.allocator.recorded or counts  # (the cache holds its own copy of the policy)
 
 
-def answer_with(model: Any, cache: Any, tail: torch.Tensor, max_new_tokens: int) -> list[int]:
-    return greedy_after(model, cache, tail, max_new_tokens, stop_tokens_of(model))
+def answered(model: Any, cache: kvevict.EvictionCache, tail: torch.Tensor, max_new_tokens: int) -> list[int]:
+    """``cache``'s greedy answer after ``tail``; the cache is closed (freed) once it has answered."""
+    try:
+        return greedy_after(model, cache, tail, max_new_tokens, stop_tokens_of(model))
+    finally:
+        cache.close()
 
 
 def run_sample(model: Any, tokenizer: Any, task: Any, sample: Any, keep: float) -> dict[str, list[int]]:
@@ -86,18 +96,18 @@ def run_sample(model: Any, tokenizer: Any, task: Any, sample: Any, keep: float) 
     with torch.inference_mode():
         full = kvevict.EvictionCache(model, "full")
         prefill(model, context, full)
-        answers = {"full": answer_with(model, full, tail, length)}
+        answers = {"full": answered(model, full, tail, length)}
         reading = torch.cat([tail, torch.tensor([answers["full"]])], dim=-1)
         kvzip, kvzip_counts = compressed(model, context, None, keep)
+        answers["kvzip"] = answered(model, kvzip, tail, length)
         oracle, oracle_counts = compressed(model, context, reading, keep)
-        answers["kvzip"] = answer_with(model, kvzip, tail, length)
-        answers["answer"] = answer_with(model, oracle, tail, length)
-        mixed = {
-            "counts=kvzip": compressed(model, context, reading, keep, kvzip_counts)[0],
-            "counts=answer": compressed(model, context, None, keep, oracle_counts)[0],
-        }
-        for name, cache in mixed.items():
-            answers[name] = answer_with(model, cache, tail, length)
+        answers["answer"] = answered(model, oracle, tail, length)
+        answers["counts=kvzip"] = answered(
+            model, compressed(model, context, reading, keep, kvzip_counts)[0], tail, length
+        )
+        answers["counts=answer"] = answered(
+            model, compressed(model, context, None, keep, oracle_counts)[0], tail, length
+        )
     return answers
 
 
