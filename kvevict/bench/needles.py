@@ -161,11 +161,16 @@ def needle_builder(family: Family, rng: random.Random) -> Builder:
     rng.shuffle(needles)
     asked = rng.randrange(len(keys))
     several = family.values > 1
-    question = (
-        f"What {'are all the' if several else 'is the'} {noun}{'s' if several else ''} for {keys[asked]} "
-        "in the text above?"
-    )
-    prefix = f"The {noun}{'s' if several else ''} for {keys[asked]} {'are' if several else 'is'}:"
+
+    def asking(key: str) -> tuple[str, str]:
+        question = (
+            f"What {'are all the' if several else 'is the'} {noun}{'s' if several else ''} for {key} in the text above?"
+        )
+        return question, f"The {noun}{'s' if several else ''} for {key} {'are' if several else 'is'}:"
+
+    question, prefix = asking(keys[asked])
+    # every key's question, answer prefix and values: what an answer would read (``train-gates --teacher answers``)
+    readings = [(*asking(key), own) for key, own in zip(keys, values, strict=True)]
     before = f"Some {noun}s are hidden in the following text. Remember them; you will be asked about one.\n"
 
     def build(size: int, rng: random.Random) -> Prompt:
@@ -173,6 +178,7 @@ def needle_builder(family: Family, rng: random.Random) -> Builder:
         placed = insert_items(lines, needles, rng)
 
         metadata = {"family": family.__dict__, "depths": [round(100 * i / max(size, 1)) for i in placed]}
+        metadata["readings"] = readings
         return Prompt(before + joined(family.haystack, lines), question, prefix, tuple(values[asked]), metadata)
 
     return build

@@ -51,7 +51,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--teacher",
         choices=TEACHERS,
         default=defaults.teacher,
-        help=f"the scores the gates learn: kvzip+'s (kvzip[plus=true]) or kvzip's (default: {defaults.teacher})",
+        help=f"the scores the gates learn: kvzip+'s (kvzip[plus=true]), kvzip's, what every needle's answer reads "
+        f"(answers; --data varied), or the larger of kvzip+'s and that (default: {defaults.teacher})",
     )
     parser.set_defaults(run=run, extra=BENCH)
 

@@ -84,17 +84,24 @@ class TrainConfig:
     teacher: str = "kvzip+"
     """What the gates learn to predict: ``kvzip+``'s scores (``kvzip[plus=true]``: each score weighted by
     ``‖W_O v‖ / ‖h‖``; SmolLM2's shipped gates, which keep more needles at keep 0.10 than gates distilled from
-    ``kvzip``'s, docs/fastkvzip.md, round 21), or ``kvzip``'s (Gemma-3-270M's shipped gates)."""
+    ``kvzip``'s, docs/fastkvzip.md, round 21), or ``kvzip``'s (Gemma-3-270M's shipped gates); with ``varied``
+    data, ``answers``: KVzip+'s scoring with the repeat replaced by every needle's question and answer,
+    teacher-forced (what an answer reads; 0 in a haystack without needles), or ``kvzip+answers``: the larger of
+    the two (docs/fastkvzip.md, round 25)."""
 
     def __post_init__(self) -> None:
         if self.data not in DATA:
             raise ValueError(f"unknown training data {self.data!r}; use one of {', '.join(DATA)}")
         if self.teacher not in TEACHERS:
             raise ValueError(f"unknown teacher {self.teacher!r}; use one of {', '.join(TEACHERS)}")
+        if self.teacher in ANSWERED and (self.data != "varied" or self.top):
+            raise ValueError(f"--teacher {self.teacher} needs the needles' answers: use --data varied, without --top")
 
 
 DATA = ("ruler", "varied")
-TEACHERS = ("kvzip", "kvzip+")
+TEACHERS = ("kvzip", "kvzip+", "answers", "kvzip+answers")
+ANSWERED = ("answers", "kvzip+answers")
+"""Teachers that read the contexts' answers (KVzip+'s weighting)."""
 AS_BEFORE = {"order": 0.0, "data": "ruler", "teacher": "kvzip"}
 """Options whose value here is what training did before the option existed: left out of checkpoints and of the gates'
 metadata, so those written before the option still resume and still match."""
@@ -104,9 +111,17 @@ class RecordingKVzip(KVzip):
     """kvevict's ``kvzip`` that also keeps the scores its repeat pass gives, per layer (row 0).
 
     Read after the repeat pass, not when evicting: a sliding-window layer whose window fits the
-    budget is not evicted (it keeps its window anyway) but is scored all the same."""
+    budget is not evicted (it keeps its window anyway) but is scored all the same. With ``readings``
+    (token ids ``[1, r]`` each), those are teacher-forced in place of the repeat's chunks."""
 
     name = "kvzip"
+
+    def __init__(self, readings: list[torch.Tensor] | None = None, **params: Any):
+        super().__init__(**params)
+        self.readings = readings
+
+    def repeat_inputs(self, decoder: torch.nn.Module, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        return super().repeat_inputs(decoder, input_ids) if self.readings is None else self.readings
 
     def rescore(self, cache: Any, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
         super().rescore(cache, decoder, input_ids)
@@ -149,7 +164,7 @@ def contexts(tokenizer: Any, config: TrainConfig, files: list[Path]) -> list[tor
             )
         return [torch.tensor([piece]) for piece in pieces]
     if config.data == "varied":
-        return varied_contexts(tokenizer, config)
+        return [ids for ids, _ in varied_contexts(tokenizer, config)]
     from kvevict.bench.haystack import essays
     from kvevict.bench.tasks import get_task
 
@@ -168,10 +183,12 @@ def contexts(tokenizer: Any, config: TrainConfig, files: list[Path]) -> list[tor
     return [torch.tensor([piece]) for piece in found]
 
 
-def varied_contexts(tokenizer: Any, config: TrainConfig) -> list[torch.Tensor]:
+def varied_contexts(tokenizer: Any, config: TrainConfig) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
     """``config.count`` contexts of :data:`~kvevict.bench.needles.TRAINING`'s families, drawn with the seed:
-    context ``i`` of ``length_of(config, i)`` tokens, every fourth a haystack alone (no needle)."""
+    context ``i`` of ``length_of(config, i)`` tokens, every fourth a haystack alone (no needle); each with its
+    readings, one per key: the question, answer prefix and answer that would follow it (none without needles)."""
     from kvevict.bench.needles import TRAINING, NeedleTask, haystack_lines, joined
+    from kvevict.generation import split_prompt
 
     found = []
     for index in range(config.count):
@@ -181,12 +198,29 @@ def varied_contexts(tokenizer: Any, config: TrainConfig) -> list[torch.Tensor]:
         if index % 4 == 3:  # a haystack alone: what most of a context is
             lines = haystack_lines(family.haystack, length, rng)
             ids = tokenizer.encode(joined(family.haystack, lines), add_special_tokens=False)
+            readings = []
         else:
             task = NeedleTask(f"training-{family.haystack}", family)
             sample = task.samples(tokenizer, length=length, count=1, seed=1000 + config.seed + index)[0]
             ids = tokenizer.encode(sample.context, add_special_tokens=False)
-        found.append(torch.tensor([ids[:length]]))
+            kept = tokenizer.decode(ids[:length])  # a context cut to its length may lose a needle: not asked about
+            readings = [
+                torch.cat(
+                    [
+                        split_prompt(tokenizer, sample.context, question, prefix)[1],
+                        _ids(tokenizer, f" {', '.join(values)}."),
+                    ],
+                    -1,
+                )
+                for question, prefix, values in sample.metadata["readings"]
+                if all(value in kept for value in values)
+            ]
+        found.append((torch.tensor([ids[:length]]), readings))
     return found
+
+
+def _ids(tokenizer: Any, text: str) -> torch.Tensor:
+    return torch.tensor([tokenizer.encode(text, add_special_tokens=False)], dtype=torch.long).reshape(1, -1)
 
 
 def top_positions(scores: torch.Tensor, drawn: torch.Tensor, top: int) -> torch.Tensor:
@@ -232,6 +266,20 @@ def collect(
     chosen = [torch.cat([positions, top_positions(recorded[i], positions, top)]) for i in layers]
     features = torch.stack([inputs[i][where] for i, where in zip(layers, chosen)])
     return features, torch.stack([recorded[i][:, where] for i, where in zip(layers, chosen)])
+
+
+def answer_scores(model: Any, ids: torch.Tensor, positions: torch.Tensor, readings: list[torch.Tensor]) -> torch.Tensor:
+    """KVzip+'s scores ``[L, Hkv, m]`` of the context ``ids`` at ``positions`` with ``readings`` teacher-forced in
+    place of its repeat (every needle's question and answer): what an answer reads."""
+    from kvevict.cache import EvictionCache
+    from kvevict.compat import with_cache
+    from kvevict.policies.pipeline import Policy
+
+    reader = RecordingKVzip(readings, precision="fp32", plus=True)
+    with EvictionCache(model, Policy(reader), keep=0.5) as cache, torch.no_grad():
+        model(input_ids=ids, **with_cache(cache), use_cache=True, logits_to_keep=1)
+        recorded = cache.policy.method.recorded
+    return torch.stack([recorded[i][:, positions] for i in sorted(recorded)])
 
 
 def distillation_loss(
@@ -317,6 +365,15 @@ def train(
     return stored(gates)
 
 
+def taught(teacher: str, saved: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The targets ``teacher`` gives from a context's saved scores (:attr:`TrainConfig.teacher`)."""
+    if teacher == "answers":
+        return saved["answers"]
+    if teacher == "kvzip+answers":
+        return torch.fmax(saved["targets"], saved["answers"])
+    return saved["targets"]
+
+
 def _changed(config: TrainConfig) -> dict[str, Any]:
     """The configuration's fields, less those :data:`AS_BEFORE` its options existed."""
     return {key: value for key, value in asdict(config).items() if key not in AS_BEFORE or value != AS_BEFORE[key]}
@@ -341,12 +398,21 @@ def build(
     text_config = model.config.get_text_config(decoder=True)
     shape = shape_of(text_config, config.dim, config.sinks, config.rank)
     lengths = ",".join(map(str, config.length))
-    plus = config.teacher == "kvzip+"
-    extra = (f"-top{config.top}" if config.top else "") + ("-plus" if plus else "")
+    answered = config.teacher in ANSWERED
+    if answered and files:
+        raise ValueError(
+            f"--teacher {config.teacher} needs the needles' answers, which text files lack; use --data varied"
+        )
+    plus = config.teacher != "kvzip"
+    extra = (f"-top{config.top}" if config.top else "") + ("-plus" if plus else "") + ("-answers" if answered else "")
     source = "text" if files else "offline" if config.data == "ruler" else config.data
     data = out / "data" / f"{source}-n{lengths}-t{config.tokens}{extra}-seed{config.seed}"
     data.mkdir(parents=True, exist_ok=True)
-    pieces = contexts(tokenizer, config, list(files))
+    if answered:
+        pieces, readings = map(list, zip(*varied_contexts(tokenizer, config)))
+    else:
+        pieces = contexts(tokenizer, config, list(files))
+        readings = [[] for _ in pieces]
     generator = torch.Generator().manual_seed(config.seed)
     features, targets = [], []
     for index, ids in enumerate(tqdm(pieces, desc="KVzip scores", disable=not progress)):
@@ -355,10 +421,15 @@ def build(
         path = data / f"{index:04d}.safetensors"
         if not path.is_file():
             found = collect(model, ids, positions, config.top, plus=plus)
-            save_file({"features": found[0].contiguous(), "targets": found[1].contiguous()}, str(path))
+            tensors = {"features": found[0].contiguous(), "targets": found[1].contiguous()}
+            if answered:  # a haystack without needles: nothing is read there
+                read = readings[index]
+                scores = answer_scores(model, ids, positions, read) if read else found[1].where(found[1].isnan(), 0.0)
+                tensors["answers"] = scores.contiguous()
+            save_file(tensors, str(path))
         saved = load_file(str(path))
         features.append(saved["features"])
-        targets.append(saved["targets"])
+        targets.append(taught(config.teacher, saved))
     held = max(1, len(pieces) // 10)
     train_features, train_targets = torch.cat(features[:-held], dim=1), torch.cat(targets[:-held], dim=2)
     gates = train(train_features, train_targets, config, shape, out / "checkpoint.pt", progress)

@@ -3,20 +3,26 @@ targets, a lower distillation loss on held-out contexts, determinism and resumpt
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from kvevict.gates import gate_scores, hook_attention_inputs, initial_gates, shape_of
 from kvevict.gates.train import (
     PAIRED,
+    RecordingKVzip,
     TrainConfig,
+    answer_scores,
     collect,
     contexts,
     distillation_loss,
     ordering_loss,
     recorded,
+    taught,
     top_positions,
     train,
+    varied_contexts,
 )
 from tests.conftest import prompt, tiny_model
 
@@ -119,6 +125,52 @@ def test_varied_contexts_draw_needle_families_every_fourth_a_haystack_alone(toke
     again = contexts(tokenizer, config, [])
     assert all(torch.equal(a, b) for a, b in zip(pieces, again))  # drawn with the seed
     assert recorded(config)["data"] == "varied" and "data" not in recorded(TrainConfig(model="smollm2"))
+
+
+def test_each_needle_context_carries_every_keys_question_and_answer_to_read(tokenizer) -> None:
+    """``--teacher answers`` reads, after each needle context, every key's question, answer prefix and values;
+    a haystack alone has nothing to read, and a key whose needle was cut off with the context's end is not asked."""
+    config = TrainConfig(model="smollm2", count=8, length=(256,), data="varied", teacher="answers")
+    drawn = varied_contexts(tokenizer, config)
+    assert [len(readings) for _, readings in drawn] == [2, 1, 2, 0, 2, 1, 4, 0]  # context 5 lost one of its 2 keys
+    assert all(torch.equal(ids, plain) for (ids, _), plain in zip(drawn, contexts(tokenizer, config, [])))
+    for ids, readings in drawn:
+        context = tokenizer.decode(ids[0])
+        for reading in readings:
+            text = tokenizer.decode(reading[0])
+            key = text.split(" for ")[1].split(" in the text above?")[0]
+            values = text.rsplit(":", 1)[1].strip(" .").split(", ")
+            assert text.count(key) == 2 and all(value in context for value in values)
+            assert sum(context.count(value) for value in values) == len(values)  # each value once, in the context
+
+
+def test_answer_scores_are_kvzip_plus_scores_with_the_readings_as_the_repeat() -> None:
+    """Given KVzip's own repeat chunks as the readings, the answers' targets are KVzip+'s; another reading
+    scores the same entries otherwise."""
+    model, ids, positions = tiny_model(), prompt(64, seed=5), torch.arange(4, 64, 2)
+    repeat = RecordingKVzip().repeat_inputs(model, ids)
+    assert torch.equal(answer_scores(model, ids, positions, repeat), collect(model, ids, positions, plus=True)[1])
+    other = answer_scores(model, ids, positions, [ids[:, 10:30]])
+    assert other.shape == (model.config.num_hidden_layers, model.config.num_key_value_heads, len(positions))
+    assert not torch.equal(other, collect(model, ids, positions, plus=True)[1])
+
+
+def test_the_teachers_targets_from_a_contexts_saved_scores() -> None:
+    nan = float("nan")
+    saved = {"targets": torch.tensor([[0.2, 0.5, nan]]), "answers": torch.tensor([[0.4, 0.1, nan]])}
+    exactly = {"rtol": 0, "atol": 0, "equal_nan": True}
+    torch.testing.assert_close(taught("kvzip+", saved), saved["targets"], **exactly)
+    torch.testing.assert_close(taught("answers", saved), saved["answers"], **exactly)
+    torch.testing.assert_close(taught("kvzip+answers", saved), torch.tensor([[0.4, 0.5, nan]]), **exactly)
+
+
+@pytest.mark.parametrize("options", [{"data": "ruler"}, {"data": "varied", "top": 8}])
+def test_an_answers_teacher_needs_varied_data_without_top(options) -> None:
+    for teacher in ("answers", "kvzip+answers"):
+        with pytest.raises(
+            ValueError, match=re.escape(f"--teacher {teacher} needs the needles' answers: use --data varied")
+        ):
+            TrainConfig(model="smollm2", teacher=teacher, **options)
 
 
 def test_a_context_longer_than_a_repeat_chunk_gives_features_of_its_prefill() -> None:
