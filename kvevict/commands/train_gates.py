@@ -54,12 +54,29 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help=f"the scores the gates learn: kvzip+'s (kvzip[plus=true]), kvzip's, what every needle's answer reads "
         f"(answers; --data varied), or the larger of kvzip+'s and that (default: {defaults.teacher})",
     )
+    parser.add_argument(
+        "--judged",
+        nargs="+",
+        type=Path,
+        default=[],
+        metavar="RESULTS",
+        help="instead of training, record in DIR's gates file how they were judged: the scores of --judged-policy "
+        "and of full in these bench results.jsonl files, per task and keep",
+    )
+    parser.add_argument(
+        "--judged-policy",
+        default="fastkvzip",
+        help="the policy in --judged's results that ran the gates (default: fastkvzip)",
+    )
     parser.set_defaults(run=run, extra=BENCH)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvevict.gates.train import SINKS, build
     from kvevict.models import load_model
+
+    if args.judged:
+        return judge(args)
 
     fields = (
         "count",
@@ -95,4 +112,25 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(config.model)
     path = build(model, tokenizer, config, args.out, args.text)
     print(f"wrote {path}")
+    return 0
+
+
+def judge(args: argparse.Namespace) -> int:
+    """``--judged``: the bench results' scores recorded in ``--out``'s gates file (:mod:`kvevict.gates.judged`)."""
+    from transformers import AutoConfig
+
+    from kvevict.gates import model_key
+    from kvevict.gates.judged import record
+    from kvevict.models import checkpoint_of
+
+    config = AutoConfig.from_pretrained(checkpoint_of(args.model)).get_text_config(decoder=True)
+    path = args.out / f"{model_key(config)}.safetensors"
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist: train the gates into --out first, or give the --out holding them")
+    judged = record(path, args.judged, args.judged_policy)
+    shares = [
+        f"{share} %" + (" of full's score" if not i else "") + f" at keep {keep}"
+        for i, (keep, share) in enumerate(judged["share_of_full"].items())
+    ]
+    print(f"recorded in {path}: {args.judged_policy} on {judged['samples']} samples keeps {', '.join(shares)}")
     return 0
