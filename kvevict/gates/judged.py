@@ -24,7 +24,8 @@ KEY = "held_out_scores"
 
 def judgement(rows: Iterable[dict[str, Any]], policy: str) -> dict[str, Any]:
     """Mean scores (in %) of ``policy`` at each keep and of ``full``, per task, on the samples both ran; and
-    ``policy``'s mean over every task as a share (%) of the full cache's, per keep."""
+    ``policy``'s mean over every task as a share (%) of the full cache's, per keep; the prompts' lengths."""
+    rows = list(rows)
     scores: dict[tuple[str, Any], dict[tuple[str, int], float]] = defaultdict(dict)
     for row in rows:
         if row["policy"] in (policy, "full") and row["score"] is not None:
@@ -44,8 +45,10 @@ def judgement(rows: Iterable[dict[str, Any]], policy: str) -> dict[str, Any]:
         return round(100 * sum(chosen) / len(chosen), 1)
 
     tasks = sorted({task for task, _ in samples})
+    lengths = sorted({row["length"] for row in rows if row["policy"] == policy})
     return {
         "policy": policy,
+        "lengths": lengths,
         "samples": len(samples),
         "tasks": {
             task: {"full": mean(full, task)} | {str(k): mean(scores[policy, k], task) for k in keeps} for task in tasks

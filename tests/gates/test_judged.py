@@ -15,7 +15,7 @@ from tests.conftest import tiny_model
 
 
 def row(policy: str, task: str, index: int, score: float, keep: float | None = None) -> dict:
-    return {"policy": policy, "task": task, "index": index, "score": score, "keep": keep}
+    return {"policy": policy, "task": task, "index": index, "score": score, "keep": keep, "length": 2048}
 
 
 ROWS = [
@@ -37,6 +37,7 @@ def test_the_judgement_by_hand() -> None:
     judged = judgement(ROWS, "fastkvzip")
     assert judged == {
         "policy": "fastkvzip",
+        "lengths": [2048],
         "samples": 3,
         "tasks": {"a": {"full": 100.0, "0.25": 100.0, "0.1": 50.0}, "b": {"full": 50.0, "0.25": 50.0, "0.1": 25.0}},
         "share_of_full": {"0.25": 100.0, "0.1": 50.0},

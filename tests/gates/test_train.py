@@ -230,20 +230,37 @@ def shipped_run(filename: str) -> dict[str, str]:
     return {
         key: value
         for key, value in metadata.items()
-        if key not in ("model_key", "held_out_loss_initial", "held_out_loss")
+        if key not in ("model_key", "held_out_loss_initial", "held_out_loss", "held_out_scores")
     }
 
 
-def test_the_bare_commands_metadata_is_the_shipped_gates_and_top_is_recorded_when_used() -> None:
-    """``train-gates --model smollm2`` records what the shipped SmolLM2 gates hold (``top`` left out at 0, ``order``
-    at 1 and ``teacher`` kvzip+ recorded), so the bare command still writes them byte for byte; ``--top`` is
-    recorded, ``--order 0`` and ``--teacher kvzip`` are not (gates trained before the options hold neither)."""
+def test_the_shipped_smollm2_gates_record_their_recipe_and_top_is_recorded_when_used() -> None:
+    """SmolLM2's gates are trained with ``--data varied --teacher answers --count 64 --length 1024,2048``
+    (docs/fastkvzip.md, round 25): their metadata is that command's. ``--top`` is recorded, ``--order 0`` and
+    ``--teacher kvzip`` are not (gates trained before the options hold neither)."""
+    shipped = {"data": "varied", "teacher": "answers", "count": 64, "length": (1024, 2048)}
     run = shipped_run("llama-L30-D576-H9-KV3.safetensors")
-    assert recorded(TrainConfig(model="smollm2")) == run
-    assert recorded(TrainConfig(model="smollm2", top=256)) == run | {"top": "256"}
-    assert recorded(TrainConfig(model="smollm2", order=0.5)) == run | {"order": "0.5"}
+    assert recorded(TrainConfig(model="smollm2", **shipped)) == run
+    assert recorded(TrainConfig(model="smollm2", order=0.5, **shipped)) == run | {"order": "0.5"}
     assert "order" not in recorded(TrainConfig(model="smollm2", order=0.0))
-    assert recorded(TrainConfig(model="smollm2", teacher="kvzip")) == {k: v for k, v in run.items() if k != "teacher"}
+    assert recorded(TrainConfig(model="smollm2", top=256))["top"] == "256"
+    assert "teacher" not in recorded(TrainConfig(model="smollm2", teacher="kvzip"))
+    assert recorded(TrainConfig(model="smollm2"))["teacher"] == "kvzip+"
+
+
+def test_the_shipped_gates_record_how_they_were_judged_on_held_out_families() -> None:
+    """The shipped SmolLM2 gates carry their bench scores beside the full cache's (kvevict.gates.judged)."""
+    import json
+
+    from safetensors import safe_open
+
+    from kvevict.gates import FOLDER
+    from kvevict.gates.judged import KEY
+
+    with safe_open(str(FOLDER / "llama-L30-D576-H9-KV3.safetensors"), "pt") as shipped:
+        judged = json.loads(shipped.metadata()[KEY])
+    assert judged["policy"] == "fastkvzip" and {"needles_dialogue", "needles_lists_codes"} <= set(judged["tasks"])
+    assert set(judged["share_of_full"]) == {"0.25", "0.1"}
 
 
 @pytest.mark.parametrize("field", ["data", "teacher"])
