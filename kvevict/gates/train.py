@@ -10,7 +10,8 @@
    is prefilled through an :class:`~kvevict.cache.EvictionCache` under kvevict's own ``kvzip``
    (its repeat pass scores every entry; KVzip+'s weighting by default, ``TrainConfig.teacher``);
    the features are each layer's attention input over the context (what the gates read at
-   inference), the targets KVzip's scores ``[L, Hkv, n]`` of the same tokens. ``tokens``
+   inference), the targets KVzip's scores ``[L, Hkv, n]`` of the same tokens (with ``teacher="answers"``,
+   :func:`answer_scores`: what every needle's question and answer read, in place of the repeat). ``tokens``
    positions per context (past the 4 sinks; by default all), drawn with the seed, are kept, and
    with ``top`` each layer's ``top`` positions KVzip scores highest (:func:`top_positions`; off
    by default, docs/fastkvzip.md round 8); each context is cached
@@ -232,6 +233,17 @@ def top_positions(scores: torch.Tensor, drawn: torch.Tensor, top: int) -> torch.
     return best.topk(min(top, best.numel() - SINKS - drawn.numel())).indices.sort().values
 
 
+def scored(model: Any, ids: torch.Tensor, teacher: RecordingKVzip) -> dict[int, torch.Tensor]:
+    """Each layer's scores ``[Hkv, n]`` that ``teacher`` gives the context ``ids`` once it is prefilled."""
+    from kvevict.cache import EvictionCache
+    from kvevict.compat import with_cache
+    from kvevict.policies.pipeline import Policy
+
+    with EvictionCache(model, Policy(teacher), keep=0.5) as cache, torch.no_grad():
+        model(input_ids=ids, **with_cache(cache), use_cache=True, logits_to_keep=1)  # no vocabulary-wide logits
+        return cache.policy.method.recorded
+
+
 def collect(
     model: Any, ids: torch.Tensor, positions: torch.Tensor, top: int = 0, plus: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,10 +251,6 @@ def collect(
     ``ids`` at ``positions`` (module docstring, step 2), and with ``top`` each layer's ``top`` positions
     KVzip scores highest (:func:`top_positions`) after them: ``m = len(positions) + top``, the
     last ``top`` positions differing per layer."""
-    from kvevict.cache import EvictionCache
-    from kvevict.compat import with_cache
-    from kvevict.policies.pipeline import Policy
-
     inputs: dict[int, torch.Tensor] = {}
 
     def receive(index: int, hidden: torch.Tensor, cache: object) -> None:
@@ -253,10 +261,7 @@ def collect(
     try:
         # fp32 targets on every CPU (kvzip's default, ``auto``, is bf16 where bf16 is multiplied in hardware):
         # the shipped gates were distilled from them, and training again reproduces them
-        teacher = RecordingKVzip(precision="fp32", plus=plus)
-        with EvictionCache(model, Policy(teacher), keep=0.5) as cache, torch.no_grad():
-            model(input_ids=ids, **with_cache(cache), use_cache=True, logits_to_keep=1)  # no vocabulary-wide logits
-            recorded = cache.policy.method.recorded
+        recorded = scored(model, ids, RecordingKVzip(precision="fp32", plus=plus))
     finally:
         for handle in handles:
             handle.remove()
@@ -271,14 +276,7 @@ def collect(
 def answer_scores(model: Any, ids: torch.Tensor, positions: torch.Tensor, readings: list[torch.Tensor]) -> torch.Tensor:
     """KVzip+'s scores ``[L, Hkv, m]`` of the context ``ids`` at ``positions`` with ``readings`` teacher-forced in
     place of its repeat (every needle's question and answer): what an answer reads."""
-    from kvevict.cache import EvictionCache
-    from kvevict.compat import with_cache
-    from kvevict.policies.pipeline import Policy
-
-    reader = RecordingKVzip(readings, precision="fp32", plus=True)
-    with EvictionCache(model, Policy(reader), keep=0.5) as cache, torch.no_grad():
-        model(input_ids=ids, **with_cache(cache), use_cache=True, logits_to_keep=1)
-        recorded = cache.policy.method.recorded
+    recorded = scored(model, ids, RecordingKVzip(readings, precision="fp32", plus=True))
     return torch.stack([recorded[i][:, positions] for i in sorted(recorded)])
 
 
