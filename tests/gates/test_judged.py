@@ -68,3 +68,8 @@ def test_recording_writes_the_judgement_and_keeps_the_gates_and_the_recipe(tmp_p
     assert metadata == {"teacher": "answers", "count": "64"}
     for mine, saved in zip(gates, load_gates(gates_path)):
         assert all(torch.equal(mine[part].half().float(), saved[part]) for part in mine)
+
+
+def test_results_whose_settings_share_no_sample_are_refused_in_one_line() -> None:
+    with pytest.raises(ValueError, match="'full' and 'fastkvzip' ran no sample in common; bench them together"):
+        judgement([row("full", "a", 0, 1.0), row("fastkvzip", "b", 1, 1.0, 0.1)], "fastkvzip")
