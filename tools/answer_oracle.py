@@ -26,10 +26,10 @@ import torch
 from tqdm import tqdm
 
 import kvevict
+from kvevict.gates.train import ReadingKVzip
 from kvevict.generation import greedy_after, prefill, split_prompt, stop_tokens_of
 from kvevict.policies.allocation import GlobalBudget
 from kvevict.policies.base import Stages
-from kvevict.policies.kvzip import KVzip
 from kvevict.policies.pipeline import Policy
 
 SETTINGS = ("kvzip", "answer", "counts=kvzip", "counts=answer")
@@ -52,19 +52,16 @@ class CountsFrom(GlobalBudget):
                 self.memo(layer)["counts"] = counts.clone()
 
 
-class AnswerReading(KVzip):
+class AnswerReading(ReadingKVzip):
     """KVzip with its repeat replaced by ``reading`` ``[1, m]`` (the question and an answer, teacher-forced),
     or by KVzip's own repeat when ``reading`` is None; its pool is ``allocator``'s."""
 
     def __init__(self, reading: torch.Tensor | None, allocator: CountsFrom, **params: object):
-        super().__init__(**params)
-        self.reading, self.allocator_stage = reading, allocator
+        super().__init__(None if reading is None else [reading], **params)
+        self.allocator_stage = allocator
 
     def stages(self) -> Stages:
         return Stages(scorer=self, protector=super().stages().protector, allocator=self.allocator_stage)
-
-    def repeat_inputs(self, decoder: torch.nn.Module, input_ids: torch.Tensor) -> list[torch.Tensor]:
-        return super().repeat_inputs(decoder, input_ids) if self.reading is None else [self.reading]
 
 
 def compressed(

@@ -108,12 +108,9 @@ AS_BEFORE = {"order": 0.0, "data": "ruler", "teacher": "kvzip"}
 metadata, so those written before the option still resume and still match."""
 
 
-class RecordingKVzip(KVzip):
-    """kvevict's ``kvzip`` that also keeps the scores its repeat pass gives, per layer (row 0).
-
-    Read after the repeat pass, not when evicting: a sliding-window layer whose window fits the
-    budget is not evicted (it keeps its window anyway) but is scored all the same. With ``readings``
-    (token ids ``[1, r]`` each), those are teacher-forced in place of the repeat's chunks."""
+class ReadingKVzip(KVzip):
+    """kvevict's ``kvzip`` with ``readings`` (token ids ``[1, r]`` each; e.g. questions and their answers)
+    teacher-forced in place of its repeat's chunks; KVzip's own repeat when ``readings`` is None."""
 
     name = "kvzip"
 
@@ -123,6 +120,13 @@ class RecordingKVzip(KVzip):
 
     def repeat_inputs(self, decoder: torch.nn.Module, input_ids: torch.Tensor) -> list[torch.Tensor]:
         return super().repeat_inputs(decoder, input_ids) if self.readings is None else self.readings
+
+
+class RecordingKVzip(ReadingKVzip):
+    """:class:`ReadingKVzip` that also keeps the scores its repeat pass gives, per layer (row 0).
+
+    Read after the repeat pass, not when evicting: a sliding-window layer whose window fits the
+    budget is not evicted (it keeps its window anyway) but is scored all the same."""
 
     def rescore(self, cache: Any, decoder: torch.nn.Module, input_ids: torch.Tensor | None) -> None:
         super().rescore(cache, decoder, input_ids)
