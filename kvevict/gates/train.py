@@ -79,9 +79,10 @@ class TrainConfig:
     rank: int = 8
     seed: int = 0
     data: str = "ruler"
-    """Where the offline contexts come from: ``ruler`` (essay windows and RULER task contexts in turn) or
+    """Where the offline contexts come from: ``ruler`` (essay windows and RULER task contexts in turn),
     ``varied`` (:data:`kvevict.bench.needles.TRAINING`: every fourth a haystack without needles, the others
-    needles of a family drawn at random; docs/fastkvzip.md, round 20)."""
+    needles of a family drawn at random; docs/fastkvzip.md, round 20) or ``phrased`` (the same from
+    :data:`kvevict.bench.needles.PHRASED`: hundreds of needle phrasings, more value formats and nouns)."""
     teacher: str = "kvzip+"
     """What the gates learn to predict: ``kvzip+``'s scores (``kvzip[plus=true]``: each score weighted by
     ``‖W_O v‖ / ‖h‖``; SmolLM2's shipped gates, which keep more needles at keep 0.10 than gates distilled from
@@ -95,11 +96,15 @@ class TrainConfig:
             raise ValueError(f"unknown training data {self.data!r}; use one of {', '.join(DATA)}")
         if self.teacher not in TEACHERS:
             raise ValueError(f"unknown teacher {self.teacher!r}; use one of {', '.join(TEACHERS)}")
-        if self.teacher in ANSWERED and (self.data != "varied" or self.top):
-            raise ValueError(f"--teacher {self.teacher} needs the needles' answers: use --data varied, without --top")
+        if self.teacher in ANSWERED and (self.data not in NEEDLED or self.top):
+            raise ValueError(
+                f"--teacher {self.teacher} needs the needles' answers: use --data {' or '.join(NEEDLED)}, without --top"
+            )
 
 
-DATA = ("ruler", "varied")
+DATA = ("ruler", "varied", "phrased")
+NEEDLED = ("varied", "phrased")
+"""Data of needle families (:func:`varied_contexts`), whose answers are known."""
 TEACHERS = ("kvzip", "kvzip+", "answers", "kvzip+answers")
 ANSWERED = ("answers", "kvzip+answers")
 """Teachers that read the contexts' answers (KVzip+'s weighting)."""
@@ -168,7 +173,7 @@ def contexts(tokenizer: Any, config: TrainConfig, files: list[Path]) -> list[tor
                 f"the text files hold {len(ids)} tokens, fewer than one context of --length {config.length[0]}"
             )
         return [torch.tensor([piece]) for piece in pieces]
-    if config.data == "varied":
+    if config.data in NEEDLED:
         return [ids for ids, _ in varied_contexts(tokenizer, config)]
     from kvevict.bench.haystack import essays
     from kvevict.bench.tasks import get_task
@@ -189,17 +194,18 @@ def contexts(tokenizer: Any, config: TrainConfig, files: list[Path]) -> list[tor
 
 
 def varied_contexts(tokenizer: Any, config: TrainConfig) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """``config.count`` contexts of :data:`~kvevict.bench.needles.TRAINING`'s families, drawn with the seed:
+    """``config.count`` contexts of :data:`~kvevict.bench.needles.TRAINING`'s families (``PHRASED``'s with
+    ``data="phrased"``), drawn with the seed:
     context ``i`` of ``length_of(config, i)`` tokens, every fourth a haystack alone (no needle); each with its
     readings, one per key: the question, answer prefix and answer that would follow it (none without needles)."""
-    from kvevict.bench.needles import TRAINING, NeedleTask, haystack_lines, joined
+    from kvevict.bench.needles import PHRASED, TRAINING, NeedleTask, haystack_lines, joined
     from kvevict.generation import split_prompt
 
     found = []
     for index in range(config.count):
-        rng = random.Random(f"varied-{config.seed}-{index}")
+        rng = random.Random(f"{config.data}-{config.seed}-{index}")
         length = length_of(config, index)
-        family = TRAINING.draw(rng)
+        family = (PHRASED if config.data == "phrased" else TRAINING).draw(rng)
         if index % 4 == 3:  # a haystack alone: what most of a context is
             lines = haystack_lines(family.haystack, length, rng)
             ids = tokenizer.encode(joined(family.haystack, lines), add_special_tokens=False)
@@ -403,7 +409,7 @@ def build(
     answered = config.teacher in ANSWERED
     if answered and files:
         raise ValueError(
-            f"--teacher {config.teacher} needs the needles' answers, which text files lack; use --data varied"
+            f"--teacher {config.teacher} needs the needles' answers, which text files lack; use --data varied or phrased"
         )
     plus = config.teacher != "kvzip"
     extra = (f"-top{config.top}" if config.top else "") + ("-plus" if plus else "") + ("-answers" if answered else "")

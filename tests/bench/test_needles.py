@@ -4,7 +4,20 @@ import random
 
 import pytest
 
-from kvevict.bench.needles import HELD_OUT, PHRASINGS, TASKS, TRAINING, Family, haystack_lines, needle_builder
+from kvevict.bench.needles import (
+    GENERATED,
+    HELD_OUT,
+    INTROS,
+    PHRASED,
+    PHRASINGS,
+    SYNONYMS,
+    TASKS,
+    TRAINING,
+    Family,
+    draw_value,
+    haystack_lines,
+    needle_builder,
+)
 
 
 def test_no_training_family_has_a_held_out_haystack_kind_or_phrasing() -> None:
@@ -18,6 +31,33 @@ def test_no_training_family_has_a_held_out_haystack_kind_or_phrasing() -> None:
             or family.kind in HELD_OUT.kinds
             or family.phrasing in HELD_OUT.phrasings
         )
+
+
+def test_the_many_phrasings_hold_none_of_the_held_out_ones_nor_rulers() -> None:
+    held_out = {PHRASINGS[index] for index in HELD_OUT.phrasings}
+    assert len(set(GENERATED)) == len(GENERATED) > 150 and not held_out & set(GENERATED)
+    assert not set(PHRASED.haystacks) & set(HELD_OUT.haystacks) and not set(PHRASED.kinds) & set(HELD_OUT.kinds)
+    assert not any("special magic" in template for template in GENERATED)
+    assert all(template.count("{key}") == template.count("{value}") == 1 for template in GENERATED)
+
+
+def test_a_phrased_family_names_its_values_by_a_synonym_after_one_of_the_introductions() -> None:
+    rng = random.Random(5)
+    families = [PHRASED.draw(rng) for _ in range(40)]
+    assert all(family.noun in SYNONYMS[family.kind] and family.phrasing in GENERATED for family in families)
+    assert {family.intro for family in families} == set(range(len(INTROS)))
+    family = Family("noise", "hex", "{key} = {value}", keys=2, noun="hash", intro=1)
+    prompt = needle_builder(family, random.Random(0))(8, random.Random(1))
+    assert prompt.context.startswith(haystack_lines("noise", 1, rng)[0])  # intro 1 is none
+    assert f"{prompt.question.split(' for ')[1].split(' in ')[0]} = {prompt.answers[0]}" in prompt.context
+    assert prompt.question.startswith("What is the hash for ")
+
+
+def test_the_added_value_formats() -> None:
+    rng = random.Random(0)
+    assert all(len(draw_value("hex", rng)) == 8 and int(draw_value("hex", rng), 16) >= 0 for _ in range(5))
+    serial = draw_value("serials", rng)
+    assert len(serial) == 10 and serial.isalnum() and serial.upper() == serial
 
 
 @pytest.mark.parametrize("haystack", ["essay", "noise", "code", "lists", "dialogue"])

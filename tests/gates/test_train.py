@@ -127,6 +127,17 @@ def test_varied_contexts_draw_needle_families_every_fourth_a_haystack_alone(toke
     assert recorded(config)["data"] == "varied" and "data" not in recorded(TrainConfig(model="smollm2"))
 
 
+def test_phrased_contexts_are_varied_ones_in_other_phrasings_drawn_with_the_seed(tokenizer) -> None:
+    config = TrainConfig(model="smollm2", count=4, length=(256,), data="phrased", teacher="answers")
+    drawn = varied_contexts(tokenizer, config)
+    again = varied_contexts(tokenizer, config)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(drawn, again))
+    assert [len(readings) > 0 for _, readings in drawn] == [True, True, True, False]
+    varied = varied_contexts(tokenizer, TrainConfig(model="smollm2", count=4, length=(256,), data="varied"))
+    assert not any(torch.equal(a, b) for (a, _), (b, _) in zip(drawn, varied))
+    assert recorded(config)["data"] == "phrased"
+
+
 def test_each_needle_context_carries_every_keys_question_and_answer_to_read(tokenizer) -> None:
     """``--teacher answers`` reads, after each needle context, every key's question, answer prefix and values;
     a haystack alone has nothing to read, and a key whose needle was cut off with the context's end is not asked."""
