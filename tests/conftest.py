@@ -339,7 +339,8 @@ def smollm2():
 @pytest.fixture(scope="session")
 def gemma3():
     """The embedded Gemma-3-270M (base), loaded once per test session, offline; skipped with
-    the reason where its wheels are not installed (``make gemma3``)."""
+    the reason where its wheels are not installed (``make gemma3``). Tests that use it, or convert it, are marked
+    ``xdist_group("gemma3")``: one worker converts and loads it while the other runs the rest."""
     import kvevict
     from kvevict.models import gemma3_installed
 

@@ -249,6 +249,7 @@ def test_gemma3_without_its_wheels_says_how_to_install_them(monkeypatch, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("gemma3")
 def test_load_embedded_gemma3(gemma3) -> None:
     model, tokenizer = gemma3
     config = model.config
@@ -260,6 +261,7 @@ def test_load_embedded_gemma3(gemma3) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("gemma3")
 def test_gemma3_evicts_every_layer_exactly(gemma3) -> None:
     """A prompt longer than the 512-token window: full layers are evicted to the budget,
     sliding layers to min(window - 1, budget), and the next logits equal attention over the
@@ -277,6 +279,7 @@ def test_gemma3_evicts_every_layer_exactly(gemma3) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("gemma3")
 def test_generate_on_the_embedded_gemma3(gemma3, capsys) -> None:
     text = "Paris is the capital of France. Berlin is the capital of Germany. " * 20 + "The capital of France is"
     assert main(["generate", "--model", "gemma3", "--policy", "snapkv", "--budget", "128", text]) == 0

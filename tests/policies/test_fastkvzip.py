@@ -188,6 +188,7 @@ def test_the_packaged_gates_keep_the_needle_snapkv_loses_on_smollm2(smollm2) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("gemma3")
 def test_the_packaged_gemma3_gates_load_and_compress_a_context(gemma3) -> None:
     """Gemma-3-270M's packaged gates fit it, and a context-only compression runs on them: the
     gates score the sliding-window layers too, and a context longer than the window keeps at
