@@ -70,7 +70,7 @@ class TrainConfig:
     order: float = 1.0
     """Weight of a pairwise ranking term added to the training loss (:func:`ordering_loss`): what the pooled budget
     needs is each layer's order of entries, not the calibration of its small scores. 0: BCE alone (Gemma-3-270M's
-    shipped gates; docs/fastkvzip.md, round 11)."""
+    gates until round 26; docs/fastkvzip.md, round 11)."""
     steps: int = 1000
     batch: int = 512
     lr: float = 1e-2
@@ -85,11 +85,10 @@ class TrainConfig:
     :data:`kvevict.bench.needles.PHRASED`: hundreds of needle phrasings, more value formats and nouns)."""
     teacher: str = "kvzip+"
     """What the gates learn to predict: ``kvzip+``'s scores (``kvzip[plus=true]``: each score weighted by
-    ``‖W_O v‖ / ‖h‖``; SmolLM2's shipped gates, which keep more needles at keep 0.10 than gates distilled from
-    ``kvzip``'s, docs/fastkvzip.md, round 21), or ``kvzip``'s (Gemma-3-270M's shipped gates); with ``varied``
-    data, ``answers``: KVzip+'s scoring with the repeat replaced by every needle's question and answer,
-    teacher-forced (what an answer reads; 0 in a haystack without needles), or ``kvzip+answers``: the larger of
-    the two (docs/fastkvzip.md, round 25)."""
+    ``‖W_O v‖ / ‖h‖``; they keep more needles at keep 0.10 than gates distilled from ``kvzip``'s, docs/fastkvzip.md,
+    round 21), or ``kvzip``'s; with ``varied`` or ``phrased`` data, ``answers``: KVzip+'s scoring with the repeat
+    replaced by every needle's question and answer, teacher-forced (what an answer reads; 0 in a haystack without
+    needles; both shipped gates, docs/fastkvzip.md, rounds 25–26), or ``kvzip+answers``: the larger of the two."""
 
     def __post_init__(self) -> None:
         if self.data not in DATA:

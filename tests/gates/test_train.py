@@ -246,10 +246,10 @@ def shipped_run(filename: str) -> dict[str, str]:
 
 
 def test_the_shipped_smollm2_gates_record_their_recipe_and_top_is_recorded_when_used() -> None:
-    """SmolLM2's gates are trained with ``--data varied --teacher answers --count 64 --length 1024,2048``
-    (docs/fastkvzip.md, round 25): their metadata is that command's. ``--top`` is recorded, ``--order 0`` and
+    """SmolLM2's gates are trained with ``--data phrased --teacher answers --count 128 --length 1024,2048``
+    (docs/fastkvzip.md, round 26): their metadata is that command's. ``--top`` is recorded, ``--order 0`` and
     ``--teacher kvzip`` are not (gates trained before the options hold neither)."""
-    shipped = {"data": "varied", "teacher": "answers", "count": 64, "length": (1024, 2048)}
+    shipped = {"data": "phrased", "teacher": "answers", "count": 128, "length": (1024, 2048)}
     run = shipped_run("llama-L30-D576-H9-KV3.safetensors")
     assert recorded(TrainConfig(model="smollm2", **shipped)) == run
     assert recorded(TrainConfig(model="smollm2", order=0.5, **shipped)) == run | {"order": "0.5"}
@@ -260,7 +260,7 @@ def test_the_shipped_smollm2_gates_record_their_recipe_and_top_is_recorded_when_
 
 
 def test_the_shipped_gates_record_how_they_were_judged_on_held_out_families() -> None:
-    """The shipped SmolLM2 gates carry their bench scores beside the full cache's (kvevict.gates.judged)."""
+    """Both shipped gates carry their bench scores beside the full cache's (kvevict.gates.judged)."""
     import json
 
     from safetensors import safe_open
@@ -268,10 +268,11 @@ def test_the_shipped_gates_record_how_they_were_judged_on_held_out_families() ->
     from kvevict.gates import FOLDER
     from kvevict.gates.judged import KEY
 
-    with safe_open(str(FOLDER / "llama-L30-D576-H9-KV3.safetensors"), "pt") as shipped:
-        judged = json.loads(shipped.metadata()[KEY])
-    assert judged["policy"] == "fastkvzip" and {"needles_dialogue", "needles_lists_codes"} <= set(judged["tasks"])
-    assert set(judged["share_of_full"]) == {"0.25", "0.1"}
+    for name in ("llama-L30-D576-H9-KV3.safetensors", "gemma3_text-L18-D640-H4-KV1.safetensors"):
+        with safe_open(str(FOLDER / name), "pt") as shipped:
+            judged = json.loads(shipped.metadata()[KEY])
+        assert judged["policy"] == "fastkvzip" and {"needles_dialogue", "needles_lists_codes"} <= set(judged["tasks"])
+        assert set(judged["share_of_full"]) == {"0.25", "0.1"}
 
 
 @pytest.mark.parametrize("field", ["data", "teacher"])
@@ -281,12 +282,11 @@ def test_an_unknown_data_source_or_teacher_is_refused_in_one_line(field) -> None
     assert "\n" not in str(error.value)
 
 
-def test_gemmas_shipped_gates_record_round_7s_recipe() -> None:
-    """Gemma-3-270M's gates are trained with ``--tokens 256 --order 0 --teacher kvzip`` (docs/fastkvzip.md, round
-    11): their metadata is that command's."""
-    assert recorded(TrainConfig(model="gemma3", tokens=256, order=0.0, teacher="kvzip")) == shipped_run(
-        "gemma3_text-L18-D640-H4-KV1.safetensors"
-    )
+def test_gemmas_shipped_gates_record_their_recipe() -> None:
+    """Gemma-3-270M's gates are trained with ``--data phrased --teacher answers --count 48 --length 1024,2048``
+    (docs/fastkvzip.md, round 26): their metadata is that command's."""
+    shipped = {"data": "phrased", "teacher": "answers", "count": 48, "length": (1024, 2048)}
+    assert recorded(TrainConfig(model="gemma3", **shipped)) == shipped_run("gemma3_text-L18-D640-H4-KV1.safetensors")
 
 
 def test_a_checkpoint_names_order_only_when_used_so_one_written_before_the_option_resumes() -> None:
