@@ -408,7 +408,8 @@ def build(
     answered = config.teacher in ANSWERED
     if answered and files:
         raise ValueError(
-            f"--teacher {config.teacher} needs the needles' answers, which text files lack; use --data varied or phrased"
+            f"--teacher {config.teacher} needs the needles' answers, which text files lack; "
+            f"use --data {' or '.join(NEEDLED)}"
         )
     plus = config.teacher != "kvzip"
     extra = (f"-top{config.top}" if config.top else "") + ("-plus" if plus else "") + ("-answers" if answered else "")

@@ -184,6 +184,15 @@ def test_an_answers_teacher_needs_varied_data_without_top(options) -> None:
             TrainConfig(model="smollm2", teacher=teacher, **options)
 
 
+def test_an_answers_teacher_refuses_text_files_before_collecting(tmp_path, tokenizer) -> None:
+    from kvevict.gates.train import build
+
+    config = TrainConfig(model="smollm2", teacher="answers", data="phrased")
+    with pytest.raises(ValueError, match="which text files lack; use --data varied or phrased$") as error:
+        build(tiny_model(), tokenizer, config, tmp_path, files=[tmp_path / "essay.txt"], progress=False)
+    assert "\n" not in str(error.value) and not (tmp_path / "data").exists()
+
+
 def test_a_context_longer_than_a_repeat_chunk_gives_features_of_its_prefill() -> None:
     """KVzip repeats a long context in chunks of 2,048 tokens: the features are the prefill's, at
     positions past the first chunk too, not a repeat chunk's."""
