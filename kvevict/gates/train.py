@@ -86,9 +86,10 @@ class TrainConfig:
     teacher: str = "kvzip+"
     """What the gates learn to predict: ``kvzip+``'s scores (``kvzip[plus=true]``: each score weighted by
     ``‖W_O v‖ / ‖h‖``; they keep more needles at keep 0.10 than gates distilled from ``kvzip``'s,
-    docs/fastkvzip.md, round 21), or ``kvzip``'s; with ``varied`` or ``phrased`` data, ``answers``: KVzip+'s scoring with the repeat
-    replaced by every needle's question and answer, teacher-forced (what an answer reads; 0 in a haystack without
-    needles; both shipped gates, docs/fastkvzip.md, rounds 25–26), or ``kvzip+answers``: the larger of the two."""
+    docs/fastkvzip.md, round 21), or ``kvzip``'s; with ``varied`` or ``phrased`` data, ``answers``: KVzip+'s
+    scoring with the repeat replaced by every needle's question and answer, teacher-forced (what an answer reads; 0
+    in a haystack without needles; both shipped gates, docs/fastkvzip.md, rounds 25–26), or ``kvzip+answers``: the
+    larger of the two."""
 
     def __post_init__(self) -> None:
         if self.data not in DATA:
