@@ -7,8 +7,8 @@ matrix and no repeat pass. (Both embedded models' shipped gates predict a varian
 KVzip+'s, with the repeat replaced by answers to needle questions in 198 phrasings, which keeps more
 needles at keep 0.10 in phrasings the gates never saw; docs/fastkvzip.md, rounds 25–26.) Each entry's
 score is computed once, when its token passes the layer (prefill, every chunk of a chunked prefill, every
-decode step), kept as the entry's per-token state, and read at every eviction. The sinks (4) and a recent window (32 tokens) are kept. As KVzip, the
-prompt is compressed at prefill by default, with one budget pooled over every layer and head
+decode step), kept as the entry's per-token state, and read at every eviction. The sinks (4) and a
+recent window (32 tokens) are kept. As KVzip, the prompt is compressed at prefill by default, with one budget pooled over every layer and head
 (``global`` with no per-head floor); a prompt fed in chunks is pooled after each chunk, the retained
 and new entries of every layer re-ranked by their gate scores. Until its last chunk (where the cache
 knows the prompt's length: ``prompt_length=``, as :func:`kvevict.generation.prefill` tells it) every
