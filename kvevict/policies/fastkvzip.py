@@ -6,25 +6,25 @@ layer's input hidden states and predicts every token's KVzip score per KV head, 
 matrix and no repeat pass. (Both embedded models' shipped gates predict a variant of that score:
 KVzip+'s, with the repeat replaced by answers to needle questions in 198 phrasings, which keeps more
 needles at keep 0.10 in phrasings the gates never saw; docs/fastkvzip.md, rounds 25–26.) Each entry's
-score is computed once, when its token passes the layer (prefill, every chunk of a chunked prefill, every
-decode step), kept as the entry's per-token state, and read at every eviction. The sinks (4) and a
-recent window (32 tokens) are kept. As KVzip, the prompt is compressed at prefill by default, with one budget pooled over every layer and head
-(``global`` with no per-head floor); a prompt fed in chunks is pooled after each chunk, the retained
-and new entries of every layer re-ranked by their gate scores. Until its last chunk (where the cache
-knows the prompt's length: ``prompt_length=``, as :func:`kvevict.generation.prefill` tells it) every
-head also holds the prompt's last 512 tokens (``prompt_window``) on top of what the pool selects, so
-a chunk's tokens see that much of their past even in the heads the pool leaves at sinks and window:
-their hidden states, and so the gates' scores and the entries kept, drift less from one pass's
-(docs/fastkvzip.md, round 13); the last chunk's eviction ranks them with the rest and keeps the
-budget with the 32-token window. Each chunk's pass over a ragged layer stays packed on a CPU (each
-head costs its own entries: no cap), and where it cannot (a GPU) the pool gives a head at most
-``4·budget`` entries (the prompt window on top), so a pass never holds more than that plus the chunk
-per layer however long the prompt (docs/fastkvzip.md, rounds 8 and 9). ``per_layer=true`` gives each
-head its budget, and another allocator (``adakv+``, ``pyramidkv+``, ``global+`` with its floor) may
-be named over it. ``regime=decode|both`` evicts while decoding too (each head keeping its budget):
-every generated token is scored as it passes, and the cache is evicted back to its budget every
-``interval`` tokens (the paper's 128, ``min(128, budget // 2)`` for small budgets), so a decode step
-pays for an eviction once per interval.
+score is computed once, when its token passes the layer (prefill, every chunk of a chunked prefill,
+every decode step), kept as the entry's per-token state, and read at every eviction. The sinks (4) and
+a recent window (32 tokens) are kept. As KVzip, the prompt is compressed at prefill by default, with
+one budget pooled over every layer and head (``global`` with no per-head floor); a prompt fed in
+chunks is pooled after each chunk, the retained and new entries of every layer re-ranked by their gate
+scores. Until its last chunk (where the cache knows the prompt's length: ``prompt_length=``, as
+:func:`kvevict.generation.prefill` tells it) every head also holds the prompt's last 512 tokens
+(``prompt_window``) on top of what the pool selects, so a chunk's tokens see that much of their past
+even in the heads the pool leaves at sinks and window: their hidden states, and so the gates' scores
+and the entries kept, drift less from one pass's (docs/fastkvzip.md, round 13); the last chunk's
+eviction ranks them with the rest and keeps the budget with the 32-token window. Each chunk's pass
+over a ragged layer stays packed on a CPU (each head costs its own entries: no cap), and where it
+cannot (a GPU) the pool gives a head at most ``4·budget`` entries (the prompt window on top), so a
+pass never holds more than that plus the chunk per layer however long the prompt (docs/fastkvzip.md,
+rounds 8 and 9). ``per_layer=true`` gives each head its budget, and another allocator (``adakv+``,
+``pyramidkv+``, ``global+`` with its floor) may be named over it. ``regime=decode|both`` evicts while
+decoding too (each head keeping its budget): every generated token is scored as it passes, and the
+cache is evicted back to its budget every ``interval`` tokens (the paper's 128, ``min(128, budget //
+2)`` for small budgets), so a decode step pays for an eviction once per interval.
 """
 
 from __future__ import annotations
