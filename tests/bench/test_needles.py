@@ -55,7 +55,8 @@ def test_a_phrased_family_names_its_values_by_a_synonym_after_one_of_the_introdu
 
 def test_the_added_value_formats() -> None:
     rng = random.Random(0)
-    assert all(len(draw_value("hex", rng)) == 8 and int(draw_value("hex", rng), 16) >= 0 for _ in range(5))
+    for value in (draw_value("hex", rng) for _ in range(5)):
+        assert len(value) == 8 and int(value, 16) >= 0
     serial = draw_value("serials", rng)
     assert len(serial) == 10 and serial.isalnum() and serial.upper() == serial
 
