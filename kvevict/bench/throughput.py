@@ -347,7 +347,7 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
     workload = first.get("workload", "oneshot")
     header = ["policy", "budget", "max batch", "mean batch", "peak KV MiB"]
     if workload == "ask":
-        header += ["KV MiB / doc", "answers/s", "vs full", "score"]
+        header += ["KV MiB / doc", "answers/s", "vs full", "prefill share", "score"]
     else:
         header += ["chunk", "decode tok/s", "tok/s", "vs full", "prefill share", "top-1 free"]
         header += ["top-1 forced", "KL forced"] if workload == "longgen" else []
@@ -361,7 +361,7 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
             cells.append(f"{r['peak_kv_bytes'] / MIB:.1f}")
             if workload == "ask":
                 cells += [f"{r['kv_bytes_per_document'] / MIB:.2f}", f"{r['answers_per_s']:.2f}"]
-                cells += [f"{_rate(r) / _rate(full):.2f}x", f"{r['score']:.1f}"]
+                cells += [f"{_rate(r) / _rate(full):.2f}x", _share(r), f"{r['score']:.1f}"]
             else:
                 decode = "-" if r["decode_tokens_per_s"] is None else f"{r['decode_tokens_per_s']:.1f}"
                 cells += [str(r["prefill_chunk"] or "-"), decode, f"{r['tokens_per_s']:.2f}"]
@@ -383,8 +383,9 @@ def format_table(records: Sequence[dict[str, Any]]) -> str:
 
 
 def _share(record: dict[str, Any]) -> str:
-    """The share of the run's time spent prefilling. Prefill is the same work under every
-    policy, so ``1 / share`` of the full cache bounds what any policy's ratio can reach."""
+    """The share of the run's time spent prefilling (``ask``: the documents and the questions).
+    Prefill is the same work under every policy, so ``1 / share`` of the full cache bounds what
+    any policy's ratio can reach."""
     return f"{record['prefill_seconds'] / record['seconds']:.0%}"
 
 
