@@ -402,14 +402,15 @@ class EvictionCache(PassEnds, Cache):
             layer.prompt_open = False
 
     # -- continuous batching ---------------------------------------------------------------
-    def splice(self, row: int, source: EvictionCache) -> None:
-        """Put the sequence ``source`` holds (a batch-1 cache of the same model, policy and
-        budget, its prompt done) into batch row ``row`` of this cache, replacing a finished
-        sequence, or as a new last row when ``row`` is the batch size: that row then goes on
-        exactly as ``source`` would alone. Decode such a batch with each row's own positions
+    def splice(self, row: int, source: EvictionCache, source_row: int = 0) -> None:
+        """Put the sequence row ``source_row`` of ``source`` holds (a cache of the same model,
+        policy and budget, its prompt done) into batch row ``row`` of this cache, replacing a
+        finished sequence, or as a new last row when ``row`` is the batch size: that row then goes
+        on exactly as the sequence would alone. ``source`` keeps what it holds (a batch whose rows
+        started together is spliced row by row). Decode such a batch with each row's own positions
         (``position_ids=cache.next_positions()``): its rows have seen different numbers of tokens."""
         if not isinstance(source, EvictionCache) or source is self:
-            raise ValueError("splice takes another EvictionCache holding the one sequence to put into this batch")
+            raise ValueError("splice takes another EvictionCache holding the sequence to put into this batch")
         if repr(source.policy) != repr(self.policy) or source.budget != self.budget or source.quant != self.quant:
             raise ValueError(
                 f"cannot splice a cache of {source.policy.name!r} ({source.budget}) into one of "
@@ -423,18 +424,19 @@ class EvictionCache(PassEnds, Cache):
         layers = list(zip(self.eviction_layers, source.eviction_layers))
         if any(not mine.is_initialized or not theirs.is_initialized for mine, theirs in layers):
             raise ValueError("splice needs both caches to hold a prefilled sequence")
-        if source.eviction_layers[0].batch_size != 1:
-            raise ValueError(f"splice takes a batch-1 cache, got one of {source.eviction_layers[0].batch_size} rows")
+        rows = source.eviction_layers[0].batch_size
+        if not 0 <= source_row < rows:
+            raise ValueError(f"source row {source_row} is out of range: the source cache has rows 0 .. {rows - 1}")
         if not 0 <= row <= self.eviction_layers[0].batch_size:
             raise ValueError(f"row {row} is out of range: 0 .. {self.eviction_layers[0].batch_size} (a new last row)")
-        sequence = source.sequences[0].copy()
+        sequence = source.sequences[source_row].copy()
         self.sequences[row : row + 1] = [sequence]
         for mine, theirs in layers:
-            mine.splice(row, theirs, sequence)
+            mine.splice(row, theirs, sequence, source_row)
             mine.prompt_open = False
         if self.hidden is not None and source.hidden is not None:
-            self.hidden.splice(row, source.hidden)
-        self._shared_rows[row] = source.row_shared(0)
+            self.hidden.splice(row, source.hidden, source_row)
+        self._shared_rows[row] = source.row_shared(source_row)
         self.row_offsets[row : row + 1] = [0]
 
     def remove_rows(self, rows: Sequence[int]) -> None:

@@ -205,13 +205,14 @@ class HiddenSeries:
         self._last = {i: tensors[f"hidden.last.{i}"].to(device) for i in self.layers if f"hidden.last.{i}" in tensors}
 
     # -- rows of a batch that runs on -------------------------------------------------------
-    def splice(self, row: int, source: HiddenSeries) -> None:
-        """Row ``row`` (the batch size: a new last row) takes the only row of ``source`` (a
+    def splice(self, row: int, source: HiddenSeries, source_row: int = 0) -> None:
+        """Row ``row`` (the batch size: a new last row) takes row ``source_row`` of ``source`` (a
         series of the same layers): its changes, scores and last hidden states."""
         for i, series in self._series.items():
-            series.put_row(row, source._series[i])
-        self._table.put_row(row, source._table)
+            series.put_row(row, source._series[i], source_row)
+        self._table.put_row(row, source._table, source_row)
         for i, last in source._last.items():
+            last = last[source_row : source_row + 1]
             mine = self._last.get(i)
             if mine is None:
                 mine = last.new_zeros(len(self._table.lengths), last.shape[-1])
@@ -362,14 +363,14 @@ class _Series:
         self.buffer[row, start:end] = values
         self.lengths[row] = end
 
-    def put_row(self, row: int, source: _Series) -> None:
-        """Row ``row`` (or a new last row) holds the only row of ``source``."""
-        length = source.lengths[0] if source.lengths else 0
+    def put_row(self, row: int, source: _Series, source_row: int = 0) -> None:
+        """Row ``row`` (or a new last row) holds row ``source_row`` of ``source``."""
+        length = source.lengths[source_row] if source.lengths else 0
         batch = max(row + 1, len(self.lengths))
         self._room(batch, max([length, *self.lengths]), source.buffer if source.buffer.dim() == 2 else self.buffer)
         self.buffer[row] = self.fill
         if length:
-            self.buffer[row, :length] = source.buffer[0, :length]
+            self.buffer[row, :length] = source.buffer[source_row, :length]
         self.lengths[row] = length
 
     def load(self, values: torch.Tensor, lengths: list[int]) -> None:

@@ -486,9 +486,9 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, PackedPasses, DynamicLayer):
     batch_repeat_interleave = batch_select_indices = reorder_cache
 
     # -- rows of a batch that runs on (continuous batching) ---------------------------------
-    def splice(self, row: int, source: EvictionLayer, sequence: SequenceState) -> None:
-        """Make batch row ``row`` (``batch_size``: a new last row) hold the only row of
-        ``source``, the same layer of a batch-1 cache, exactly as ``source`` holds it: entries,
+    def splice(self, row: int, source: EvictionLayer, sequence: SequenceState, source_row: int = 0) -> None:
+        """Make batch row ``row`` (``batch_size``: a new last row) hold row ``source_row`` of
+        ``source``, the same layer of another cache, exactly as ``source`` holds it: entries,
         positions, per-token state, peaks and policy memo, with the counters ``sequence`` (the
         cache's copy of the source's). Each row keeps its own columns from 0; columns past a
         row's width are invalid, so it attends exactly its own entries."""
@@ -498,9 +498,9 @@ class EvictionLayer(PassBookkeeping, PolicyDriver, PackedPasses, DynamicLayer):
         if row == len(self.rows):
             self.storage.add_row()
             self.rows.append(RowState())
-        theirs = source.rows[0]
+        theirs = source.rows[source_row]
         self.storage.reserve(self.n, theirs.width)
-        self.storage.copy_row(row, source.storage, slice(theirs.start, theirs.start + theirs.width))
+        self.storage.copy_row(row, source.storage, slice(theirs.start, theirs.start + theirs.width), source_row)
         spliced = RowState(sequence)
         spliced.width, spliced.peak, spliced.decode_peak, spliced.memo = (
             theirs.width,

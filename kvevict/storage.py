@@ -475,9 +475,9 @@ class LayerStorage:
         self._map(lambda x: x[index])
         self.previous = None
 
-    def copy_row(self, row: int, source: LayerStorage, columns: slice) -> int:
-        """Batch row ``row`` holds ``source``'s row 0 at ``columns``, from column 0 (room must
-        exist; new state entries are made). Columns past them are invalid, at position -1."""
+    def copy_row(self, row: int, source: LayerStorage, columns: slice, source_row: int = 0) -> int:
+        """Batch row ``row`` holds ``source``'s row ``source_row`` at ``columns``, from column 0 (room
+        must exist; new state entries are made). Columns past them are invalid, at position -1."""
         width = columns.stop - columns.start
         self.previous = None  # another sequence's entries: quantized anew
         for name, value in source.state.items():
@@ -486,12 +486,12 @@ class LayerStorage:
         pairs = [(self.keys, source.keys), (self.values, source.values)]
         pairs += [(self.state[name], value) for name, value in source.state.items()]
         for mine, theirs in pairs:
-            mine[row, :, :width] = theirs[0, :, columns]
+            mine[row, :, :width] = theirs[source_row, :, columns]
         self.positions[row] = -1  # columns the row does not hold sit at a position no query has
-        self.positions[row, :, :width] = source.positions[0, :, columns]
+        self.positions[row, :, :width] = source.positions[source_row, :, columns]
         assert self.valid is not None
         self.valid[row] = False
-        self.valid[row, :, :width] = True if source.valid is None else source.valid[0, :, columns]
+        self.valid[row, :, :width] = True if source.valid is None else source.valid[source_row, :, columns]
         return width
 
     def write_state(self, name: str, rows: slice, columns: slice, value: torch.Tensor) -> None:

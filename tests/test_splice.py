@@ -8,18 +8,19 @@ import torch
 
 import kvevict
 from kvevict.generation import prefill
-from tests.conftest import prompt, tiny_model
+from tests.conftest import left_padded, prompt, tiny_model
 
 BUDGET = 40
 STEPS = 4
 
 
 def alone(
-    model, ids: torch.Tensor, policy: str, steps: int, budget: int = BUDGET
+    model, ids: torch.Tensor, policy: str, steps: int, budget: int = BUDGET, chunk: int | None = 16
 ) -> tuple[kvevict.EvictionCache, list[torch.Tensor]]:
-    """A batch-1 cache holding ``ids`` (compressed in chunks) and the logits of ``steps`` greedy steps after it."""
+    """A batch-1 cache holding ``ids`` (compressed in chunks of ``chunk``, None: in one pass) and
+    the logits of ``steps`` greedy steps after it."""
     cache = kvevict.EvictionCache(model, policy, budget=budget)
-    logits = [prefill(model, ids, cache, chunk=16)]
+    logits = [prefill(model, ids, cache, chunk=chunk)]
     with torch.no_grad():
         for _ in range(steps):
             token = logits[-1].argmax(-1, keepdim=True)
@@ -68,6 +69,30 @@ def test_spliced_rows_go_on_exactly_as_alone(policy: str) -> None:
             rows[row] = (index, done + 1)
 
 
+@pytest.mark.parametrize("policy", ["snapkv", "adakv+snapkv", "h2o", "hs-variance"])
+def test_rows_of_a_batch_are_spliced_one_by_one_each_as_alone(policy: str) -> None:
+    """Rows prefilled together (a left-padded batch) join a running batch row by row, in any
+    order; each goes on exactly as alone, and the batch they came from keeps what it holds."""
+    model = tiny_model()
+    prompts = [prompt(n, seed=seed) for seed, n in enumerate((90, 75, 101))]
+    references = [alone(model, ids, policy, STEPS, chunk=None)[1] for ids in prompts]  # (padding moves chunks)
+    batch, logits = alone(model, prompts[0], policy, 0, chunk=None)
+    started = kvevict.EvictionCache(model, policy, budget=BUDGET)
+    ids, mask = left_padded(prompts[1:])
+    first = prefill(model, ids, started, mask)
+    batch.splice(1, started, 1)  # the second prompt of the batch first
+    batch.splice(2, started, 0)
+    last, rows = torch.cat([logits[0], first[1:], first[:1]]), (0, 2, 1)
+    theirs = first
+    for done in range(STEPS):
+        last = batch_step(model, batch, last.argmax(-1, keepdim=True))
+        theirs = batch_step(model, started, theirs.argmax(-1, keepdim=True))
+        for row, index in enumerate(rows):
+            torch.testing.assert_close(last[row], references[index][done + 1][0], rtol=0, atol=1e-5)
+        for row, index in enumerate((1, 2)):
+            torch.testing.assert_close(theirs[row], references[index][done + 1][0], rtol=0, atol=1e-5)
+
+
 def test_splice_refuses_what_cannot_join_the_batch() -> None:
     model = tiny_model()
     batch, _ = alone(model, prompt(40), "snapkv", 1)
@@ -79,6 +104,8 @@ def test_splice_refuses_what_cannot_join_the_batch() -> None:
         batch.splice(3, same)
     with pytest.raises(ValueError, match="leaving at least one"):
         batch.remove_rows([0])
+    with pytest.raises(ValueError, match="source row 1 is out of range: the source cache has rows 0 .. 0"):
+        batch.splice(1, same, 1)
     with pytest.raises(ValueError, match="needs both caches to hold a prefilled sequence"):
         batch.splice(1, kvevict.EvictionCache(model, "snapkv", budget=BUDGET))
 
