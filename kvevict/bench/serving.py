@@ -28,8 +28,8 @@ or a compressed document copied and asked a question); this module only schedule
   which the next job's row fills (:meth:`~kvevict.cache.EvictionCache.splice`).
 * **Measured.** ``peak_kv_bytes`` is the most resident bytes seen: the batch's
   :meth:`~kvevict.cache.EvictionCache.kv_bytes` after every step and splice, plus, while jobs
-  are started, their pass's peak (:meth:`Job.start_peak` entries per head in padded storage, a
-  row per job). The copies a splice makes while it adds a row are transient and not counted.
+  are started, their pass's peak (:meth:`Job.start_peak`: per layer, entries per head in padded
+  storage, a row per job). The copies a splice makes while it adds a row are transient and not counted.
 """
 
 from __future__ import annotations
@@ -74,9 +74,10 @@ class Job(Protocol):
         for each of ``companions`` (jobs of its group), and return it with each row's logits of its
         first new token, ``[1 + len(companions), V]``."""
 
-    def start_peak(self) -> int:
-        """The most entries per KV head a row held during the last :meth:`start` (in padded storage:
-        a prompt's prefill; a question, its compressed document's widest head and the question)."""
+    def start_peak(self) -> list[int]:
+        """Per layer, the most entries per KV head a row held during the last :meth:`start`, in
+        padded storage (a prompt's prefill; a question, its compressed document's widest head
+        there and the question)."""
 
 
 def padded_bytes(entries: Sequence[int], column_bytes: Sequence[int], room: int = 0) -> int:
@@ -209,7 +210,8 @@ class Server:
         built_bytes = [layer.storage_bytes() for layer in cache.eviction_layers]
         self.layer_bytes = [mine.widest(theirs) for mine, theirs in zip(self.layer_bytes, built_bytes, strict=True)]
         self.room = max(self.room, cache.sequences[0].interval)
-        padded = len(started) * jobs[job].start_peak() * sum(cache.column_bytes())  # its pass's padded storage
+        peak = zip(jobs[job].start_peak(), cache.column_bytes(), strict=True)
+        padded = len(started) * sum(entries * size for entries, size in peak)  # its pass's padded storage
         served.peak_bytes = max(served.peak_bytes, self._resident() + max(cache.kv_bytes(), padded))
         histories = [served.outputs[one] for one in started]
         for history, token in zip(histories, self.next_tokens(logits, histories), strict=True):

@@ -94,7 +94,7 @@ class PromptJob:
         self.learned, self.chunk = learned, chunk
         self._cache: EvictionCache | None = None
         self._chunk_used: int | None = None
-        self._start_peak = 0
+        self._start_peak: list[int] = []
 
     @property
     def length(self) -> int:
@@ -156,14 +156,14 @@ class PromptJob:
             learned.prefill_factor = max(learned.prefill_factor, cache.peak_entries() / self.length)
         else:
             learned.chunk_peak = max(learned.chunk_peak, cache.peak_entries())
-        self._start_peak = cache.peak_entries()
+        self._start_peak = [cache.peak_entries()] * len(cache.eviction_layers)  # (every layer held it)
         held = max(layer.rows[0].width for layer in cache.eviction_layers)
         learned.retained_share = max(learned.retained_share, held / self.length)
         learned.chunks.append(self._chunk_used)
         self._cache = None
         return cache, logits
 
-    def start_peak(self) -> int:
+    def start_peak(self) -> list[int]:
         return self._start_peak
 
 
@@ -216,7 +216,7 @@ class QuestionJob:
 
     def __init__(self, library: Library, document: int, question: int, new_tokens: int):
         self.library, self.document, self.question, self.new_tokens = library, document, question, new_tokens
-        self._start_peak = 0
+        self._start_peak: list[int] = []
 
     @property
     def _tail(self) -> torch.Tensor:
@@ -256,9 +256,9 @@ class QuestionJob:
             raise ValueError("questions start together only about the same document of the same library")
         compressing = self.document not in library.caches
         document = library.compressed(self.document)
-        held = max(layer.rows[0].width for layer in document.eviction_layers)
         questions = max(job._tail.shape[-1] for job in asked)
-        self._start_peak = max(document.peak_entries() if compressing else 0, held + questions)
+        prefill_peak = document.peak_entries() if compressing else 0
+        self._start_peak = [max(prefill_peak, layer.rows[0].width + questions) for layer in document.eviction_layers]
         cache = copy.deepcopy(document)
         for row in range(1, len(asked)):  # a copy each: splicing the document itself would unpack it for good
             other = copy.deepcopy(document)
@@ -281,7 +281,7 @@ class QuestionJob:
         ).logits
         return cache, logits[:, -1]
 
-    def start_peak(self) -> int:
+    def start_peak(self) -> list[int]:
         return self._start_peak
 
 
