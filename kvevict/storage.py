@@ -3,8 +3,9 @@
 Owns: a layer's keys, values, positions, validity mask and per-token policy state
 ``[B, Hkv, capacity, ...]`` (:class:`LayerStorage`) and the views of its first ``n`` columns
 (:class:`Columns`); :mod:`kvevict.arena` holds several layers' storage as one tensor per
-kind. Every replacement of a tensor goes through :class:`LayerStorage` and bumps its :attr:`~LayerStorage.version`: cached views, the steady decode path and arenas
-compare that number rather than trusting each writer to clear what it made stale.
+kind. Every replacement of a tensor goes through :class:`LayerStorage` and bumps its
+:attr:`~LayerStorage.version`: cached views, the steady decode path and arenas compare that
+number rather than trusting each writer to clear what it made stale.
 
 Between passes a ragged layer keeps only its real entries (:class:`PackedEntries`) and a
 quantized cache's layer holds its keys and values as codes (:mod:`kvevict.quant`,
