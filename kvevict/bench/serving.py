@@ -19,23 +19,19 @@ or a compressed document copied and asked a question); this module only schedule
   proportionally more of its rows. Before a job's cache exists its
   ceiling is predicted (:meth:`Job.predicted_ceiling`); once built, the real one is checked,
   and a job that no longer fits waits, its cache counted, until a row finishes.
-* **Starting together.** Jobs of one group (:attr:`Job.group`: questions about one compressed
-  document) that are next in line start in one batched pass while the cap admits them all
-  (their transients summed, each one more row): a pass of several short prompts costs less
-  than as many passes of one. Each row then joins the batch as it would alone.
 * **Decoding.** The running rows decode together, one token per row and step, each at its
   own position (``position_ids=cache.next_positions()``); a finished row frees its slot,
   which the next job's row fills (:meth:`~kvevict.cache.EvictionCache.splice`).
 * **Measured.** ``peak_kv_bytes`` is the most resident bytes seen: the batch's
-  :meth:`~kvevict.cache.EvictionCache.kv_bytes` after every step and splice, plus, while jobs
-  are started, their pass's peak (:meth:`Job.start_peak`: per layer, entries per head in padded
-  storage, a row per job). The copies a splice makes while it adds a row are transient and not counted.
+  :meth:`~kvevict.cache.EvictionCache.kv_bytes` after every step and splice, plus, while a
+  job is built, its cache's peak (its most entries per head in padded storage). The copies a
+  splice makes while it adds a row are transient and not counted.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -57,10 +53,6 @@ class Job(Protocol):
     new_tokens: int
     """Tokens to generate (the first comes from the job's own pass)."""
 
-    @property
-    def group(self) -> Hashable | None:
-        """Jobs of one group (not None) may start together, in one pass (:meth:`start`)."""
-
     def transient_bytes(self, free_bytes: int, column_bytes: Sequence[int]) -> int | None:
         """Resident bytes its cache holds at most while it is built (``column_bytes``: per layer,
         of an entry column), choosing the cheapest way that fits ``free_bytes`` (e.g. chunked
@@ -69,15 +61,9 @@ class Job(Protocol):
     def predicted_ceiling(self) -> list[int]:
         """Its row's ceiling (per layer, entries per head), predicted before its cache exists."""
 
-    def start(self, companions: Sequence[Job] = ()) -> tuple[EvictionCache, torch.Tensor]:
-        """Build its cache (as chosen by the last :meth:`transient_bytes`), with a row after its own
-        for each of ``companions`` (jobs of its group), and return it with each row's logits of its
-        first new token, ``[1 + len(companions), V]``."""
-
-    def start_peak(self) -> list[int]:
-        """Per layer, the most entries per KV head a row held during the last :meth:`start`, in
-        padded storage (a prompt's prefill; a question, its compressed document's widest head
-        there and the question)."""
+    def start(self) -> tuple[EvictionCache, torch.Tensor]:
+        """Build its batch-1 cache (as chosen by the last :meth:`transient_bytes`) and return it
+        with the logits ``[V]`` of its first new token."""
 
 
 def padded_bytes(entries: Sequence[int], column_bytes: Sequence[int], room: int = 0) -> int:
@@ -110,8 +96,6 @@ class Served:
     max_batch: int = 0
     decode_steps: int = 0
     batch_sizes: list[int] = field(default_factory=list)
-    start_sizes: list[int] = field(default_factory=list)
-    """The jobs each start pass began (several: a group started together)."""
 
 
 @dataclass
@@ -139,8 +123,7 @@ class Server:
         self.stop_tokens, self.shared_bytes = frozenset(stop_tokens), shared_bytes
         self.batch: EvictionCache | None = None
         self.rows: list[_Row | None] = []
-        self.waiting: tuple[list[int], EvictionCache] | None = None
-        """Jobs started together (a row of the cache each) whose real ceilings did not fit yet."""
+        self.waiting: tuple[int, EvictionCache] | None = None
         self.layer_bytes: list[ColumnBytes] = []
         self.room = 1
 
@@ -175,15 +158,15 @@ class Server:
         return served
 
     def _admit(self, pending: list[int], jobs: Sequence[Job], served: Served) -> bool:
-        """Admit one job, or the group that starts with it (or the waiting ones), if the cap allows; whether any was."""
+        """Admit one job (or the waiting one) if the cap allows; whether one was."""
         running = any(row is not None for row in self.rows)
         if self.waiting is not None:
-            started, cache = self.waiting
-            ceilings = self._real_ceilings(started, cache, served, jobs)
-            if running and batch_bound(self._ceilings(ceilings), self.room, self.layer_bytes) > self.cap:
+            job, cache = self.waiting
+            ceiling = cache.row_ceiling(0, self._remaining(served, job, jobs))
+            if running and batch_bound(self._ceilings([ceiling]), self.room, self.layer_bytes) > self.cap:
                 return False
             self.waiting = None
-            self._join(started, cache, ceilings, served)
+            self._join(job, cache, ceiling, served)
             return True
         if not pending:
             return False
@@ -202,61 +185,30 @@ class Server:
                 + (f", besides the {shared / MIB:.1f} MiB its compressed document holds" if shared else "")
             )
         pending.pop(0)
-        started = [job, *self._companions(jobs[job].group, pending, jobs, free - transient, [predicted])]
         tick = time.perf_counter()
-        cache, logits = jobs[job].start([jobs[other] for other in started[1:]])
+        cache, logits = jobs[job].start()
         served.prefill_s += time.perf_counter() - tick
-        served.start_sizes.append(len(started))
         built_bytes = [layer.storage_bytes() for layer in cache.eviction_layers]
         self.layer_bytes = [mine.widest(theirs) for mine, theirs in zip(self.layer_bytes, built_bytes, strict=True)]
         self.room = max(self.room, cache.sequences[0].interval)
-        peak = zip(jobs[job].start_peak(), cache.column_bytes(), strict=True)
-        padded = len(started) * sum(entries * size for entries, size in peak)  # its pass's padded storage
-        served.peak_bytes = max(served.peak_bytes, self._resident() + max(cache.kv_bytes(), padded))
-        histories = [served.outputs[one] for one in started]
-        for history, token in zip(histories, self.next_tokens(logits, histories), strict=True):
-            history.append(token)
-        ceilings = self._real_ceilings(started, cache, served, jobs)
-        if running and batch_bound(self._ceilings(ceilings), self.room, self.layer_bytes) > self.cap:
-            self.waiting = (started, cache)  # their real ceilings exceed the predictions: they wait for room
+        built = max(cache.kv_bytes(), cache.peak_entries() * sum(cache.column_bytes()))  # its pass's padded storage
+        served.peak_bytes = max(served.peak_bytes, self._resident() + built)
+        served.outputs[job].append(self.next_tokens(logits[None], [served.outputs[job]])[0])
+        ceiling = cache.row_ceiling(0, self._remaining(served, job, jobs))
+        if running and batch_bound(self._ceilings([ceiling]), self.room, self.layer_bytes) > self.cap:
+            self.waiting = (job, cache)  # its real ceiling exceeds the prediction: it waits for room
             return False
-        self._join(started, cache, ceilings, served)
+        self._join(job, cache, ceiling, served)
         return True
 
-    def _companions(
-        self, group: Hashable | None, pending: list[int], jobs: Sequence[Job], free: int, predicted: list[list[int]]
-    ) -> list[int]:
-        """Take from the front of ``pending`` the jobs of ``group`` (the job just admitted's) that
-        may start with it: while the cap holds each one's transient beside the others' (``free``:
-        what the admitted job's leaves) and the batch with each as one more row (``predicted``:
-        the rows to start so far)."""
-        taken: list[int] = []
-        while group is not None and pending and jobs[pending[0]].group == group:
-            transient = jobs[pending[0]].transient_bytes(free, [layer.dense for layer in self.layer_bytes])
-            ceiling = jobs[pending[0]].predicted_ceiling()
-            if transient is None or self._bound([*predicted, ceiling]) > self.cap:
-                break
-            free -= transient
-            predicted.append(ceiling)
-            taken.append(pending.pop(0))
-        return taken
-
-    def _real_ceilings(
-        self, started: list[int], cache: EvictionCache, served: Served, jobs: Sequence[Job]
-    ) -> list[list[int]]:
-        """The ceiling of each row of ``cache``, a row per job of ``started``."""
-        return [cache.row_ceiling(row, self._remaining(served, job, jobs)) for row, job in enumerate(started)]
-
-    def _join(self, started: list[int], cache: EvictionCache, ceilings: list[list[int]], served: Served) -> None:
-        """The rows of ``cache`` (one per job of ``started``) join the batch: the batch itself when none runs."""
+    def _join(self, job: int, cache: EvictionCache, ceiling: int, served: Served) -> None:
         if self.batch is None:
-            self.batch, self.rows = cache, [_Row(job, ceiling) for job, ceiling in zip(started, ceilings)]
+            self.batch, self.rows = cache, [_Row(job, ceiling)]
         else:
-            for row, (job, ceiling) in enumerate(zip(started, ceilings, strict=True)):
-                slot = next((i for i, mine in enumerate(self.rows) if mine is None), len(self.rows))
-                self.batch.splice(slot, cache, row)  # a finished sequence's slot, or a new row
-                self.rows[slot : slot + 1] = [_Row(job, ceiling)]
+            slot = next((i for i, row in enumerate(self.rows) if row is None), len(self.rows))
+            self.batch.splice(slot, cache)  # a finished sequence's slot, or a new row
             cache.close()
+            self.rows[slot : slot + 1] = [_Row(job, ceiling)]
         running = sum(row is not None for row in self.rows)
         served.max_batch = max(served.max_batch, running)
         served.peak_bytes = max(served.peak_bytes, self._resident())

@@ -149,8 +149,6 @@ def _figures(served: Served, jobs: int, prompt_tokens: int) -> dict[str, Any]:
         "prompt_tokens": prompt_tokens,
         "prefill_tokens_per_s": prompt_tokens / served.prefill_s if served.prefill_s else None,
         "decode_steps": served.decode_steps,
-        "start_passes": len(served.start_sizes),
-        "largest_start": max(served.start_sizes, default=0),
         "decode_tokens_per_s": (generated - jobs) / served.decode_s if served.decode_s else None,
         "tokens_per_s": generated / served.seconds,
         "seconds": served.seconds,

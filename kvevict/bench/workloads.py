@@ -6,9 +6,7 @@
 * :class:`QuestionJob`: *compress once, ask many times*. A document's context is prefilled
   and compressed once (:class:`Library`); each question about it starts from a copy of that
   compressed cache, fed the question. Under the full cache this is prefix caching: the
-  context's entries are computed once and copied per question, none dropped. Questions about
-  a compressed document form a group: those admitted together are fed in one left-padded pass,
-  a copy of the document per row.
+  context's entries are computed once and copied per question, none dropped.
 
 What every job of a setting learns from the ones before it (:class:`Learned`) sharpens
 the predictions admission makes before a cache exists; the real figures are checked once
@@ -25,7 +23,6 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from kvevict.batching import left_padded, padded_positions
 from kvevict.bench.longgen import GENERATION
 from kvevict.bench.runner import Setting
 from kvevict.bench.serving import padded_bytes
@@ -79,8 +76,6 @@ def predict_ceiling(cache: EvictionCache, length: int, new_tokens: int, learned:
 class PromptJob:
     """A prompt ``[1, n]`` to prefill under ``setting``, then ``new_tokens`` to generate."""
 
-    group = None  # (a prompt is prefilled alone: chunks and padding would change what it keeps)
-
     def __init__(
         self,
         model: PreTrainedModel,
@@ -94,7 +89,6 @@ class PromptJob:
         self.learned, self.chunk = learned, chunk
         self._cache: EvictionCache | None = None
         self._chunk_used: int | None = None
-        self._start_peak: list[int] = []
 
     @property
     def length(self) -> int:
@@ -147,24 +141,18 @@ class PromptJob:
         cache = self.cache()
         return [predict_ceiling(cache, self.length, self.new_tokens - 1, self.learned)] * len(cache.eviction_layers)
 
-    def start(self, companions: Sequence[PromptJob] = ()) -> tuple[EvictionCache, torch.Tensor]:
-        if companions:
-            raise ValueError("a prompt starts alone (its group is None)")
+    def start(self) -> tuple[EvictionCache, torch.Tensor]:
         cache, learned = self.cache(), self.learned
         logits = prefill(self.model, self.ids, cache, chunk=self._chunk_used)
         if self._chunk_used is None:
             learned.prefill_factor = max(learned.prefill_factor, cache.peak_entries() / self.length)
         else:
             learned.chunk_peak = max(learned.chunk_peak, cache.peak_entries())
-        self._start_peak = [cache.peak_entries()] * len(cache.eviction_layers)  # (every layer held it)
         held = max(layer.rows[0].width for layer in cache.eviction_layers)
         learned.retained_share = max(learned.retained_share, held / self.length)
         learned.chunks.append(self._chunk_used)
         self._cache = None
-        return cache, logits
-
-    def start_peak(self) -> list[int]:
-        return self._start_peak
+        return cache, logits[0]
 
 
 @dataclass
@@ -216,7 +204,6 @@ class QuestionJob:
 
     def __init__(self, library: Library, document: int, question: int, new_tokens: int):
         self.library, self.document, self.question, self.new_tokens = library, document, question, new_tokens
-        self._start_peak: list[int] = []
 
     @property
     def _tail(self) -> torch.Tensor:
@@ -245,44 +232,12 @@ class QuestionJob:
         finally:
             probe.close()
 
-    @property
-    def group(self) -> int | None:
-        """Its document, once compressed (the first question about a document starts alone and compresses it)."""
-        return self.document if self.document in self.library.caches else None
-
-    def start(self, companions: Sequence[QuestionJob] = ()) -> tuple[EvictionCache, torch.Tensor]:
-        library, asked = self.library, [self, *companions]
-        if any(job.library is not library or job.document != self.document for job in companions):
-            raise ValueError("questions start together only about the same document of the same library")
-        compressing = self.document not in library.caches
-        document = library.compressed(self.document)
-        questions = max(job._tail.shape[-1] for job in asked)
-        prefill_peak = document.peak_entries() if compressing else 0
-        self._start_peak = [max(prefill_peak, layer.rows[0].width + questions) for layer in document.eviction_layers]
-        cache = copy.deepcopy(document)
-        for row in range(1, len(asked)):  # a copy each: splicing the document itself would unpack it for good
-            other = copy.deepcopy(document)
-            cache.splice(row, other)
-            other.close()
-        seen = document.get_seq_length()
-        for _ in asked:
-            library.asked_one(self.document)  # (the last question about it frees the document)
-        device = library.model.device
-        if not companions:
-            return cache, library.model(input_ids=self._tail.to(device), **with_cache(cache)).logits[:, -1]
-        ids, mask = left_padded([job._tail for job in asked])
-        mask = torch.cat([mask.new_ones(len(asked), seen), mask], dim=-1)  # each row's context, then its question
-        positions = padded_positions(mask)[:, seen:]
-        logits = library.model(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            position_ids=positions.to(device),
-            **with_cache(cache),
-        ).logits
-        return cache, logits[:, -1]
-
-    def start_peak(self) -> list[int]:
-        return self._start_peak
+    def start(self) -> tuple[EvictionCache, torch.Tensor]:
+        library = self.library
+        cache = copy.deepcopy(library.compressed(self.document))
+        library.asked_one(self.document)
+        logits = library.model(input_ids=self._tail.to(library.model.device), **with_cache(cache)).logits
+        return cache, logits[0, -1]
 
 
 class EssayTokens:

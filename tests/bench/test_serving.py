@@ -1,6 +1,5 @@
 """Continuous batching under a cap on resident bytes (``kvevict.bench.serving``): the batch bound,
-admission by ceiling, jobs started together, a job whose real ceiling exceeds its prediction,
-the refusal."""
+admission by ceiling, a job whose real ceiling exceeds its prediction, the refusal."""
 
 from __future__ import annotations
 
@@ -9,11 +8,10 @@ import pytest
 from kvevict.bench.runner import Setting
 from kvevict.bench.serving import Server, batch_bound
 from kvevict.bench.throughput import estimate_column_bytes
-from kvevict.bench.workloads import Document, Learned, Library, PromptJob, QuestionJob, setting_cache
-from kvevict.generation import greedy_after, prefill
+from kvevict.bench.workloads import Learned, PromptJob
 from kvevict.quant import QuantConfig
 from kvevict.storage import ColumnBytes, capacity_bound
-from tests.bench.test_throughput import MIB, full_column_bytes, rows_bound
+from tests.bench.test_throughput import full_column_bytes, rows_bound
 from tests.conftest import prompt, tiny_model
 
 
@@ -64,36 +62,3 @@ def test_a_cap_below_one_sequence_is_refused() -> None:
     jobs = [PromptJob(model, prompt(60), Setting("full"), 8, Learned())]
     with pytest.raises(ValueError, match=r"holds no sequence of this setting: one needs about [\d.]+ MiB"):
         Server(model, 1000).serve(jobs, estimate_column_bytes(model))
-
-
-@pytest.mark.parametrize(
-    ("setting", "cap_mib"),
-    [(Setting("full"), 64.0), (Setting("full"), 0.25), (Setting("adakv+snapkv", keep=0.3), 64.0)]
-    + [(Setting("adakv+snapkv", keep=0.3), 0.1)],
-)
-def test_questions_about_one_document_start_together_while_the_cap_holds_them(setting: Setting, cap_mib) -> None:
-    """The first question compresses its document alone; the next ones start in one left-padded
-    pass, as many as the cap holds beside the batch (an ample cap: all; a tight one: fewer, more
-    passes), each row exactly as the question asked alone."""
-    model, new = tiny_model(), 5
-    documents = [
-        Document(prompt(120, seed=doc), [prompt(n, seed=10 * doc + n) for n in (6, 9, 4, 7)]) for doc in range(2)
-    ]
-    library = Library(model, documents, setting, Learned())
-    jobs = [QuestionJob(library, d, q, new) for d in range(2) for q in range(4)]
-    served = Server(model, int(cap_mib * MIB), shared_bytes=library.resident_bytes).serve(
-        jobs, estimate_column_bytes(model)
-    )
-    expected = []
-    for doc in documents:
-        for tail in doc.questions:
-            cache = setting_cache(setting, model, doc.context.shape[-1])
-            prefill(model, doc.context, cache)
-            expected.append(greedy_after(model, cache, tail, new, ()))
-    assert served.outputs == expected
-    assert served.peak_bytes <= cap_mib * MIB and sum(served.start_sizes) == len(jobs)
-    if cap_mib == 64.0:
-        assert served.start_sizes == [1, 3, 1, 3]  # the first question of each document alone, the rest together
-    else:
-        assert max(served.start_sizes) == 2 and len(served.start_sizes) > 4
-    assert library.caches == {}  # every document freed once its last question started
