@@ -24,8 +24,8 @@ or a compressed document copied and asked a question); this module only schedule
   which the next job's row fills (:meth:`~kvevict.cache.EvictionCache.splice`).
 * **Measured.** ``peak_kv_bytes`` is the most resident bytes seen: the batch's
   :meth:`~kvevict.cache.EvictionCache.kv_bytes` after every step and splice, plus, while a
-  job is built, its cache's peak (its most entries per head in padded storage). The copies a
-  splice makes while it adds a row are transient and not counted.
+  job is built, its pass's peak (:meth:`Job.start_peak`: per layer, entries per head in padded
+  storage). The copies a splice makes while it adds a row are transient and not counted.
 """
 
 from __future__ import annotations
@@ -64,6 +64,11 @@ class Job(Protocol):
     def start(self) -> tuple[EvictionCache, torch.Tensor]:
         """Build its batch-1 cache (as chosen by the last :meth:`transient_bytes`) and return it
         with the logits ``[V]`` of its first new token."""
+
+    def start_peak(self) -> list[int]:
+        """Per layer, the most entries per KV head its cache held during the last :meth:`start`, in
+        padded storage (a prompt's prefill; a question, its compressed document's widest head
+        there and the question: a copy's own pass, not the prefill the document once had)."""
 
 
 def padded_bytes(entries: Sequence[int], column_bytes: Sequence[int], room: int = 0) -> int:
@@ -191,8 +196,8 @@ class Server:
         built_bytes = [layer.storage_bytes() for layer in cache.eviction_layers]
         self.layer_bytes = [mine.widest(theirs) for mine, theirs in zip(self.layer_bytes, built_bytes, strict=True)]
         self.room = max(self.room, cache.sequences[0].interval)
-        built = max(cache.kv_bytes(), cache.peak_entries() * sum(cache.column_bytes()))  # its pass's padded storage
-        served.peak_bytes = max(served.peak_bytes, self._resident() + built)
+        padded = sum(entries * size for entries, size in zip(jobs[job].start_peak(), cache.column_bytes(), strict=True))
+        served.peak_bytes = max(served.peak_bytes, self._resident() + max(cache.kv_bytes(), padded))
         served.outputs[job].append(self.next_tokens(logits[None], [served.outputs[job]])[0])
         ceiling = cache.row_ceiling(0, self._remaining(served, job, jobs))
         if running and batch_bound(self._ceilings([ceiling]), self.room, self.layer_bytes) > self.cap:

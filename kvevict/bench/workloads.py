@@ -89,6 +89,7 @@ class PromptJob:
         self.learned, self.chunk = learned, chunk
         self._cache: EvictionCache | None = None
         self._chunk_used: int | None = None
+        self._start_peak: list[int] = []
 
     @property
     def length(self) -> int:
@@ -148,11 +149,15 @@ class PromptJob:
             learned.prefill_factor = max(learned.prefill_factor, cache.peak_entries() / self.length)
         else:
             learned.chunk_peak = max(learned.chunk_peak, cache.peak_entries())
+        self._start_peak = [cache.peak_entries()] * len(cache.eviction_layers)  # (every layer held it)
         held = max(layer.rows[0].width for layer in cache.eviction_layers)
         learned.retained_share = max(learned.retained_share, held / self.length)
         learned.chunks.append(self._chunk_used)
         self._cache = None
         return cache, logits[0]
+
+    def start_peak(self) -> list[int]:
+        return self._start_peak
 
 
 @dataclass
@@ -204,6 +209,7 @@ class QuestionJob:
 
     def __init__(self, library: Library, document: int, question: int, new_tokens: int):
         self.library, self.document, self.question, self.new_tokens = library, document, question, new_tokens
+        self._start_peak: list[int] = []
 
     @property
     def _tail(self) -> torch.Tensor:
@@ -234,10 +240,18 @@ class QuestionJob:
 
     def start(self) -> tuple[EvictionCache, torch.Tensor]:
         library = self.library
-        cache = copy.deepcopy(library.compressed(self.document))
+        compressing = self.document not in library.caches
+        document = library.compressed(self.document)
+        prefill_peak = document.peak_entries() if compressing else 0  # (a copy inherits the document's peaks)
+        questions = self._tail.shape[-1]
+        self._start_peak = [max(prefill_peak, layer.rows[0].width + questions) for layer in document.eviction_layers]
+        cache = copy.deepcopy(document)
         library.asked_one(self.document)
         logits = library.model(input_ids=self._tail.to(library.model.device), **with_cache(cache)).logits
         return cache, logits[0, -1]
+
+    def start_peak(self) -> list[int]:
+        return self._start_peak
 
 
 class EssayTokens:

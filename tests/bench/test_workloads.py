@@ -1,5 +1,5 @@
-"""Jobs of the throughput workloads: predicted ceilings against the real ones, the long
-generations' token choice."""
+"""Jobs of the throughput workloads: predicted ceilings against the real ones, what a start
+holds at its peak, the long generations' token choice."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvevict.bench.runner import Setting
-from kvevict.bench.workloads import EssayTokens, Learned, PromptJob
+from kvevict.bench.workloads import Document, EssayTokens, Learned, Library, PromptJob, QuestionJob
 from tests.conftest import prompt, tiny_model
 
 
@@ -20,6 +20,22 @@ def test_a_uniform_policys_predicted_ceiling_is_its_real_one(setting: Setting) -
     predicted = job.predicted_ceiling()
     cache, _ = job.start()
     assert cache.row_ceiling(0, 19) == predicted
+
+
+def test_a_questions_start_peak_is_its_own_pass_not_its_documents_prefill() -> None:
+    """The first question compresses the document (its prefill is the peak); a later one holds a
+    copy of the compressed document and its question, though the copy inherits the document's peaks."""
+    model = tiny_model()
+    library = Library(
+        model, [Document(prompt(120), [prompt(6, seed=2), prompt(9, seed=3)])], Setting("snapkv", 40), Learned()
+    )
+    first, second = (QuestionJob(library, 0, question, 4) for question in range(2))
+    cache, _ = first.start()
+    layers = len(cache.eviction_layers)
+    assert first.start_peak() == [cache.peak_entries()] * layers and cache.peak_entries() >= 120
+    cache, _ = second.start()
+    assert second.start_peak() == [40 + 9] * layers == [layer.rows[0].width for layer in cache.eviction_layers]
+    assert cache.peak_entries() >= 120  # what the copy says of its life: the document's prefill
 
 
 def test_essay_tokens_never_repeat_an_ngram_nor_end() -> None:
