@@ -166,13 +166,7 @@ class Server:
         """Admit one job (or the waiting one) if the cap allows; whether one was."""
         running = any(row is not None for row in self.rows)
         if self.waiting is not None:
-            job, cache = self.waiting
-            ceiling = cache.row_ceiling(0, self._remaining(served, job, jobs))
-            if running and batch_bound(self._ceilings([ceiling]), self.room, self.layer_bytes) > self.cap:
-                return False
-            self.waiting = None
-            self._join(job, cache, ceiling, served)
-            return True
+            return self._join_or_wait(*self.waiting, served, jobs, running)
         if not pending:
             return False
         job = pending[0]
@@ -199,14 +193,20 @@ class Server:
         padded = sum(entries * size for entries, size in zip(jobs[job].start_peak(), cache.column_bytes(), strict=True))
         served.peak_bytes = max(served.peak_bytes, self._resident() + max(cache.kv_bytes(), padded))
         served.outputs[job].append(self.next_tokens(logits[None], [served.outputs[job]])[0])
+        return self._join_or_wait(job, cache, served, jobs, running)
+
+    def _join_or_wait(self, job: int, cache: EvictionCache, served: Served, jobs: Sequence[Job], running: bool) -> bool:
+        """Join the batch with ``cache``'s row if its real ceiling fits beside the running rows; else it
+        waits, holding its cache, for a row to finish. Whether it joined."""
         ceiling = cache.row_ceiling(0, self._remaining(served, job, jobs))
         if running and batch_bound(self._ceilings([ceiling]), self.room, self.layer_bytes) > self.cap:
-            self.waiting = (job, cache)  # its real ceiling exceeds the prediction: it waits for room
+            self.waiting = (job, cache)  # its real ceiling exceeds the prediction
             return False
+        self.waiting = None
         self._join(job, cache, ceiling, served)
         return True
 
-    def _join(self, job: int, cache: EvictionCache, ceiling: int, served: Served) -> None:
+    def _join(self, job: int, cache: EvictionCache, ceiling: list[int], served: Served) -> None:
         if self.batch is None:
             self.batch, self.rows = cache, [_Row(job, ceiling)]
         else:
