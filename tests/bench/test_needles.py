@@ -6,9 +6,11 @@ import pytest
 
 from kvevict.bench.needles import (
     GENERATED,
+    GENERATED_BOTH_ORDERS,
     HELD_OUT,
     INTROS,
     PHRASED,
+    PHRASED_BOTH_ORDERS,
     PHRASINGS,
     SYNONYMS,
     TASKS,
@@ -39,6 +41,16 @@ def test_the_many_phrasings_hold_none_of_the_held_out_ones_nor_rulers() -> None:
     assert not set(PHRASED.haystacks) & set(HELD_OUT.haystacks) and not set(PHRASED.kinds) & set(HELD_OUT.kinds)
     assert not any("special magic" in template for template in GENERATED)
     assert all(template.count("{key}") == template.count("{value}") == 1 for template in GENERATED)
+
+
+def test_three_in_ten_phrasings_in_both_orders_name_the_value_first_and_none_held_out() -> None:
+    held_out = {PHRASINGS[index] for index in HELD_OUT.phrasings}
+    added = GENERATED_BOTH_ORDERS[len(GENERATED) :]
+    assert GENERATED_BOTH_ORDERS[: len(GENERATED)] == GENERATED and len(set(GENERATED_BOTH_ORDERS)) == 270
+    assert all(template.index("{value}") < template.index("{key}") for template in added)
+    value_first = [t for t in GENERATED_BOTH_ORDERS if t.index("{value}") < t.index("{key}")]
+    assert len(value_first) == len(GENERATED_BOTH_ORDERS) * 3 // 10 and not held_out & set(added)
+    assert PHRASED_BOTH_ORDERS.phrasings == GENERATED_BOTH_ORDERS and PHRASED_BOTH_ORDERS.kinds == PHRASED.kinds
 
 
 def test_a_phrased_family_names_its_values_by_a_synonym_after_one_of_the_introductions() -> None:

@@ -138,6 +138,19 @@ def test_phrased_contexts_are_varied_ones_in_other_phrasings_drawn_with_the_seed
     assert recorded(config)["data"] == "phrased"
 
 
+def test_contexts_phrased_in_both_orders_are_drawn_with_the_seed_from_their_own_space(tokenizer) -> None:
+    from kvevict.bench.needles import SPACES
+    from kvevict.gates.train import NEEDLED
+
+    assert NEEDLED == tuple(SPACES)
+    config = TrainConfig(model="smollm2", count=4, length=(256,), data="phrased-both-orders", teacher="answers")
+    drawn = varied_contexts(tokenizer, config)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(drawn, varied_contexts(tokenizer, config)))
+    phrased = varied_contexts(tokenizer, TrainConfig(model="smollm2", count=4, length=(256,), data="phrased"))
+    assert not any(torch.equal(a, b) for (a, _), (b, _) in zip(drawn, phrased))
+    assert recorded(config)["data"] == "phrased-both-orders"
+
+
 def test_each_needle_context_carries_every_keys_question_and_answer_to_read(tokenizer) -> None:
     """``--teacher answers`` reads, after each needle context, every key's question, answer prefix and values;
     a haystack alone has nothing to read, and a key whose needle was cut off with the context's end is not asked."""
@@ -188,7 +201,9 @@ def test_an_answers_teacher_refuses_text_files_before_collecting(tmp_path, token
     from kvevict.gates.train import build
 
     config = TrainConfig(model="smollm2", teacher="answers", data="phrased")
-    with pytest.raises(ValueError, match="which text files lack; use --data varied or phrased$") as error:
+    with pytest.raises(
+        ValueError, match="which text files lack; use --data varied, phrased or phrased-both-orders$"
+    ) as error:
         build(tiny_model(), tokenizer, config, tmp_path, files=[tmp_path / "essay.txt"], progress=False)
     assert "\n" not in str(error.value) and not (tmp_path / "data").exists()
 
