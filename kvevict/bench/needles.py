@@ -116,7 +116,8 @@ GENERATED = tuple(_lead(lead, core) for core in _CORES for lead in _LEADS)
 GENERATED_BOTH_ORDERS = GENERATED + tuple(_lead(lead, core) for core in _VALUE_FIRST_CORES for lead in _LEADS)
 """Needle templates of :data:`PHRASED_BOTH_ORDERS`: :data:`GENERATED` and every lead-in with eight cores that name
 the value before its key, as ledgers and reverse indexes do (81 of the 270 in all; :data:`GENERATED` has one
-such core of 22, and gates trained on it lost such needles in lists of numbers, docs/fastkvzip.md round 29)."""
+such core of 22, and gates trained on it lost such needles in lists of numbers, docs/fastkvzip.md round 29; gates
+trained on these keep those but lose as many others, round 30, so the shipped gates are trained on :data:`PHRASED`)."""
 
 
 @dataclass(frozen=True)
