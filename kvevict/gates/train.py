@@ -38,7 +38,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from kvevict.bench.needles import SPACES, NeedleTask, haystack_lines, joined
 from kvevict.gates import gate_scores, hook_attention_inputs, initial_gates, model_key, save_gates, shape_of, stored
 from kvevict.policies.kvzip import SCORES, KVzip
 
@@ -105,11 +104,11 @@ class TrainConfig:
             )
 
 
-NEEDLED = tuple(SPACES)
+DATA = ("ruler", "varied", "phrased", "phrased-both-orders")
+NEEDLED = ("varied", "phrased", "phrased-both-orders")
 """Data of needle families (:func:`varied_contexts`, :data:`kvevict.bench.needles.SPACES`), whose answers are
 known."""
 _NEEDLED_CHOICES = f"{', '.join(NEEDLED[:-1])} or {NEEDLED[-1]}"
-DATA = ("ruler", *NEEDLED)
 TEACHERS = ("kvzip", "kvzip+", "answers", "kvzip+answers")
 ANSWERED = ("answers", "kvzip+answers")
 """Teachers that read the contexts' answers (KVzip+'s weighting)."""
@@ -203,6 +202,7 @@ def varied_contexts(tokenizer: Any, config: TrainConfig) -> list[tuple[torch.Ten
     drawn with the seed:
     context ``i`` of ``length_of(config, i)`` tokens, every fourth a haystack alone (no needle); each with its
     readings, one per key: the question, answer prefix and answer that would follow it (none without needles)."""
+    from kvevict.bench.needles import SPACES, NeedleTask, haystack_lines, joined
     from kvevict.generation import split_prompt
 
     found = []
