@@ -37,6 +37,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         parser.add_argument(f"--{key}", type=int, default=getattr(defaults, key))
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="processes collecting the contexts' data, one thread each (default 1; the same gates for any number)",
+    )
+    parser.add_argument(
         "--order",
         type=float,
         default=defaults.order,
@@ -118,15 +124,16 @@ def run(args: argparse.Namespace) -> int:
         or config.order < 0
         or config.count < 2
         or config.steps < 1
+        or args.workers < 1
     ):
         raise ValueError(
-            "--length must exceed 5, --tokens and --steps be >= 1, --top and --order >= 0 "
+            "--length must exceed 5, --tokens, --steps and --workers be >= 1, --top and --order >= 0 "
             "and --count >= 2 (one is held out)"
         )
     torch.manual_seed(config.seed)
     torch.set_num_threads(1)  # the same arithmetic on every run: the same gates for a seed
     model, tokenizer = load_model(config.model)
-    path = build(model, tokenizer, config, args.out, args.text)
+    path = build(model, tokenizer, config, args.out, args.text, workers=args.workers)
     print(f"wrote {path}")
     return 0
 
@@ -140,7 +147,7 @@ def _text_config(model: str) -> Any:
 
 
 def merge(args: argparse.Namespace) -> int:
-    """``--ensemble``: one gates file in ``--out`` scoring the mean of the given files' (:func:`kvevict.gates.ensemble`)."""
+    """``--ensemble``: one gates file in ``--out`` scoring the mean of the given files' scores."""
     from kvevict.gates import write_ensemble
 
     missing = [str(path) for path in args.ensemble if not path.is_file()]

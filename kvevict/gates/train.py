@@ -29,7 +29,10 @@ The same command with the same seed gives the same file (single-threaded CPU ari
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import random
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -403,10 +406,106 @@ def recorded(config: TrainConfig) -> dict[str, str]:
     return {key: str(value) for key, value in fields.items()} | {"length": ",".join(map(str, config.length))}
 
 
+@dataclass(frozen=True)
+class Job:
+    """One context to collect: its tokens ``[1, n]``, the positions kept, and what its answers read."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    readings: list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Collecting:
+    """The contexts' data files in ``data``, written by this process from the first and by helper processes
+    (forked: the model is shared, not loaded again) from the last. Each context is claimed by an exclusive
+    ``NNNN.claim`` file before it is computed, so none is computed twice, and its data file appears whole
+    (written aside, then renamed): an interrupted run resumes from the files there."""
+
+    model: Any
+    jobs: list[Job]
+    data: Path
+    top: int
+    plus: bool
+    answered: bool
+
+    def path(self, index: int) -> Path:
+        return self.data / f"{index:04d}.safetensors"
+
+    def claim(self, index: int) -> bool:
+        """Whether this process may compute context ``index`` (none has, none is)."""
+        if self.path(index).is_file():
+            return False
+        try:
+            os.close(os.open(self.data / f"{index:04d}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
+
+    def compute(self, index: int) -> None:
+        job = self.jobs[index]
+        features, targets = collect(self.model, job.ids, job.positions, self.top, plus=self.plus)
+        tensors = {"features": features.contiguous(), "targets": targets.contiguous()}
+        if self.answered:  # a haystack without needles: nothing is read there
+            read = job.readings
+            scores = (
+                answer_scores(self.model, job.ids, job.positions, read) if read else targets.where(targets.isnan(), 0.0)
+            )
+            tensors["answers"] = scores.contiguous()
+        aside = self.data / f".{index:04d}.partial"
+        save_file(tensors, str(aside))
+        os.replace(aside, self.path(index))
+
+    def help_from_the_end(self) -> None:
+        """A helper process's work (torch's threads as the parent's: the same arithmetic): every context not
+        claimed yet, the last first."""
+        for index in reversed(range(len(self.jobs))):
+            if self.claim(index):
+                self.compute(index)
+
+    def start_helpers(self, count: int) -> list[multiprocessing.process.BaseProcess]:
+        for stale in self.data.glob("*.claim"):  # an interrupted run's: nothing computes them now
+            stale.unlink()
+        if count and "fork" not in multiprocessing.get_all_start_methods():
+            raise ValueError("--workers above 1 needs processes started by fork (Linux, macOS); use --workers 1")
+        helpers = [
+            multiprocessing.get_context("fork").Process(target=self.help_from_the_end, daemon=True)
+            for _ in range(count)
+        ]
+        for helper in helpers:
+            helper.start()
+        return helpers
+
+    def take(self, index: int, helpers: list[multiprocessing.process.BaseProcess]) -> dict[str, torch.Tensor]:
+        """Context ``index``'s data: computed here if no process has claimed it, else read once it is written."""
+        if self.claim(index):
+            self.compute(index)
+        while not self.path(index).is_file():
+            if not any(helper.is_alive() for helper in helpers) and not self.path(index).is_file():
+                raise RuntimeError(
+                    f"a collecting process stopped before writing {self.path(index)}; run the same command to resume"
+                )
+            time.sleep(0.5)
+        return load_file(str(self.path(index)))
+
+    def finish(self, helpers: list[multiprocessing.process.BaseProcess]) -> None:
+        for helper in helpers:
+            helper.join()
+        for claim in self.data.glob("*.claim"):
+            claim.unlink()
+
+
 def build(
-    model: Any, tokenizer: Any, config: TrainConfig, out: Path, files: list[Path] = (), progress: bool = True
+    model: Any,
+    tokenizer: Any,
+    config: TrainConfig,
+    out: Path,
+    files: list[Path] = (),
+    progress: bool = True,
+    workers: int = 1,
 ) -> Path:
-    """Collect (or reload) the data, train, write the gates; returns their path."""
+    """Collect (or reload) the data, in ``workers`` processes (:class:`Collecting`), train, write the gates;
+    returns their path."""
     text_config = model.config.get_text_config(decoder=True)
     shape = shape_of(text_config, config.dim, config.sinks, config.rank)
     lengths = ",".join(map(str, config.length))
@@ -427,22 +526,20 @@ def build(
         pieces = contexts(tokenizer, config, list(files))
         readings = [[] for _ in pieces]
     generator = torch.Generator().manual_seed(config.seed)
+    jobs = [
+        Job(
+            ids, SINKS + torch.randperm(ids.shape[-1] - SINKS, generator=generator)[: config.tokens].sort().values, read
+        )
+        for ids, read in zip(pieces, readings)
+    ]
+    collecting = Collecting(model, jobs, data, config.top, plus, answered)
+    helpers = collecting.start_helpers(workers - 1)
     features, targets = [], []
-    for index, ids in enumerate(tqdm(pieces, desc="KVzip scores", disable=not progress)):
-        n = ids.shape[-1]
-        positions = SINKS + torch.randperm(n - SINKS, generator=generator)[: config.tokens].sort().values
-        path = data / f"{index:04d}.safetensors"
-        if not path.is_file():
-            found = collect(model, ids, positions, config.top, plus=plus)
-            tensors = {"features": found[0].contiguous(), "targets": found[1].contiguous()}
-            if answered:  # a haystack without needles: nothing is read there
-                read = readings[index]
-                scores = answer_scores(model, ids, positions, read) if read else found[1].where(found[1].isnan(), 0.0)
-                tensors["answers"] = scores.contiguous()
-            save_file(tensors, str(path))
-        saved = load_file(str(path))
+    for index in tqdm(range(len(jobs)), desc="KVzip scores", disable=not progress):
+        saved = collecting.take(index, helpers)
         features.append(saved["features"])
         targets.append(taught(config.teacher, saved))
+    collecting.finish(helpers)
     held = max(1, len(pieces) // 10)
     train_features, train_targets = torch.cat(features[:-held], dim=1), torch.cat(targets[:-held], dim=2)
     gates = train(train_features, train_targets, config, shape, out / "checkpoint.pt", progress)

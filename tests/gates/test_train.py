@@ -356,3 +356,46 @@ def test_the_training_loss_adds_the_weighted_ordering_loss_per_layer(data) -> No
         ]
     )
     assert torch.allclose(distillation_loss(gates, features, targets, 0.5), bce + 0.5 * order.mean(), atol=1e-5)
+
+
+def test_two_collecting_processes_write_the_data_and_gates_one_writes_and_resume_past_a_stale_claim(
+    tokenizer, tmp_path, monkeypatch
+) -> None:
+    import os
+
+    from kvevict.gates.train import Collecting, build
+
+    computed = tmp_path / "computed-by"
+    compute = Collecting.compute
+
+    def noted(self, index: int) -> None:
+        with computed.open("a") as note:
+            note.write(f"{os.getpid()} {index}\n")
+        compute(self, index)
+
+    monkeypatch.setattr(Collecting, "compute", noted)
+    model = tiny_model(vocab=len(tokenizer))
+    config = TrainConfig(model="tiny", count=6, length=(64,), steps=3, batch=32)
+    gates = {
+        workers: build(model, tokenizer, config, tmp_path / str(workers), progress=False, workers=workers)
+        for workers in (1, 2)
+    }
+    assert gates[1].read_bytes() == gates[2].read_bytes()
+    runs = [line.split() for line in computed.read_text().splitlines()]
+    assert sorted(index for _, index in runs) == sorted(2 * [str(index) for index in range(6)])  # each once a run
+    assert len({pid for pid, _ in runs[6:]}) == 2  # the second run's contexts: by both processes
+
+    def files(workers: int) -> dict[str, bytes]:
+        return {
+            path.name: path.read_bytes() for path in (tmp_path / str(workers) / "data").rglob("*") if path.is_file()
+        }
+
+    assert files(1) == files(2) and sorted(files(1)) == [f"{index:04d}.safetensors" for index in range(6)]
+    (folder,) = (tmp_path / "2" / "data").iterdir()
+    (folder / "0004.safetensors").unlink()  # a run interrupted while collecting context 4
+    (folder / "0004.claim").touch()
+    (folder / ".0004.partial").write_bytes(b"half")
+    assert (
+        build(model, tokenizer, config, tmp_path / "2", progress=False, workers=2).read_bytes() == gates[1].read_bytes()
+    )
+    assert files(2) == files(1)  # the stale claim and the partial file are gone
