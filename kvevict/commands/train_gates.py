@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -77,15 +76,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         default="fastkvzip",
         help="the policy in --judged's results that ran the gates (default: fastkvzip)",
     )
-    parser.add_argument(
-        "--ensemble",
-        nargs="+",
-        type=Path,
-        default=[],
-        metavar="GATES",
-        help="instead of training, write into DIR one gates file scoring the mean of these gates files' scores "
-        "(two or more, each trained for MODEL by train-gates)",
-    )
     parser.set_defaults(run=run, extra=BENCH)
 
 
@@ -93,12 +83,8 @@ def run(args: argparse.Namespace) -> int:
     from kvevict.gates.train import SINKS, build
     from kvevict.models import load_model
 
-    if args.judged and args.ensemble:
-        raise ValueError("--judged and --ensemble are two tasks; give one (then the other on the file it wrote)")
     if args.judged:
         return judge(args)
-    if args.ensemble:
-        return merge(args)
 
     fields = (
         "count",
@@ -138,34 +124,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _text_config(model: str) -> Any:
-    from transformers import AutoConfig
-
-    from kvevict.models import checkpoint_of
-
-    return AutoConfig.from_pretrained(checkpoint_of(model)).get_text_config(decoder=True)
-
-
-def merge(args: argparse.Namespace) -> int:
-    """``--ensemble``: one gates file in ``--out`` scoring the mean of the given files' scores."""
-    from kvevict.gates import write_ensemble
-
-    missing = [str(path) for path in args.ensemble if not path.is_file()]
-    if missing or len(args.ensemble) < 2:
-        raise ValueError(
-            f"--ensemble takes two or more gates files; {'missing: ' + ', '.join(missing) if missing else 'got one'}"
-        )
-    path = write_ensemble(args.ensemble, _text_config(args.model), args.out)
-    print(f"wrote {path}: the mean of {len(args.ensemble)} gates files' scores")
-    return 0
-
-
 def judge(args: argparse.Namespace) -> int:
     """``--judged``: the bench results' scores recorded in ``--out``'s gates file (:mod:`kvevict.gates.judged`)."""
+    from transformers import AutoConfig
+
     from kvevict.gates import model_key
     from kvevict.gates.judged import record
+    from kvevict.models import checkpoint_of
 
-    config = _text_config(args.model)
+    config = AutoConfig.from_pretrained(checkpoint_of(args.model)).get_text_config(decoder=True)
     path = args.out / f"{model_key(config)}.safetensors"
     if not path.is_file():
         raise ValueError(f"{path} does not exist: train the gates into --out first, or give the --out holding them")

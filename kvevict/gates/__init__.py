@@ -18,11 +18,6 @@ The gates are trained by
 distilling KVzip's scores with the LLM frozen (:mod:`kvevict.gates.train`) and stored as one
 safetensors file per model; the ones trained here for the embedded models ship in this
 folder (:func:`packaged_path`).
-
-A file may hold an ensemble (:func:`ensemble`): several trained gates per layer, each part stacked on a leading
-member axis, whose score is the mean of the members' scores. One training run's gates keep which single needle
-tokens rank just above or below a small budget's cut by chance (docs/fastkvzip.md, rounds 30–31); the mean of
-independently trained members ranks by what they agree on.
 """
 
 from __future__ import annotations
@@ -36,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from kvevict.compat import pass_cache
@@ -94,20 +88,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = EPSILON) -> tor
     return x * torch.rsqrt(x.square().mean(dim=-1, keepdim=True) + eps) * weight
 
 
-def members(gate: dict[str, torch.Tensor]) -> int:
-    """How many trained gates a layer's tensors hold: 1, or the leading axis of an ensemble's (:func:`ensemble`)."""
-    return 1 if gate["sinks"].dim() == 3 else gate["sinks"].shape[0]
-
-
 def gate_scores(hidden: torch.Tensor, gate: dict[str, torch.Tensor]) -> torch.Tensor:
     """One layer's keep scores ``[B, Hkv, n]`` (fp32, in ``[0, 1]``) of ``n`` tokens from their
     input hidden states ``[B, n, D]`` (module docstring). ``gate`` holds the layer's tensors:
     ``down`` ``[r, D]``, ``q_proj`` ``[Hkv·G·d', r]``, ``q_bias`` ``[Hkv·G·d']``, ``k_proj`` ``[Hkv·d', r]``,
-    ``q_norm``/``k_norm`` ``[d']``, ``sinks`` ``[Hkv, S, d']``, ``bias`` ``[Hkv, G]``; an ensemble's, each
-    with a leading member axis, scores the mean of its members' scores."""
-    if gate["sinks"].dim() == 4:
-        count = members(gate)
-        return sum(gate_scores(hidden, {part: value[m] for part, value in gate.items()}) for m in range(count)) / count
+    ``q_norm``/``k_norm`` ``[d']``, ``sinks`` ``[Hkv, S, d']``, ``bias`` ``[Hkv, G]``."""
     heads, _, dim = gate["sinks"].shape
     group = gate["bias"].shape[1]
     b, n, _ = hidden.shape
@@ -145,26 +130,6 @@ def initial_gates(shape: GateShape, seed: int = 0) -> list[dict[str, torch.Tenso
     ]
 
 
-def ensemble(sets: list[list[dict[str, torch.Tensor]]]) -> list[dict[str, torch.Tensor]]:
-    """One set of gates scoring the mean of ``sets``' scores (each a model's gates, single or ensembles
-    themselves): every layer's parts stacked on a leading member axis. Sets of other sizes are refused."""
-    if len(sets) < 2:
-        raise ValueError(f"an ensemble needs at least 2 sets of gates, got {len(sets)}")
-
-    def stacked(gate: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return gate if gate["sinks"].dim() == 4 else {part: value[None] for part, value in gate.items()}
-
-    shapes = {tuple((part, tuple(value.shape[1:])) for part, value in stacked(s[0]).items()) for s in sets}
-    if len({len(s) for s in sets}) > 1 or len(shapes) > 1:
-        raise ValueError(
-            f"the gates to ensemble differ in layers {sorted({len(s) for s in sets})} or sizes; "
-            "allowed: gates of one model trained with the same --dim, --sinks and --rank"
-        )
-    return [
-        {part: torch.cat([stacked(s[layer])[part] for s in sets]) for part in PARTS} for layer in range(len(sets[0]))
-    ]
-
-
 def save_gates(path: str | Path, gates: list[dict[str, torch.Tensor]], metadata: dict[str, str]) -> None:
     """Write gates as one safetensors file (``<layer>.<part>`` tensors in fp16: :func:`load_gates`
     gives back exactly what :func:`stored` rounds the gates to). The same gates and metadata give
@@ -194,23 +159,6 @@ def stored(gates: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]
     return [{part: value.detach().half().float() for part, value in gate.items()} for gate in gates]
 
 
-def write_ensemble(paths: list[Path], config: Any, out: Path) -> Path:
-    """``out/<model key>.safetensors``: the :func:`ensemble` of the gates files ``paths`` (each made for ``config``'s
-    model, refused otherwise), its metadata the model key and every member's own (its training recipe and, when
-    recorded, how it was judged) as a JSON list under ``members``; returns its path."""
-    sets = []
-    for path in paths:
-        sets.append(load_gates(path))
-        check_fits(sets[-1], config, str(path))
-    recipes = []
-    for path in paths:
-        with safe_open(str(path), "pt") as opened:
-            recipes.append(opened.metadata() or {})
-    target = Path(out) / f"{model_key(config)}.safetensors"
-    save_gates(target, ensemble(sets), {"model_key": model_key(config), "members": json.dumps(recipes, sort_keys=True)})
-    return target
-
-
 def packaged_path(config: Any) -> Path:
     """Where the packaged gates of a model would be (``kvevict/gates/<model key>.safetensors``)."""
     return FOLDER / f"{model_key(config)}.safetensors"
@@ -219,7 +167,7 @@ def packaged_path(config: Any) -> Path:
 def check_fits(gates: list[dict[str, torch.Tensor]], config: Any, source: str) -> None:
     """Refuse gates made for another model (``ValueError`` saying which sizes differ)."""
     want = shape_of(config)
-    got = (len(gates), gates[0]["down"].shape[-1], gates[0]["sinks"].shape[-3], gates[0]["bias"].shape[-1])
+    got = (len(gates), gates[0]["down"].shape[1], gates[0]["sinks"].shape[0], gates[0]["bias"].shape[1])
     if got != (want.layers, want.hidden, want.kv_heads, want.group):
         raise ValueError(
             f"fastkvzip: the gates in {source} are for (layers, hidden, KV heads, group) = {got}, this model has "
@@ -277,7 +225,7 @@ class GateHooks:
         (on ``device``, the layer's, where the pass computed none)."""
         scores = self.latest[layer_idx]
         if scores is None:  # (never read: zeros, as the state of entries nothing scored)
-            heads = self.gates[layer_idx]["sinks"].shape[-3]
+            heads = self.gates[layer_idx]["sinks"].shape[0]
             return torch.zeros(rows.stop - rows.start, heads, num_new, device=device)
         return scores[rows, :, -num_new:]
 

@@ -76,29 +76,3 @@ def test_judged_results_are_recorded_in_the_outs_gates_without_training(monkeypa
         assert json.loads(opened.metadata()[KEY])["share_of_full"] == {"0.25": 100.0, "0.1": 50.0}
     assert main(["train-gates", "--model", "smollm2", "--out", str(tmp_path / "none"), "--judged", str(results)]) == 2
     assert "does not exist: train the gates into --out first" in capsys.readouterr().err
-
-
-def test_ensemble_writes_the_mean_of_gates_files_into_out_without_training(monkeypatch, tmp_path, capsys) -> None:
-    from transformers import AutoConfig
-
-    from kvevict.gates import initial_gates, load_gates, members, save_gates, shape_of
-    from kvevict.models import smollm2_checkpoint
-
-    monkeypatch.setattr("kvevict.models.load_model", lambda *a, **k: pytest.fail("the model should not load"))
-    monkeypatch.setattr("kvevict.gates.train.build", lambda *a, **k: pytest.fail("nothing should train"))
-    shape = shape_of(AutoConfig.from_pretrained(smollm2_checkpoint()))
-    files = [tmp_path / f"seed{seed}.safetensors" for seed in (1, 2)]
-    for seed, path in enumerate(files, 1):
-        save_gates(path, initial_gates(shape, seed=seed), {"seed": str(seed)})
-    out = tmp_path / "out"
-    argv = ["train-gates", "--model", "smollm2", "--out", str(out), "--ensemble"]
-    assert main([*argv, *map(str, files)]) == 0
-    written = out / "llama-L30-D576-H9-KV3.safetensors"
-    assert capsys.readouterr().out == f"wrote {written}: the mean of 2 gates files' scores\n"
-    assert members(load_gates(written)[0]) == 2
-    assert main([*argv, str(files[0])]) == 2
-    assert capsys.readouterr().err.endswith("error: --ensemble takes two or more gates files; got one\n")
-    assert main([*argv, str(files[0]), str(tmp_path / "none.safetensors")]) == 2
-    assert f"missing: {tmp_path / 'none.safetensors'}\n" in capsys.readouterr().err
-    assert main([*argv, *map(str, files), "--judged", "results.jsonl"]) == 2
-    assert "--judged and --ensemble are two tasks" in capsys.readouterr().err

@@ -9,7 +9,6 @@ import torch
 
 import kvevict
 from kvevict.gates import (
-    ensemble,
     gate_scores,
     hook_attention_inputs,
     initial_gates,
@@ -18,7 +17,6 @@ from kvevict.gates import (
     save_gates,
     shape_of,
     stored,
-    write_ensemble,
 )
 from kvevict.generation import prefill
 from tests.conftest import (
@@ -89,77 +87,6 @@ def test_the_same_gates_and_metadata_give_the_same_file(tmp_path) -> None:
     assert len({path.read_bytes() for path in files}) == 1
     with safe_open(files[0], "pt") as opened:
         assert opened.metadata() == metadata
-
-
-def test_an_ensemble_scores_the_mean_of_its_members_scores() -> None:
-    shape = shape_of(tiny_model().config)
-    sets = [initial_gates(shape, seed=seed) for seed in (1, 2, 3)]
-    hidden = torch.randn(2, 5, shape.hidden, generator=torch.Generator().manual_seed(0))
-    nested = ensemble([ensemble(sets[:2]), sets[2]])  # an ensemble of an ensemble is flat
-    assert nested[0]["sinks"].shape == (3, *sets[0][0]["sinks"].shape)
-    for layer in range(shape.layers):
-        alone = [gate_scores(hidden, gates[layer]) for gates in sets]
-        assert torch.equal(gate_scores(hidden, nested[layer]), (alone[0] + alone[1] + alone[2]) / 3)
-        assert not torch.allclose(alone[0], alone[1])
-
-
-def test_gates_of_other_sizes_are_not_ensembled() -> None:
-    config = tiny_model().config
-    with pytest.raises(ValueError, match=r"differ in layers \[1, 2\] or sizes; allowed: gates of one model"):
-        ensemble([initial_gates(shape_of(config)), initial_gates(shape_of(config))[:1]])
-    with pytest.raises(ValueError, match="differ in layers .* or sizes"):
-        ensemble([initial_gates(shape_of(config)), initial_gates(shape_of(config, rank=4))])
-    with pytest.raises(ValueError, match="at least 2 sets of gates, got 1"):
-        ensemble([initial_gates(shape_of(config))])
-
-
-def test_an_ensemble_of_one_gates_file_twice_keeps_what_the_file_keeps_and_its_logits_are_exact(
-    tmp_path, one_thread
-) -> None:
-    """(a + a) / 2 = a in floating point: the same scores, the same entries; and an ensemble of two different
-    members is a policy like any: attention over exactly what it retains."""
-    model = tiny_model()
-    files = []
-    for seed in (1, 2):
-        files.append(tmp_path / f"seed{seed}.safetensors")
-        save_gates(files[-1], initial_gates(shape_of(model.config), seed=seed), {"seed": str(seed)})
-    twice = write_ensemble([files[0], files[0]], model.config, tmp_path / "twice")
-    mixed = write_ensemble(files, model.config, tmp_path / "mixed")
-    ids = prompt(96)
-    kept = {}
-    for name, path in (("alone", files[0]), ("twice", twice), ("mixed", mixed)):
-        cache = kvevict.EvictionCache(model, kvevict.make_policy("fastkvzip", gates=str(path)), budget=40)
-        prefill(model, ids, cache)
-        kept[name] = kept_positions(cache)
-        if name == "mixed":
-            assert_next_logits_match_reference(model, cache, ids[:, -1:])
-    assert kept["twice"] == kept["alone"]
-    assert kept["mixed"] != kept["alone"]
-
-
-def test_an_ensemble_file_records_each_members_metadata(tmp_path) -> None:
-    import json
-
-    from safetensors import safe_open
-
-    config = tiny_model().config
-    files = []
-    for seed in (1, 2):
-        files.append(tmp_path / f"seed{seed}.safetensors")
-        save_gates(files[-1], initial_gates(shape_of(config), seed=seed), {"seed": str(seed), "data": "phrased"})
-    path = write_ensemble(files, config, tmp_path / "out")
-    assert path == tmp_path / "out" / f"{model_key(config)}.safetensors"
-    with safe_open(str(path), "pt") as opened:
-        metadata = opened.metadata()
-    assert metadata["model_key"] == model_key(config)
-    assert json.loads(metadata["members"]) == [{"data": "phrased", "seed": "1"}, {"data": "phrased", "seed": "2"}]
-    loaded = load_gates(path)
-    expected = ensemble([load_gates(file) for file in files])
-    assert all(torch.equal(loaded[layer][part], expected[layer][part]) for layer in range(2) for part in expected[0])
-    other = tmp_path / "other.safetensors"
-    save_gates(other, initial_gates(shape_of(tiny_model(arch="llama").config))[:1], {})
-    with pytest.raises(ValueError, match="are for .* this model has"):
-        write_ensemble([files[0], other], config, tmp_path / "refused")
 
 
 def test_a_model_without_gates_is_refused_saying_how_to_train_them() -> None:
