@@ -16,7 +16,8 @@
    with ``top`` each layer's ``top`` positions KVzip scores highest (:func:`top_positions`; off
    by default, docs/fastkvzip.md round 8); each context is cached
    in ``DIR/data/`` as it is done, so collection resumes (the same data, length, positions,
-   ``top`` and seed; a given text list must then stay the same).
+   ``top`` and seed; a given text list must then stay the same); ``workers`` processes collect at once
+   (:class:`Collecting`), with the same result.
 3. **Training** (:func:`train`): every layer's gate at once with Adam on the binary
    cross-entropy between gate and KVzip scores (the reference's loss) plus ``order`` times a pairwise
    ranking term (:func:`ordering_loss`; on by default), mini-batches drawn with the seed; the last tenth of the
@@ -561,6 +562,7 @@ def build(
 
 __all__ = [
     "TEACHERS",
+    "Collecting",
     "TrainConfig",
     "build",
     "collect",
