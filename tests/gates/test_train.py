@@ -362,15 +362,22 @@ def test_two_collecting_processes_write_the_data_and_gates_one_writes_and_resume
     tokenizer, tmp_path, monkeypatch
 ) -> None:
     import os
+    import time
 
     from kvevict.gates.train import Collecting, build
 
     computed = tmp_path / "computed-by"
     compute = Collecting.compute
+    first = os.getpid()
 
     def noted(self, index: int) -> None:
         with computed.open("a") as note:
             note.write(f"{os.getpid()} {index}\n")
+        if index == 0 and len(computed.read_text().splitlines()) == 1:  # the first run: wait for the helper's first
+            waited = time.monotonic()
+            while all(line.startswith(f"{first} ") for line in computed.read_text().splitlines()):
+                assert time.monotonic() - waited < 60, "no helper computed a context"
+                time.sleep(0.05)
         compute(self, index)
 
     monkeypatch.setattr(Collecting, "compute", noted)
@@ -378,12 +385,12 @@ def test_two_collecting_processes_write_the_data_and_gates_one_writes_and_resume
     config = TrainConfig(model="tiny", count=6, length=(64,), steps=3, batch=32)
     gates = {
         workers: build(model, tokenizer, config, tmp_path / str(workers), progress=False, workers=workers)
-        for workers in (1, 2)
+        for workers in (2, 1)
     }
     assert gates[1].read_bytes() == gates[2].read_bytes()
     runs = [line.split() for line in computed.read_text().splitlines()]
     assert sorted(index for _, index in runs) == sorted(2 * [str(index) for index in range(6)])  # each once a run
-    assert len({pid for pid, _ in runs[6:]}) == 2  # the second run's contexts: by both processes
+    assert len({pid for pid, _ in runs[:6]}) == 2  # the first run's contexts: by both processes
 
     def files(workers: int) -> dict[str, bytes]:
         return {
