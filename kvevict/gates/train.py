@@ -34,7 +34,7 @@ import multiprocessing
 import os
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -416,7 +416,7 @@ class Job:
     readings: list[torch.Tensor]
 
 
-@dataclass(frozen=True)
+@dataclass
 class Collecting:
     """The contexts' data files in ``data``, written by this process from the first and by helper processes
     (forked: the model is shared, not loaded again) from the last. Each context is claimed by an exclusive
@@ -429,6 +429,8 @@ class Collecting:
     top: int
     plus: bool
     answered: bool
+    helpers: list[multiprocessing.process.BaseProcess] = field(default_factory=list, init=False)
+    """The helper processes :meth:`start_helpers` started (the ones :meth:`take` waits on)."""
 
     def path(self, index: int) -> Path:
         return self.data / f"{index:04d}.safetensors"
@@ -464,33 +466,32 @@ class Collecting:
             if self.claim(index):
                 self.compute(index)
 
-    def start_helpers(self, count: int) -> list[multiprocessing.process.BaseProcess]:
+    def start_helpers(self, count: int) -> None:
         for stale in self.data.glob("*.claim"):  # an interrupted run's: nothing computes them now
             stale.unlink()
         if count and "fork" not in multiprocessing.get_all_start_methods():
             raise ValueError("--workers above 1 needs processes started by fork (Linux, macOS); use --workers 1")
-        helpers = [
+        self.helpers = [
             multiprocessing.get_context("fork").Process(target=self.help_from_the_end, daemon=True)
             for _ in range(count)
         ]
-        for helper in helpers:
+        for helper in self.helpers:
             helper.start()
-        return helpers
 
-    def take(self, index: int, helpers: list[multiprocessing.process.BaseProcess]) -> dict[str, torch.Tensor]:
+    def take(self, index: int) -> dict[str, torch.Tensor]:
         """Context ``index``'s data: computed here if no process has claimed it, else read once it is written."""
         if self.claim(index):
             self.compute(index)
         while not self.path(index).is_file():
-            if not any(helper.is_alive() for helper in helpers) and not self.path(index).is_file():
+            if not any(helper.is_alive() for helper in self.helpers) and not self.path(index).is_file():
                 raise RuntimeError(
                     f"a collecting process stopped before writing {self.path(index)}; run the same command to resume"
                 )
             time.sleep(0.5)
         return load_file(str(self.path(index)))
 
-    def finish(self, helpers: list[multiprocessing.process.BaseProcess]) -> None:
-        for helper in helpers:
+    def finish(self) -> None:
+        for helper in self.helpers:
             helper.join()
         for claim in self.data.glob("*.claim"):
             claim.unlink()
@@ -534,13 +535,13 @@ def build(
         for ids, read in zip(pieces, readings)
     ]
     collecting = Collecting(model, jobs, data, config.top, plus, answered)
-    helpers = collecting.start_helpers(workers - 1)
+    collecting.start_helpers(workers - 1)
     features, targets = [], []
     for index in tqdm(range(len(jobs)), desc="KVzip scores", disable=not progress):
-        saved = collecting.take(index, helpers)
+        saved = collecting.take(index)
         features.append(saved["features"])
         targets.append(taught(config.teacher, saved))
-    collecting.finish(helpers)
+    collecting.finish()
     held = max(1, len(pieces) // 10)
     train_features, train_targets = torch.cat(features[:-held], dim=1), torch.cat(targets[:-held], dim=2)
     gates = train(train_features, train_targets, config, shape, out / "checkpoint.pt", progress)
