@@ -49,6 +49,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help=f"weight of a pairwise ranking term in the training loss (default: {defaults.order:g}; 0: BCE alone)",
     )
     parser.add_argument(
+        "--listwise",
+        type=float,
+        default=defaults.listwise,
+        help=f"weight of a listwise ranking term (each head's top entries first) in the training loss "
+        f"(default: {defaults.listwise:g})",
+    )
+    parser.add_argument(
         "--data",
         choices=DATA,
         default=defaults.data,
@@ -107,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         "seed",
         "lr",
         "order",
+        "listwise",
         "data",
         "teacher",
         "predictor",
@@ -118,14 +126,15 @@ def run(args: argparse.Namespace) -> int:
         or config.tokens < 1
         or config.top < 0
         or config.order < 0
+        or config.listwise < 0
         or config.count < 2
         or config.steps < 1
         or config.width < 1
         or args.workers < 1
     ):
         raise ValueError(
-            "--length must exceed 5, --tokens, --steps, --width and --workers be >= 1, --top and --order >= 0 "
-            "and --count >= 2 (one is held out)"
+            "--length must exceed 5, --tokens, --steps, --width and --workers be >= 1, "
+            "--top, --order and --listwise >= 0 and --count >= 2 (one is held out)"
         )
     torch.manual_seed(config.seed)
     torch.set_num_threads(1)  # the same arithmetic on every run: the same gates for a seed

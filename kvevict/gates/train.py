@@ -80,6 +80,9 @@ class TrainConfig:
     top: int = 0
     """More positions per context and layer: the layer's ``top`` highest-scored by KVzip (:func:`top_positions`),
     so the gates see the few entries each layer keeps under a small budget, not only random ones."""
+    listwise: float = 0.0
+    """Weight of a listwise ranking term added to the training loss (:func:`listwise_loss`): it rewards ranking the
+    few entries that carry most of a head's mass at the top, which a budget of a tenth of the cache keeps."""
     order: float = 1.0
     """Weight of a pairwise ranking term added to the training loss (:func:`ordering_loss`): what the pooled budget
     needs is each layer's order of entries, not the calibration of its small scores. 0: BCE alone (Gemma-3-270M's
@@ -131,7 +134,7 @@ _NEEDLED_CHOICES = f"{', '.join(NEEDLED[:-1])} or {NEEDLED[-1]}"
 TEACHERS = ("kvzip", "kvzip+", "answers", "kvzip+answers")
 ANSWERED = ("answers", "kvzip+answers")
 """Teachers that read the contexts' answers (KVzip+'s weighting)."""
-AS_BEFORE = {"order": 0.0, "data": "ruler", "teacher": "kvzip", "predictor": "gate", "width": 64}
+AS_BEFORE = {"order": 0.0, "data": "ruler", "teacher": "kvzip", "predictor": "gate", "width": 64, "listwise": 0.0}
 """Options whose value here is what training did before the option existed: left out of checkpoints and of the gates'
 metadata, so those written before the option still resume and still match."""
 
@@ -314,12 +317,17 @@ def answer_scores(model: Any, ids: torch.Tensor, positions: torch.Tensor, readin
 
 
 def distillation_loss(
-    gates: list[dict[str, torch.Tensor]], features: torch.Tensor, targets: torch.Tensor, order: float = 0.0
+    gates: list[dict[str, torch.Tensor]],
+    features: torch.Tensor,
+    targets: torch.Tensor,
+    order: float = 0.0,
+    listwise: float = 0.0,
 ) -> torch.Tensor:
     """Binary cross-entropy between each layer's gate scores on ``features`` ``[L, m, D]`` and
     KVzip's ``targets`` ``[L, Hkv, m]``, summed over heads, averaged over tokens and layers; with ``order``, plus
-    ``order`` times each layer's :func:`ordering_loss` of its first ``PAIRED`` tokens, summed over heads (the
-    training loss; held-out losses are BCE alone)."""
+    ``order`` times each layer's :func:`ordering_loss` of its first ``PAIRED`` tokens, and with ``listwise``, plus
+    ``listwise`` times its :func:`listwise_loss` of all ``m``, each summed over heads (the training loss; held-out
+    losses are BCE alone)."""
     losses = []
     for layer, gate in enumerate(gates):
         predicted = keep_scores(features[layer][None].float(), gate)[0].clamp(1e-6, 1 - 1e-6)
@@ -331,7 +339,8 @@ def distillation_loss(
             loss = torch.nn.functional.binary_cross_entropy(predicted, target.nan_to_num(0.0), reduction="none")
             loss = loss.masked_fill(~held, 0.0).sum(-1) / held.sum(-1).clamp(min=1)
         paired = ordering_loss(predicted[:, :PAIRED], target[:, :PAIRED]).sum() if order else 0.0
-        losses.append(loss.sum() + order * paired)
+        listed = listwise_loss(predicted, target).sum() if listwise else 0.0
+        losses.append(loss.sum() + order * paired + listwise * listed)
     return torch.stack(losses).mean()
 
 
@@ -351,6 +360,19 @@ def ordering_loss(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor
     held = ~target.isnan()
     both = (held[:, :, None] & held[:, None, :]).float()
     return (pairs * both).sum((1, 2)) / both.sum((1, 2)).clamp(min=1)
+
+
+def listwise_loss(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per head ``[Hkv]``: the cross-entropy between each token's share of the head's target mass over the ``m``
+    tokens, ``y_i / Σ_j y_j``, and the softmax of the gate's logits ``z`` over them (ListNet's top-one
+    probabilities, Cao et al. 2007, eq. 5): least when the gate's logits rank the tokens by their mass, shifted by a
+    constant per head, and dominated by the few tokens that carry most of it. NaN targets (out of a sliding window)
+    take no part; a head whose tokens carry no mass adds 0."""
+    held = ~target.isnan()
+    mass = target.nan_to_num(0.0).clamp(min=0.0)
+    share = mass / mass.sum(-1, keepdim=True).clamp(min=1e-12)
+    chances = torch.log_softmax(predicted.logit().masked_fill(~held, float("-inf")), -1)
+    return -(share * chances.masked_fill(~held, 0.0)).sum(-1)
 
 
 def train(
@@ -385,7 +407,7 @@ def train(
         range(start, config.steps), desc="training gates", disable=not progress, initial=start, total=config.steps
     ):
         batch = torch.randint(tokens, (min(config.batch, tokens),), generator=generator)
-        loss = distillation_loss(gates, features[:, batch], targets[:, :, batch], config.order)
+        loss = distillation_loss(gates, features[:, batch], targets[:, :, batch], config.order, config.listwise)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -587,6 +609,7 @@ __all__ = [
     "contexts",
     "distillation_loss",
     "length_of",
+    "listwise_loss",
     "ordering_loss",
     "recorded",
     "top_positions",

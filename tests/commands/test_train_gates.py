@@ -12,7 +12,7 @@ from kvevict.gates.train import TrainConfig
 
 REFUSAL = (
     "kvevict train-gates: error: --length must exceed 5, --tokens, --steps, --width and --workers be >= 1, "
-    "--top and --order >= 0 and --count >= 2 (one is held out)\n"
+    "--top, --order and --listwise >= 0 and --count >= 2 (one is held out)\n"
 )
 
 
@@ -28,6 +28,7 @@ REFUSAL = (
         ["--count", "1"],
         ["--workers", "0"],
         ["--width", "0"],
+        ["--listwise", "-1"],
     ],
 )
 def test_bad_settings_are_refused_in_one_line_before_a_model_loads(argv, monkeypatch, tmp_path, capsys) -> None:
@@ -46,9 +47,9 @@ def test_the_settings_given_reach_the_trainer_and_the_rest_are_its_defaults(monk
     monkeypatch.setattr("kvevict.models.load_model", lambda name: (f"model of {name}", "tokenizer"))
     monkeypatch.setattr("kvevict.gates.train.build", build)
     argv = ["--model", "tiny", "--out", str(tmp_path), "--length", "6,64", "--steps", "3", "--lr", "0.5"]
-    argv += ["--predictor", "mlp", "--width", "16"]
+    argv += ["--predictor", "mlp", "--width", "16", "--listwise", "0.1"]
     assert main(["train-gates", *argv, "--top", "2", "--text", "a.txt", "b.txt", "--workers", "2"]) == 0
-    config = TrainConfig(model="tiny", length=(6, 64), steps=3, lr=0.5, top=2, predictor="mlp", width=16)
+    config = TrainConfig(model="tiny", length=(6, 64), steps=3, lr=0.5, top=2, predictor="mlp", width=16, listwise=0.1)
     assert built == [("model of tiny", "tokenizer", config, tmp_path, [Path("a.txt"), Path("b.txt")], 2)]
     assert capsys.readouterr().out == f"wrote {tmp_path / 'gates.safetensors'}\n"
 

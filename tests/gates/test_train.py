@@ -3,6 +3,7 @@ targets, a lower distillation loss on held-out contexts, determinism and resumpt
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -17,6 +18,7 @@ from kvevict.gates.train import (
     collect,
     contexts,
     distillation_loss,
+    listwise_loss,
     ordering_loss,
     recorded,
     taught,
@@ -323,7 +325,7 @@ def test_a_checkpoint_names_order_only_when_used_so_one_written_before_the_optio
     assert _resumable(TrainConfig(model="smollm2", order=1.0))["order"] == 1.0
     assert "teacher" not in _resumable(TrainConfig(model="smollm2", teacher="kvzip"))
     assert _resumable(TrainConfig(model="smollm2"))["teacher"] == "kvzip+"
-    assert {"predictor", "width"}.isdisjoint(_resumable(TrainConfig(model="smollm2")))
+    assert {"predictor", "width", "listwise"}.isdisjoint(_resumable(TrainConfig(model="smollm2")))
     assert _resumable(TrainConfig(model="smollm2", predictor="mlp"))["predictor"] == "mlp"
 
 
@@ -347,7 +349,26 @@ def test_the_ordering_loss_ignores_a_shift_of_the_logits_and_is_least_at_kvzips_
     assert float(ordering_loss(target.flip(-1), target)[0]) > float(ordering_loss(target, target)[0]) + 0.1
 
 
-def test_the_training_loss_adds_the_weighted_ordering_loss_per_layer(data) -> None:
+def test_the_listwise_loss_is_the_cross_entropy_of_mass_shares_and_softmax_by_hand() -> None:
+    """One head, three tokens: gate logits (0, 1, 2), KVzip's targets (0.3, 0.1, 0); a second head whose one
+    valid token (the other NaN) carries all the mass; a third whose tokens carry none."""
+    predicted = torch.sigmoid(torch.tensor([[0.0, 1.0, 2.0], [0.5, 1.0, 3.0], [0.0, 1.0, 2.0]]))
+    target = torch.tensor([[0.3, 0.1, 0.0], [0.2, float("nan"), 0.0], [0.0, 0.0, 0.0]])
+    total = math.log(1 + math.e + math.e**2)
+    first = -(0.75 * (0.0 - total) + 0.25 * (1.0 - total))
+    second = -(0.5 - math.log(math.exp(0.5) + math.exp(3.0)))  # the NaN token is not in the softmax
+    loss = listwise_loss(predicted, target)
+    torch.testing.assert_close(loss, torch.tensor([first, second, 0.0]), atol=1e-5, rtol=0)
+
+
+def test_the_listwise_loss_ignores_a_shift_of_the_logits_and_is_least_ranking_the_mass_first() -> None:
+    target = torch.tensor([[0.01, 0.2, 0.05, 0.6, 0.002]])
+    shifted = torch.sigmoid(target.logit() + 1.5)
+    assert torch.allclose(listwise_loss(shifted, target), listwise_loss(target, target), atol=1e-5)
+    assert float(listwise_loss(target.flip(-1), target)[0]) > float(listwise_loss(target, target)[0]) + 0.1
+
+
+def test_the_training_loss_adds_the_weighted_ordering_and_listwise_losses_per_layer(data) -> None:
     config, features, targets, _, _ = data
     gates = initial_gates(shape_of(config))
     bce = distillation_loss(gates, features, targets)
@@ -360,7 +381,10 @@ def test_the_training_loss_adds_the_weighted_ordering_loss_per_layer(data) -> No
             for layer, p in enumerate(predicted)
         ]
     )
+    listed = torch.stack([listwise_loss(p, targets[layer].clamp(0, 1)).sum() for layer, p in enumerate(predicted)])
     assert torch.allclose(distillation_loss(gates, features, targets, 0.5), bce + 0.5 * order.mean(), atol=1e-5)
+    both = distillation_loss(gates, features, targets, 0.5, 0.25)
+    assert torch.allclose(both, bce + 0.5 * order.mean() + 0.25 * listed.mean(), atol=1e-5)
 
 
 def test_two_collecting_processes_write_the_data_and_gates_one_writes_and_resume_past_a_stale_claim(
