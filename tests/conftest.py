@@ -150,7 +150,7 @@ def build_policy(name: str, **params):
 
     if "headkv" in name:
         params.setdefault("headkv", {"profile": tiny_head_profile()})
-    if "fastkvzip" in name and "gates=" not in name:  # no gates are trained for the tiny models: initial ones
+    if "fastkvzip" in name:  # no gates are trained for the tiny models: initial ones
         params.setdefault("gates", "initial")
     if name.split("[")[0].split("+")[-1] == "qfilters":
         params.setdefault("filters", tiny_qfilters())

@@ -9,7 +9,6 @@ import torch
 
 from kvevict.bench.options import comma_separated
 from kvevict.commands.common import BENCH
-from kvevict.gates import PREDICTORS
 from kvevict.gates.train import DATA, TEACHERS, TrainConfig
 
 
@@ -33,7 +32,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="tokens per context; several, comma-separated (1024,2048): the contexts take them in turn "
         f"(default: {','.join(map(str, defaults.length))})",
     )
-    for key in ("count", "tokens", "top", "steps", "batch", "dim", "sinks", "rank", "width", "seed"):
+    for key in ("count", "tokens", "top", "steps", "batch", "dim", "sinks", "rank", "seed"):
         parser.add_argument(f"--{key}", type=int, default=getattr(defaults, key))
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument(
@@ -62,13 +61,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="offline contexts: RULER's (default), varied needle families over four haystacks, the same in "
         "hundreds of phrasings (phrased), or with 30 %% of them naming the value before its key "
         "(phrased-both-orders)",
-    )
-    parser.add_argument(
-        "--predictor",
-        choices=PREDICTORS,
-        default=defaults.predictor,
-        help="what scores each layer's tokens: Fast KVzip's gate (default) or KVzap's MLP over the hidden state "
-        "(mlp, --width hidden units)",
     )
     parser.add_argument(
         "--teacher",
@@ -117,8 +109,6 @@ def run(args: argparse.Namespace) -> int:
         "listwise",
         "data",
         "teacher",
-        "predictor",
-        "width",
     )
     config = TrainConfig(model=args.model, **{key: getattr(args, key) for key in fields})
     if (
@@ -129,11 +119,10 @@ def run(args: argparse.Namespace) -> int:
         or config.listwise < 0
         or config.count < 2
         or config.steps < 1
-        or config.width < 1
         or args.workers < 1
     ):
         raise ValueError(
-            "--length must exceed 5, --tokens, --steps, --width and --workers be >= 1, "
+            "--length must exceed 5, --tokens, --steps and --workers be >= 1, "
             "--top, --order and --listwise >= 0 and --count >= 2 (one is held out)"
         )
     torch.manual_seed(config.seed)

@@ -14,10 +14,6 @@ and predicts, for every token and KV head, a keep score in ``[0, 1]``:
 (``s = σ(l − logsumexp_s(k_s·q/√d'))``, which is how it is computed.) The paper's projections
 ``W_q h``, ``W_k h`` are full ``D``-wide matrices; here they share one rank-``r`` factor ``P``
 (``r = 8``), so a 30-layer model's gates weigh hundreds of KB (stored in fp16), not 13 MB.
-A gates file may hold instead an **MLP predictor** per layer (KVzap's, Jegou & Jeblick 2026,
-"KVzap", arXiv 2601.07891, §3): ``score_h = σ(W_2 GELU(W_1 h + b_1) + b_2)_h``, ``W_1`` of ``w``
-hidden units (:func:`mlp_scores`); the tensors a file holds say which predictor it is
-(:func:`predictor_of`), and :func:`keep_scores` runs either.
 The gates are trained by
 distilling KVzip's scores with the LLM frozen (:mod:`kvevict.gates.train`) and stored as one
 safetensors file per model; the ones trained here for the embedded models ship in this
@@ -44,10 +40,6 @@ FOLDER = Path(__file__).parent
 EPSILON = 1e-6
 PARTS = ("down", "q_proj", "q_bias", "k_proj", "q_norm", "k_norm", "sinks", "bias")
 """The tensors of one layer's gate (their names in a gates file are ``<layer>.<part>``)."""
-MLP_PARTS = ("in_proj", "in_bias", "out_proj", "out_bias")
-"""The tensors of one layer's MLP predictor (:func:`mlp_scores`)."""
-PREDICTORS = {"gate": PARTS, "mlp": MLP_PARTS}
-"""Each predictor's tensors, by name (``kvevict train-gates --predictor``)."""
 TRAIN_COMMAND = "kvevict train-gates --model {model} --out DIR, then give fastkvzip[gates=DIR/{key}.safetensors]"
 
 
@@ -66,8 +58,6 @@ class GateShape:
     """Learned sink keys per KV head."""
     rank: int = 8
     """``r``, the rank of the input projection ``P``."""
-    width: int = 64
-    """``w``, the hidden units of the MLP predictor."""
 
 
 def model_key(config: Any) -> str:
@@ -79,7 +69,7 @@ def model_key(config: Any) -> str:
     )
 
 
-def shape_of(config: Any, dim: int = 16, sinks: int = 16, rank: int = 8, width: int = 64) -> GateShape:
+def shape_of(config: Any, dim: int = 16, sinks: int = 16, rank: int = 8) -> GateShape:
     """The gates' sizes for a model config."""
     return GateShape(
         config.num_hidden_layers,
@@ -89,7 +79,6 @@ def shape_of(config: Any, dim: int = 16, sinks: int = 16, rank: int = 8, width: 
         dim,
         sinks,
         rank,
-        width,
     )
 
 
@@ -117,47 +106,14 @@ def gate_scores(hidden: torch.Tensor, gate: dict[str, torch.Tensor]) -> torch.Te
     return score.mean(dim=-1).transpose(1, 2)  # [B, Hkv, n]
 
 
-def mlp_scores(hidden: torch.Tensor, mlp: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One layer's keep scores ``[B, Hkv, n]`` (fp32, in ``[0, 1]``) from the MLP predictor: ``σ(W_2 GELU(W_1 h +
-    b_1) + b_2)`` of each token's input hidden state ``h`` (``hidden`` ``[B, n, D]``; ``in_proj`` ``[w, D]``,
-    ``in_bias`` ``[w]``, ``out_proj`` ``[Hkv, w]``, ``out_bias`` ``[Hkv]``)."""
-    inner = torch.nn.functional.gelu(hidden.to(mlp["in_proj"].dtype) @ mlp["in_proj"].T + mlp["in_bias"])
-    return torch.sigmoid(inner @ mlp["out_proj"].T + mlp["out_bias"]).transpose(1, 2)
-
-
-def predictor_of(weights: dict[str, torch.Tensor]) -> str:
-    """Which predictor one layer's tensors are (a key of :data:`PREDICTORS`)."""
-    return "mlp" if "in_proj" in weights else "gate"
-
-
-def keep_scores(hidden: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
-    """One layer's keep scores ``[B, Hkv, n]`` from whichever predictor ``weights`` are."""
-    return mlp_scores(hidden, weights) if predictor_of(weights) == "mlp" else gate_scores(hidden, weights)
-
-
-def kv_heads_of(weights: dict[str, torch.Tensor]) -> int:
-    """The KV heads one layer's predictor scores."""
-    return weights["out_proj"].shape[0] if predictor_of(weights) == "mlp" else weights["sinks"].shape[0]
-
-
-def initial_gates(shape: GateShape, seed: int = 0, predictor: str = "gate") -> list[dict[str, torch.Tensor]]:
+def initial_gates(shape: GateShape, seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """Untrained gates, seeded: each projection uniform in ``±1/√fan_in`` (PyTorch's ``Linear``),
-    norms 1, sinks and biases 0 (every score 1/(1+S) at first); an MLP's biases 0 (every score ½ at first)."""
+    norms 1, sinks and biases 0 (every score 1/(1+S) at first)."""
     generator = torch.Generator().manual_seed(seed)
 
     def uniform(*size: int) -> torch.Tensor:
         return (torch.rand(*size, generator=generator) * 2 - 1) / math.sqrt(size[-1])
 
-    if predictor == "mlp":
-        return [
-            {
-                "in_proj": uniform(shape.width, shape.hidden),
-                "in_bias": torch.zeros(shape.width),
-                "out_proj": uniform(shape.kv_heads, shape.width),
-                "out_bias": torch.zeros(shape.kv_heads),
-            }
-            for _ in range(shape.layers)
-        ]
     queries = shape.kv_heads * shape.group * shape.dim
     return [
         {
@@ -180,9 +136,7 @@ def save_gates(path: str | Path, gates: list[dict[str, torch.Tensor]], metadata:
     the same bytes: safetensors writes the metadata in a hash map's order, which changes from one
     process to the next, so the header is written again with the metadata sorted (same length)."""
     tensors = {
-        f"{layer}.{part}": gate[part].detach().half().contiguous()
-        for layer, gate in enumerate(gates)
-        for part in PREDICTORS[predictor_of(gate)]
+        f"{layer}.{part}": gate[part].detach().half().contiguous() for layer, gate in enumerate(gates) for part in PARTS
     }
     data = save(tensors, metadata=metadata)
     size = int.from_bytes(data[:8], "little")
@@ -197,8 +151,7 @@ def load_gates(path: str | Path) -> list[dict[str, torch.Tensor]]:
     """The gates of a file written by :func:`save_gates` (fp32)."""
     tensors = load_file(str(path))
     layers = 1 + max(int(name.split(".")[0]) for name in tensors)
-    parts = MLP_PARTS if "0.in_proj" in tensors else PARTS
-    return [{part: tensors[f"{layer}.{part}"].float() for part in parts} for layer in range(layers)]
+    return [{part: tensors[f"{layer}.{part}"].float() for part in PARTS} for layer in range(layers)]
 
 
 def stored(gates: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
@@ -213,17 +166,13 @@ def packaged_path(config: Any) -> Path:
 
 def check_fits(gates: list[dict[str, torch.Tensor]], config: Any, source: str) -> None:
     """Refuse gates made for another model (``ValueError`` saying which sizes differ)."""
-    want, first = shape_of(config), gates[0]
-    if predictor_of(first) == "mlp":
-        names, got = "(layers, hidden, KV heads)", (len(gates), first["in_proj"].shape[1], kv_heads_of(first))
-    else:
-        names = "(layers, hidden, KV heads, group)"
-        got = (len(gates), first["down"].shape[1], kv_heads_of(first), first["bias"].shape[1])
-    wanted = (want.layers, want.hidden, want.kv_heads, want.group)[: len(got)]
-    if got != wanted:
+    want = shape_of(config)
+    got = (len(gates), gates[0]["down"].shape[1], gates[0]["sinks"].shape[0], gates[0]["bias"].shape[1])
+    if got != (want.layers, want.hidden, want.kv_heads, want.group):
         raise ValueError(
-            f"fastkvzip: the gates in {source} are for {names} = {got}, this model has "
-            f"{wanted}; train gates for it: " + TRAIN_COMMAND.format(model="MODEL", key=model_key(config))
+            f"fastkvzip: the gates in {source} are for (layers, hidden, KV heads, group) = {got}, this model has "
+            f"{(want.layers, want.hidden, want.kv_heads, want.group)}; train gates for it: "
+            + TRAIN_COMMAND.format(model="MODEL", key=model_key(config))
         )
 
 
@@ -267,7 +216,7 @@ class GateHooks:
                     return
                 with torch.no_grad():
                     gate = {part: value.to(hidden.device) for part, value in hooks.gates[index].items()}
-                    hooks.latest[index] = keep_scores(hidden, gate)
+                    hooks.latest[index] = gate_scores(hidden, gate)
 
         self._finalizer = weakref.finalize(self, _remove, hook_attention_inputs(model, receive))
 
@@ -276,7 +225,7 @@ class GateHooks:
         (on ``device``, the layer's, where the pass computed none)."""
         scores = self.latest[layer_idx]
         if scores is None:  # (never read: zeros, as the state of entries nothing scored)
-            heads = kv_heads_of(self.gates[layer_idx])
+            heads = self.gates[layer_idx]["sinks"].shape[0]
             return torch.zeros(rows.stop - rows.start, heads, num_new, device=device)
         return scores[rows, :, -num_new:]
 

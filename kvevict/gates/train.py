@@ -42,16 +42,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from kvevict.gates import (
-    PREDICTORS,
-    hook_attention_inputs,
-    initial_gates,
-    keep_scores,
-    model_key,
-    save_gates,
-    shape_of,
-    stored,
-)
+from kvevict.gates import gate_scores, hook_attention_inputs, initial_gates, model_key, save_gates, shape_of, stored
 from kvevict.policies.kvzip import SCORES, KVzip
 
 OFFLINE_TASKS = ("niah_single_2", "niah_multikey_1", "niah_multivalue", "niah_multiquery", "vt", "cwe")
@@ -93,10 +84,6 @@ class TrainConfig:
     dim: int = 16
     sinks: int = 16
     rank: int = 8
-    predictor: str = "gate"
-    """``gate``: Fast KVzip's gate; ``mlp``: KVzap's MLP over each token's hidden state (:func:`kvevict.gates.mlp_scores`)."""
-    width: int = 64
-    """Hidden units of the MLP predictor."""
     seed: int = 0
     data: str = "ruler"
     """Where the offline contexts come from: ``ruler`` (essay windows and RULER task contexts in turn),
@@ -116,8 +103,6 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.data not in DATA:
             raise ValueError(f"unknown training data {self.data!r}; use one of {', '.join(DATA)}")
-        if self.predictor not in PREDICTORS:
-            raise ValueError(f"unknown predictor {self.predictor!r}; use one of {', '.join(PREDICTORS)}")
         if self.teacher not in TEACHERS:
             raise ValueError(f"unknown teacher {self.teacher!r}; use one of {', '.join(TEACHERS)}")
         if self.teacher in ANSWERED and (self.data not in NEEDLED or self.top):
@@ -134,7 +119,7 @@ _NEEDLED_CHOICES = f"{', '.join(NEEDLED[:-1])} or {NEEDLED[-1]}"
 TEACHERS = ("kvzip", "kvzip+", "answers", "kvzip+answers")
 ANSWERED = ("answers", "kvzip+answers")
 """Teachers that read the contexts' answers (KVzip+'s weighting)."""
-AS_BEFORE = {"order": 0.0, "data": "ruler", "teacher": "kvzip", "predictor": "gate", "width": 64, "listwise": 0.0}
+AS_BEFORE = {"order": 0.0, "data": "ruler", "teacher": "kvzip", "listwise": 0.0}
 """Options whose value here is what training did before the option existed: left out of checkpoints and of the gates'
 metadata, so those written before the option still resume and still match."""
 
@@ -330,7 +315,7 @@ def distillation_loss(
     losses are BCE alone)."""
     losses = []
     for layer, gate in enumerate(gates):
-        predicted = keep_scores(features[layer][None].float(), gate)[0].clamp(1e-6, 1 - 1e-6)
+        predicted = gate_scores(features[layer][None].float(), gate)[0].clamp(1e-6, 1 - 1e-6)
         target = targets[layer].clamp(0, 1)
         held = ~target.isnan()  # a sliding layer's targets exist only for what it held (its window)
         if bool(held.all()):
@@ -385,7 +370,7 @@ def train(
 ) -> list[dict[str, torch.Tensor]]:
     """Gates fitted to ``targets`` from ``features`` (module docstring, step 3), resuming from
     ``checkpoint`` when it exists."""
-    gates = initial_gates(shape, config.seed, config.predictor)
+    gates = initial_gates(shape, config.seed)
     parameters = [tensor.requires_grad_() for gate in gates for tensor in gate.values()]
     optimizer = torch.optim.Adam(parameters, lr=config.lr)
     generator = torch.Generator().manual_seed(config.seed)
@@ -546,7 +531,7 @@ def build(
     """Collect (or reload) the data, in ``workers`` processes (:class:`Collecting`), train, write the gates;
     returns their path."""
     text_config = model.config.get_text_config(decoder=True)
-    shape = shape_of(text_config, config.dim, config.sinks, config.rank, config.width)
+    shape = shape_of(text_config, config.dim, config.sinks, config.rank)
     lengths = ",".join(map(str, config.length))
     answered = config.teacher in ANSWERED
     if answered and files:
@@ -584,9 +569,7 @@ def build(
     gates = train(train_features, train_targets, config, shape, out / "checkpoint.pt", progress)
     with torch.no_grad():
         initial = distillation_loss(
-            initial_gates(shape, config.seed, config.predictor),
-            torch.cat(features[-held:], 1),
-            torch.cat(targets[-held:], 2),
+            initial_gates(shape, config.seed), torch.cat(features[-held:], 1), torch.cat(targets[-held:], 2)
         )
         final = distillation_loss(gates, torch.cat(features[-held:], 1), torch.cat(targets[-held:], 2))
     metadata = recorded(config)

@@ -59,8 +59,6 @@ SCORE = "score"
 """Per-token state key (this stage's namespace): the gate's score ``[B, Hkv, n]`` fp32."""
 INITIAL = "initial"
 """``gates=initial``: untrained, seeded gates (tests, and an untrained baseline)."""
-INITIAL_MLP = "initial-mlp"
-"""``gates=initial-mlp``: an untrained, seeded MLP predictor (:func:`kvevict.gates.mlp_scores`) in their place."""
 
 
 def _gates_source(value: object) -> bool:
@@ -71,9 +69,8 @@ class FastKVzip(Method):
     """Fast KVzip: keep the entries trained gates predict KVzip would keep (module docstring).
 
     Args:
-        gates: the gates file (``kvevict train-gates`` writes one, of gates or of KVzap's MLP predictors); None:
-            the gates packaged for the model (SmolLM2-135M-Instruct, Gemma-3-270M); ``"initial"``: untrained
-            gates; ``"initial-mlp"``: untrained MLP predictors.
+        gates: the gates file (``kvevict train-gates`` writes one); None: the gates packaged
+            for the model (SmolLM2-135M-Instruct, Gemma-3-270M); ``"initial"``: untrained gates.
         sinks: first tokens always kept (4).
         window: recent tokens always kept (32).
         prompt_window: recent tokens kept on top of the budget's selection after each chunk of a
@@ -89,9 +86,7 @@ class FastKVzip(Method):
     comparable_scores = True  # they estimate KVzip's attention probabilities
     batched = True
     PARAMS = declare(
-        gates=Param(
-            None, "a gates file (.safetensors), 'initial' or 'initial-mlp'", _gates_source, "the packaged gates"
-        ),
+        gates=Param(None, "a gates file (.safetensors) or 'initial'", _gates_source, "the packaged gates"),
         sinks=integer(4),
         window=integer(32),
         prompt_window=integer(512),
@@ -118,8 +113,8 @@ class FastKVzip(Method):
     def bind(self, config: PretrainedConfig) -> None:
         """Load the gates for ``config`` (refused, saying how to train them, when there are none)."""
         super().bind(config)
-        if self.gates in (INITIAL, INITIAL_MLP):
-            self._weights = initial_gates(shape_of(config), predictor="mlp" if self.gates == INITIAL_MLP else "gate")
+        if self.gates == INITIAL:
+            self._weights = initial_gates(shape_of(config))
             return
         path = packaged_path(config) if self.gates is None else Path(self.gates)
         if not path.is_file():

@@ -11,7 +11,7 @@ from kvevict.cli import main
 from kvevict.gates.train import TrainConfig
 
 REFUSAL = (
-    "kvevict train-gates: error: --length must exceed 5, --tokens, --steps, --width and --workers be >= 1, "
+    "kvevict train-gates: error: --length must exceed 5, --tokens, --steps and --workers be >= 1, "
     "--top, --order and --listwise >= 0 and --count >= 2 (one is held out)\n"
 )
 
@@ -27,7 +27,6 @@ REFUSAL = (
         ["--order", "-0.5"],
         ["--count", "1"],
         ["--workers", "0"],
-        ["--width", "0"],
         ["--listwise", "-1"],
     ],
 )
@@ -47,9 +46,9 @@ def test_the_settings_given_reach_the_trainer_and_the_rest_are_its_defaults(monk
     monkeypatch.setattr("kvevict.models.load_model", lambda name: (f"model of {name}", "tokenizer"))
     monkeypatch.setattr("kvevict.gates.train.build", build)
     argv = ["--model", "tiny", "--out", str(tmp_path), "--length", "6,64", "--steps", "3", "--lr", "0.5"]
-    argv += ["--predictor", "mlp", "--width", "16", "--listwise", "0.1"]
+    argv += ["--listwise", "0.1"]
     assert main(["train-gates", *argv, "--top", "2", "--text", "a.txt", "b.txt", "--workers", "2"]) == 0
-    config = TrainConfig(model="tiny", length=(6, 64), steps=3, lr=0.5, top=2, predictor="mlp", width=16, listwise=0.1)
+    config = TrainConfig(model="tiny", length=(6, 64), steps=3, lr=0.5, top=2, listwise=0.1)
     assert built == [("model of tiny", "tokenizer", config, tmp_path, [Path("a.txt"), Path("b.txt")], 2)]
     assert capsys.readouterr().out == f"wrote {tmp_path / 'gates.safetensors'}\n"
 

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from kvevict.gates import PREDICTORS, gate_scores, hook_attention_inputs, initial_gates, shape_of
+from kvevict.gates import gate_scores, hook_attention_inputs, initial_gates, shape_of
 from kvevict.gates.train import (
     PAIRED,
     RecordingKVzip,
@@ -73,14 +73,11 @@ def test_kvzip_plus_targets_weigh_each_entry_by_its_projected_value_over_the_res
     torch.testing.assert_close(collect(model, ids, positions, plus=True)[1][0], 2 * plus[0], rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize("predictor", ["gate", "mlp"])
-def test_training_lowers_the_distillation_loss_on_held_out_contexts(data, predictor: str) -> None:
+def test_training_lowers_the_distillation_loss_on_held_out_contexts(data) -> None:
     config, features, targets, held_features, held_targets = data
-    run = TrainConfig(model="tiny", steps=80, batch=64, lr=1e-2, predictor=predictor, width=16)
-    shape = shape_of(config, width=16)
-    gates = train(features, targets, run, shape, progress=False)
-    assert set(gates[0]) == set(PREDICTORS[predictor])
-    before = distillation_loss(initial_gates(shape, run.seed, predictor), held_features, held_targets)
+    run = TrainConfig(model="tiny", steps=80, batch=64, lr=1e-2)
+    gates = train(features, targets, run, shape_of(config), progress=False)
+    before = distillation_loss(initial_gates(shape_of(config), run.seed), held_features, held_targets)
     after = distillation_loss(gates, held_features, held_targets)
     assert float(after) < 0.9 * float(before)
 
@@ -304,7 +301,7 @@ def test_the_shipped_gates_record_how_they_were_judged_on_held_out_families() ->
         assert set(judged["share_of_full"]) == {"0.25", "0.1"}
 
 
-@pytest.mark.parametrize("field", ["data", "teacher", "predictor"])
+@pytest.mark.parametrize("field", ["data", "teacher"])
 def test_an_unknown_data_source_or_teacher_is_refused_in_one_line(field) -> None:
     with pytest.raises(ValueError, match="unknown .*'nope'; use one of") as error:
         TrainConfig(model="smollm2", **{field: "nope"})
@@ -325,8 +322,8 @@ def test_a_checkpoint_names_order_only_when_used_so_one_written_before_the_optio
     assert _resumable(TrainConfig(model="smollm2", order=1.0))["order"] == 1.0
     assert "teacher" not in _resumable(TrainConfig(model="smollm2", teacher="kvzip"))
     assert _resumable(TrainConfig(model="smollm2"))["teacher"] == "kvzip+"
-    assert {"predictor", "width", "listwise"}.isdisjoint(_resumable(TrainConfig(model="smollm2")))
-    assert _resumable(TrainConfig(model="smollm2", predictor="mlp"))["predictor"] == "mlp"
+    assert "listwise" not in _resumable(TrainConfig(model="smollm2"))
+    assert _resumable(TrainConfig(model="smollm2", listwise=0.3))["listwise"] == 0.3
 
 
 def test_the_ordering_loss_is_the_pairs_cross_entropy_by_hand() -> None:

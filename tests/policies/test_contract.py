@@ -29,7 +29,6 @@ POLICIES = [
     "kvzip[plus=true]",
     "kvzip[per_layer=true]",
     "kvzip[precision=bf16]",
-    "fastkvzip[gates=initial-mlp]",
     "chunk+keydiff",
     "chunk+snapkv[chunk.reuse=2]",
     "rerotate+streamingllm",

@@ -13,7 +13,6 @@ from kvevict.gates import (
     hook_attention_inputs,
     initial_gates,
     load_gates,
-    mlp_scores,
     model_key,
     save_gates,
     shape_of,
@@ -63,37 +62,9 @@ def test_the_gate_forward_matches_a_hand_computation() -> None:
     assert scores.item() == pytest.approx(expected, abs=1e-5)
 
 
-def test_the_mlp_predictor_matches_a_hand_computation() -> None:
-    """KVzap's MLP: σ(W_2 GELU(W_1 h + b_1) + b_2), two hidden units, two KV heads."""
-    mlp = {
-        "in_proj": torch.tensor([[1.0, 0.0], [1.0, -1.0]]),
-        "in_bias": torch.tensor([0.5, 0.0]),
-        "out_proj": torch.tensor([[1.0, 2.0], [-1.0, 0.0]]),
-        "out_bias": torch.tensor([0.0, 1.0]),
-    }
-    hidden = torch.tensor([[[1.0, 2.0], [0.0, 0.0]]])  # two tokens
-
-    def gelu(x: float) -> float:
-        return 0.5 * x * (1 + math.erf(x / math.sqrt(2)))
-
-    def sigmoid(x: float) -> float:
-        return 1 / (1 + math.exp(-x))
-
-    first = [gelu(1.5), gelu(-1.0)]  # W_1 h + b_1 = [1 + 0.5, 1 - 2]
-    second = [gelu(0.5), gelu(0.0)]
-    expected = [
-        [sigmoid(first[0] + 2 * first[1]), sigmoid(second[0] + 2 * second[1])],
-        [sigmoid(-first[0] + 1), sigmoid(-second[0] + 1)],
-    ]
-    scores = mlp_scores(hidden, mlp)
-    assert scores.shape == (1, 2, 2)
-    torch.testing.assert_close(scores[0], torch.tensor(expected), atol=1e-6, rtol=0)
-
-
-@pytest.mark.parametrize("predictor", ["gate", "mlp"])
-def test_saved_gates_load_bit_identically(tmp_path, predictor: str) -> None:
+def test_saved_gates_load_bit_identically(tmp_path) -> None:
     config = tiny_model().config
-    gates = stored(initial_gates(shape_of(config), seed=3, predictor=predictor))
+    gates = stored(initial_gates(shape_of(config), seed=3))
     path = tmp_path / f"{model_key(config)}.safetensors"
     save_gates(path, gates, {"seed": "3"})
     loaded = load_gates(path)
@@ -123,18 +94,16 @@ def test_a_model_without_gates_is_refused_saying_how_to_train_them() -> None:
         kvevict.EvictionCache(tiny_model(), "fastkvzip", budget=40)
 
 
-@pytest.mark.parametrize("predictor", ["gate", "mlp"])
-def test_a_gates_file_of_another_model_is_refused(tmp_path, predictor: str) -> None:
+def test_a_gates_file_of_another_model_is_refused(tmp_path) -> None:
     other = tiny_model(arch="llama").config
-    gates = initial_gates(shape_of(other), predictor=predictor)[:1]  # one layer: not this model's
+    gates = initial_gates(shape_of(other))[:1]  # one layer: not this model's
     path = tmp_path / "one-layer.safetensors"
     save_gates(path, gates, {})
     with pytest.raises(ValueError, match="are for .* this model has"):
         kvevict.EvictionCache(tiny_model(), kvevict.make_policy("fastkvzip", gates=str(path)), budget=40)
 
 
-@pytest.mark.parametrize("predictor", ["gate", "mlp"])
-def test_each_entry_is_scored_by_its_layers_gate_on_the_attention_input(one_thread, predictor: str) -> None:
+def test_each_entry_is_scored_by_its_layers_gate_on_the_attention_input(one_thread) -> None:
     model = tiny_model()
     ids = prompt(64)
     inputs: dict[int, torch.Tensor] = {}
@@ -143,17 +112,14 @@ def test_each_entry_is_scored_by_its_layers_gate_on_the_attention_input(one_thre
         inputs.setdefault(index, hidden)
 
     handles = hook_attention_inputs(model, remember)
-    gates = "initial" if predictor == "gate" else "initial-mlp"
-    policy = build_policy(f"fastkvzip[per_layer=true,gates={gates}]")
-    cache = kvevict.EvictionCache(model, policy, budget=200)  # nothing evicted
+    cache = kvevict.EvictionCache(model, build_policy("fastkvzip[per_layer=true]"), budget=200)  # nothing evicted
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache)
     for handle in handles:
         handle.remove()
-    weights = initial_gates(shape_of(model.config), predictor=predictor)
-    scorer = gate_scores if predictor == "gate" else mlp_scores
+    gates = initial_gates(shape_of(model.config))
     for layer in cache.eviction_layers:
-        expected = scorer(inputs[layer.layer_idx], weights[layer.layer_idx])
+        expected = gate_scores(inputs[layer.layer_idx], gates[layer.layer_idx])
         torch.testing.assert_close(layer.state["fastkvzip/score"], expected)
 
 
