@@ -20,7 +20,8 @@
    (:class:`Collecting`), with the same result.
 3. **Training** (:func:`train`): every layer's gate at once with Adam on the binary
    cross-entropy between gate and KVzip scores (the reference's loss) plus ``order`` times a pairwise
-   ranking term (:func:`ordering_loss`; on by default), mini-batches drawn with the seed; the last tenth of the
+   ranking term (:func:`~kvevict.gates.losses.ordering_loss`; on by default; and with ``listwise`` a listwise one,
+   :func:`~kvevict.gates.losses.listwise_loss`), mini-batches drawn with the seed; the last tenth of the
    contexts is held out. A checkpoint every 50 steps
    (``DIR/checkpoint.pt``) lets a run resume where it stopped, to the same result.
 4. The gates go to ``DIR/<model key>.safetensors`` (:func:`kvevict.gates.save_gates`).
@@ -42,15 +43,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from kvevict.gates import gate_scores, hook_attention_inputs, initial_gates, model_key, save_gates, shape_of, stored
+from kvevict.gates import hook_attention_inputs, initial_gates, model_key, save_gates, shape_of, stored
+from kvevict.gates.losses import distillation_loss
 from kvevict.policies.kvzip import SCORES, KVzip
 
 OFFLINE_TASKS = ("niah_single_2", "niah_multikey_1", "niah_multivalue", "niah_multiquery", "vt", "cwe")
 SINKS = 4
 CHECKPOINT_EVERY = 50
-PAIRED = 128
-"""Tokens of a batch whose pairs the ranking term (``TrainConfig.order``) compares, the batch's first (drawn at random):
-all pairs of 512 made a training step 3.5 times as slow."""
 
 
 @dataclass(frozen=True)
@@ -72,10 +71,10 @@ class TrainConfig:
     """More positions per context and layer: the layer's ``top`` highest-scored by KVzip (:func:`top_positions`),
     so the gates see the few entries each layer keeps under a small budget, not only random ones."""
     listwise: float = 0.0
-    """Weight of a listwise ranking term added to the training loss (:func:`listwise_loss`): it rewards ranking the
+    """Weight of a listwise ranking term added to the training loss (:func:`~kvevict.gates.losses.listwise_loss`): it rewards ranking the
     few entries that carry most of a head's mass at the top, which a budget of a tenth of the cache keeps."""
     order: float = 1.0
-    """Weight of a pairwise ranking term added to the training loss (:func:`ordering_loss`): what the pooled budget
+    """Weight of a pairwise ranking term added to the training loss (:func:`~kvevict.gates.losses.ordering_loss`): what the pooled budget
     needs is each layer's order of entries, not the calibration of its small scores. 0: BCE alone (Gemma-3-270M's
     gates until round 26; docs/fastkvzip.md, round 11)."""
     steps: int = 1000
@@ -301,65 +300,6 @@ def answer_scores(model: Any, ids: torch.Tensor, positions: torch.Tensor, readin
     return torch.stack([recorded[i][:, positions] for i in sorted(recorded)])
 
 
-def distillation_loss(
-    gates: list[dict[str, torch.Tensor]],
-    features: torch.Tensor,
-    targets: torch.Tensor,
-    order: float = 0.0,
-    listwise: float = 0.0,
-) -> torch.Tensor:
-    """Binary cross-entropy between each layer's gate scores on ``features`` ``[L, m, D]`` and
-    KVzip's ``targets`` ``[L, Hkv, m]``, summed over heads, averaged over tokens and layers; with ``order``, plus
-    ``order`` times each layer's :func:`ordering_loss` of its first ``PAIRED`` tokens, and with ``listwise``, plus
-    ``listwise`` times its :func:`listwise_loss` of all ``m``, each summed over heads (the training loss; held-out
-    losses are BCE alone)."""
-    losses = []
-    for layer, gate in enumerate(gates):
-        predicted = gate_scores(features[layer][None].float(), gate)[0].clamp(1e-6, 1 - 1e-6)
-        target = targets[layer].clamp(0, 1)
-        held = ~target.isnan()  # a sliding layer's targets exist only for what it held (its window)
-        if bool(held.all()):
-            loss = torch.nn.functional.binary_cross_entropy(predicted, target, reduction="none").mean(-1)
-        else:
-            loss = torch.nn.functional.binary_cross_entropy(predicted, target.nan_to_num(0.0), reduction="none")
-            loss = loss.masked_fill(~held, 0.0).sum(-1) / held.sum(-1).clamp(min=1)
-        paired = ordering_loss(predicted[:, :PAIRED], target[:, :PAIRED]).sum() if order else 0.0
-        listed = listwise_loss(predicted, target).sum() if listwise else 0.0
-        losses.append(loss.sum() + order * paired + listwise * listed)
-    return torch.stack(losses).mean()
-
-
-def ordering_loss(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Per head ``[Hkv]``: the mean over ordered pairs ``(i, j)`` of tokens of the cross-entropy between the gate's
-    odds that ``i`` outranks ``j``, ``σ(z_i − z_j)``, and KVzip's, ``σ(y_i − y_j)`` (``z``, ``y`` the logits of
-    ``predicted`` and ``target`` ``[Hkv, m]``, in ``(0, 1)``; NaN targets, out of a sliding window, take no part).
-    Its minimum is where the gate's logits equal KVzip's up to a shift per head, as BCE's is at equality, but every
-    pair counts alike: mostly the many small scores whose order decides which ordinary tokens a budget keeps."""
-    logits = predicted.logit()
-    wanted = target.clamp(1e-6, 1 - 1e-6).logit()
-    pairs = torch.nn.functional.binary_cross_entropy_with_logits(
-        logits[:, :, None] - logits[:, None, :],
-        torch.sigmoid(wanted[:, :, None] - wanted[:, None, :]).nan_to_num(0.5),
-        reduction="none",
-    )
-    held = ~target.isnan()
-    both = (held[:, :, None] & held[:, None, :]).float()
-    return (pairs * both).sum((1, 2)) / both.sum((1, 2)).clamp(min=1)
-
-
-def listwise_loss(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Per head ``[Hkv]``: the cross-entropy between each token's share of the head's target mass over the ``m``
-    tokens, ``y_i / Σ_j y_j``, and the softmax of the gate's logits ``z`` over them (ListNet's top-one
-    probabilities, Cao et al. 2007, eq. 5): least when the gate's logits rank the tokens by their mass, shifted by a
-    constant per head, and dominated by the few tokens that carry most of it. NaN targets (out of a sliding window)
-    take no part; a head whose tokens carry no mass adds 0."""
-    held = ~target.isnan()
-    mass = target.nan_to_num(0.0).clamp(min=0.0)
-    share = mass / mass.sum(-1, keepdim=True).clamp(min=1e-12)
-    chances = torch.log_softmax(predicted.logit().masked_fill(~held, float("-inf")), -1)
-    return -(share * chances.masked_fill(~held, 0.0)).sum(-1)
-
-
 def train(
     features: torch.Tensor,
     targets: torch.Tensor,
@@ -482,8 +422,8 @@ class Collecting:
         os.replace(aside, self.path(index))
 
     def help_from_the_end(self) -> None:
-        """A helper process's work (torch's threads as the parent's: the same arithmetic): every context not
-        claimed yet, the last first."""
+        """A helper process's work (one thread, as the parent's: the same arithmetic): every context not claimed yet,
+        the last first."""
         for index in reversed(range(len(self.jobs))):
             if self.claim(index):
                 self.compute(index)
@@ -493,6 +433,11 @@ class Collecting:
             stale.unlink()
         if count and "fork" not in multiprocessing.get_all_start_methods():
             raise ValueError("--workers above 1 needs processes started by fork (Linux, macOS); use --workers 1")
+        if count and torch.get_num_threads() != 1:  # a process forked from one whose thread pool ran can hang in it
+            raise ValueError(
+                "--workers above 1 collects on one thread per process: call torch.set_num_threads(1) before "
+                "(kvevict train-gates does)"
+            )
         self.helpers = [
             multiprocessing.get_context("fork").Process(target=self.help_from_the_end, daemon=True)
             for _ in range(count)
@@ -590,10 +535,7 @@ __all__ = [
     "build",
     "collect",
     "contexts",
-    "distillation_loss",
     "length_of",
-    "listwise_loss",
-    "ordering_loss",
     "recorded",
     "top_positions",
     "train",

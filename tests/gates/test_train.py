@@ -3,23 +3,19 @@ targets, a lower distillation loss on held-out contexts, determinism and resumpt
 
 from __future__ import annotations
 
-import math
 import re
 
 import pytest
 import torch
 
-from kvevict.gates import gate_scores, hook_attention_inputs, initial_gates, shape_of
+from kvevict.gates import hook_attention_inputs, initial_gates, shape_of
+from kvevict.gates.losses import distillation_loss
 from kvevict.gates.train import (
-    PAIRED,
     RecordingKVzip,
     TrainConfig,
     answer_scores,
     collect,
     contexts,
-    distillation_loss,
-    listwise_loss,
-    ordering_loss,
     recorded,
     taught,
     top_positions,
@@ -326,66 +322,17 @@ def test_a_checkpoint_names_order_only_when_used_so_one_written_before_the_optio
     assert _resumable(TrainConfig(model="smollm2", listwise=0.3))["listwise"] == 0.3
 
 
-def test_the_ordering_loss_is_the_pairs_cross_entropy_by_hand() -> None:
-    """One head, two tokens: gate logits (0, 1), KVzip's (1, 0); the four ordered pairs (two of a token with
-    itself, target 1/2) by hand; a second head holding a NaN target keeps only its one valid token's pair."""
-    half = torch.tensor(0.5)
-    one = torch.sigmoid(torch.tensor(1.0))
-    predicted = torch.stack([torch.stack([half, one]), torch.stack([half, one])])
-    target = torch.stack([torch.stack([one, half]), torch.tensor([float("nan"), 0.5])])
-    swapped = -(one * torch.log(torch.sigmoid(torch.tensor(-1.0))) + (1 - one) * torch.log(one))
-    wanted = (2 * torch.log(torch.tensor(2.0)) + 2 * swapped) / 4
-    loss = ordering_loss(predicted, target)
-    assert torch.allclose(loss, torch.stack([wanted, torch.log(torch.tensor(2.0))]), atol=1e-5)
-
-
-def test_the_ordering_loss_ignores_a_shift_of_the_logits_and_is_least_at_kvzips_order() -> None:
-    target = torch.tensor([[0.01, 0.2, 0.05, 0.6, 0.002]])
-    shifted = torch.sigmoid(target.logit() + 1.5)
-    assert torch.allclose(ordering_loss(shifted, target), ordering_loss(target, target), atol=1e-5)
-    assert float(ordering_loss(target.flip(-1), target)[0]) > float(ordering_loss(target, target)[0]) + 0.1
-
-
-def test_the_listwise_loss_is_the_cross_entropy_of_mass_shares_and_softmax_by_hand() -> None:
-    """One head, three tokens: gate logits (0, 1, 2), KVzip's targets (0.3, 0.1, 0); a second head whose one
-    valid token (the other NaN) carries all the mass; a third whose tokens carry none."""
-    predicted = torch.sigmoid(torch.tensor([[0.0, 1.0, 2.0], [0.5, 1.0, 3.0], [0.0, 1.0, 2.0]]))
-    target = torch.tensor([[0.3, 0.1, 0.0], [0.2, float("nan"), 0.0], [0.0, 0.0, 0.0]])
-    total = math.log(1 + math.e + math.e**2)
-    first = -(0.75 * (0.0 - total) + 0.25 * (1.0 - total))
-    second = -(0.5 - math.log(math.exp(0.5) + math.exp(3.0)))  # the NaN token is not in the softmax
-    loss = listwise_loss(predicted, target)
-    torch.testing.assert_close(loss, torch.tensor([first, second, 0.0]), atol=1e-5, rtol=0)
-
-
-def test_the_listwise_loss_ignores_a_shift_of_the_logits_and_is_least_ranking_the_mass_first() -> None:
-    target = torch.tensor([[0.01, 0.2, 0.05, 0.6, 0.002]])
-    shifted = torch.sigmoid(target.logit() + 1.5)
-    assert torch.allclose(listwise_loss(shifted, target), listwise_loss(target, target), atol=1e-5)
-    assert float(listwise_loss(target.flip(-1), target)[0]) > float(listwise_loss(target, target)[0]) + 0.1
-
-
-def test_the_training_loss_adds_the_weighted_ordering_and_listwise_losses_per_layer(data) -> None:
-    config, features, targets, _, _ = data
-    gates = initial_gates(shape_of(config))
-    bce = distillation_loss(gates, features, targets)
-    predicted = [
-        gate_scores(features[layer][None].float(), gate)[0].clamp(1e-6, 1 - 1e-6) for layer, gate in enumerate(gates)
-    ]
-    order = torch.stack(
-        [
-            ordering_loss(p[:, :PAIRED], targets[layer, :, :PAIRED].clamp(0, 1)).sum()
-            for layer, p in enumerate(predicted)
-        ]
-    )
-    listed = torch.stack([listwise_loss(p, targets[layer].clamp(0, 1)).sum() for layer, p in enumerate(predicted)])
-    assert torch.allclose(distillation_loss(gates, features, targets, 0.5), bce + 0.5 * order.mean(), atol=1e-5)
-    both = distillation_loss(gates, features, targets, 0.5, 0.25)
-    assert torch.allclose(both, bce + 0.5 * order.mean() + 0.25 * listed.mean(), atol=1e-5)
+@pytest.fixture
+def one_thread():
+    """One torch thread, as ``kvevict train-gates`` collects on (restored afterwards)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def test_two_collecting_processes_write_the_data_and_gates_one_writes_and_resume_past_a_stale_claim(
-    tokenizer, tmp_path, monkeypatch
+    tokenizer, tmp_path, monkeypatch, one_thread
 ) -> None:
     import os
     import time
@@ -432,3 +379,16 @@ def test_two_collecting_processes_write_the_data_and_gates_one_writes_and_resume
         build(model, tokenizer, config, tmp_path / "2", progress=False, workers=2).read_bytes() == gates[1].read_bytes()
     )
     assert files(2) == files(1)  # the stale claim and the partial file are gone
+
+
+def test_collecting_in_several_processes_refuses_a_multithreaded_parent(tmp_path) -> None:
+    """A process forked from one whose thread pool has run can hang in it: the helpers are forked from one thread."""
+    from kvevict.gates.train import Collecting
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(ValueError, match="one thread per process: call torch.set_num_threads"):
+            Collecting(None, [], tmp_path, 0, False, False).start_helpers(1)
+    finally:
+        torch.set_num_threads(threads)
