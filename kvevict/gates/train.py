@@ -70,13 +70,14 @@ class TrainConfig:
     top: int = 0
     """More positions per context and layer: the layer's ``top`` highest-scored by KVzip (:func:`top_positions`),
     so the gates see the few entries each layer keeps under a small budget, not only random ones."""
-    listwise: float = 0.0
-    """Weight of a listwise ranking term added to the training loss (:func:`~kvevict.gates.losses.listwise_loss`): it rewards ranking the
-    few entries that carry most of a head's mass at the top, which a budget of a tenth of the cache keeps."""
     order: float = 1.0
-    """Weight of a pairwise ranking term added to the training loss (:func:`~kvevict.gates.losses.ordering_loss`): what the pooled budget
-    needs is each layer's order of entries, not the calibration of its small scores. 0: BCE alone (Gemma-3-270M's
-    gates until round 26; docs/fastkvzip.md, round 11)."""
+    """Weight of a pairwise ranking term added to the training loss (:func:`~kvevict.gates.losses.ordering_loss`):
+    what the pooled budget needs is each layer's order of entries, not the calibration of its small scores. 0: BCE
+    alone (Gemma-3-270M's gates until round 26; docs/fastkvzip.md, round 11)."""
+    listwise: float = 0.0
+    """Weight of a listwise ranking term added to the training loss (:func:`~kvevict.gates.losses.listwise_loss`):
+    it rewards ranking first the few entries that carry most of a head's mass, the ones a tenth of the cache must
+    keep (docs/fastkvzip.md, round 32: not shipped, off by default)."""
     steps: int = 1000
     batch: int = 512
     lr: float = 1e-2
