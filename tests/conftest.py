@@ -418,3 +418,13 @@ def assert_same_storage(cache, expected, length: int) -> None:
         assert ours.state.keys() == theirs.state.keys()
         for key in ours.state:  # (a NaN marks a CriticalKV norm not computed yet)
             torch.testing.assert_close(ours.state[key], theirs.state[key], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Run a module's tests on one torch thread, restoring the thread count afterwards: tiny-model passes are ~10x
+    faster than on two threads on a busy machine, and ``kvevict train-gates`` collects on one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -322,15 +322,6 @@ def test_a_checkpoint_names_order_only_when_used_so_one_written_before_the_optio
     assert _resumable(TrainConfig(model="smollm2", listwise=0.3))["listwise"] == 0.3
 
 
-@pytest.fixture
-def one_thread():
-    """One torch thread, as ``kvevict train-gates`` collects on (restored afterwards)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_two_collecting_processes_write_the_data_and_gates_one_writes_and_resume_past_a_stale_claim(
     tokenizer, tmp_path, monkeypatch, one_thread
 ) -> None:
