@@ -63,8 +63,8 @@ def listwise_loss(predicted: torch.Tensor, target: torch.Tensor) -> torch.Tensor
     """Per head ``[Hkv]``: the cross-entropy between each token's share of the head's target mass over the ``m``
     tokens, ``y_i / Σ_j y_j``, and the softmax of the gate's logits ``z`` over them (ListNet's top-one
     probabilities, Cao et al. 2007, eq. 5): least where that softmax equals the shares (``z = log y`` up to a shift
-    per head), so ranked by mass, and dominated by the few tokens that carry most of it. NaN targets (out of a sliding window)
-    take no part; a head whose tokens carry no mass adds 0."""
+    per head), so ranked by mass, and dominated by the few tokens that carry most of it. NaN targets (out of a
+    sliding window) take no part; a head whose tokens carry no mass adds 0."""
     held = ~target.isnan()
     mass = target.nan_to_num(0.0).clamp(min=0.0)
     share = mass / mass.sum(-1, keepdim=True).clamp(min=1e-12)
