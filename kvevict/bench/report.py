@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ class ReportRow:
         return self.budget if self.budget is not None else self.keep
 
 
-def _label(record: dict[str, Any], shown: set[str]) -> str:
+def policy_label(record: dict[str, Any], shown: Collection[str] = ()) -> str:
     """The policy as the report shows it: its spec, plus the ``shown`` run settings where the
     record has them (not for ``full``: the reference, whatever the run's settings)."""
     label = record["policy"]
@@ -74,7 +74,7 @@ def summarize(records: Iterable[dict[str, Any]]) -> list[ReportRow]:
     }
     groups: dict[tuple, list[dict[str, Any]]] = defaultdict(list)
     for record in records:
-        groups[(record["task"], _label(record, shown), record.get("budget"), record.get("keep"))].append(record)
+        groups[(record["task"], policy_label(record, shown), record.get("budget"), record.get("keep"))].append(record)
     rows = [_row(key, members) for key, members in sorted(groups.items(), key=lambda item: _order(item[0]))]
     tasks = sorted({row.task for row in rows})
     if len(tasks) > 1:

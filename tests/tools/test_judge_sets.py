@@ -40,13 +40,25 @@ def test_bench_args_register_a_sets_tasks_with_its_seed_and_samples(monkeypatch,
     assert judge_sets.bench_args("judging", tmp_path)[1] == ",".join(judge_sets.JUDGING)
 
 
-def _rows(policy, keep, scores):
-    return [{"policy": policy, "keep": keep, "task": "t", "index": i, "score": s} for i, s in enumerate(scores)]
+def _rows(policy, keep, scores, quant=None):
+    return [
+        {"policy": policy, "keep": keep, "quant": quant, "task": "t", "index": i, "score": s}
+        for i, s in enumerate(scores)
+    ]
 
 
 def test_answers_count_only_the_samples_every_setting_ran() -> None:
     rows = _rows("full", None, [1.0, 0.5, 1.0]) + _rows("fastkvzip", 0.1, [1.0, 0.0])
     assert judge_sets.answers(rows) == {("full", None): 1.5, ("fastkvzip", 0.1): 1.0}
+
+
+def test_answers_keep_a_quantized_setting_apart_from_the_full_precision_one() -> None:
+    rows = (
+        _rows("full", None, [1.0, 1.0])
+        + _rows("fastkvzip", 0.1, [1.0, 1.0])
+        + _rows("fastkvzip", 0.1, [0.0, 1.0], "int4")
+    )
+    assert judge_sets.answers(rows) == {("full", None): 2.0, ("fastkvzip", 0.1): 2.0, ("fastkvzip (int4)", 0.1): 1.0}
 
 
 def test_pool_sums_the_sets_and_shares_against_the_full_caches_answers(tmp_path) -> None:
