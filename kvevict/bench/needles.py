@@ -226,7 +226,12 @@ def haystack_lines(haystack: Haystack, size: int, rng: random.Random) -> list[st
         return list(islice(cycle(lines), start, start + size))
     words = essay_words()
     start = rng.randrange(len(words))
-    sentences = split_sentences(" ".join(islice(cycle(words), start, start + 30 * size)))[:size]
+    span = 30 * size
+    sentences = split_sentences(" ".join(islice(cycle(words), start, start + span)))
+    while len(sentences) < size:  # a window of long sentences: read on, so every needle has a sentence to follow
+        span *= 2
+        sentences = split_sentences(" ".join(islice(cycle(words), start, start + span)))
+    sentences = sentences[:size]
     if haystack == "dialogue":
         return [f"{SPEAKERS[i % len(SPEAKERS)]}: {sentence}" for i, sentence in enumerate(sentences)]
     return sentences

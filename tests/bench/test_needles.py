@@ -83,6 +83,13 @@ def test_each_haystack_gives_as_many_units_as_asked_the_same_for_a_seed(haystack
         assert all(line.startswith("- ") and line.endswith(" in stock") for line in lines)
 
 
+@pytest.mark.parametrize("haystack", ["essay", "dialogue"])
+def test_an_essay_window_of_long_sentences_still_gives_every_sentence_asked(haystack: str) -> None:
+    # seed 2 starts where 60 words hold fewer than 2 sentences; a 3-key family's smallest haystack failed there
+    assert len(haystack_lines(haystack, 2, random.Random(2))) == 2
+    assert [len(haystack_lines(haystack, 3, random.Random(seed))) for seed in (2, 8, 40, 94)] == [3] * 4
+
+
 def test_a_context_holds_every_needle_and_asks_for_every_value_of_one_key() -> None:
     build = needle_builder(Family("lists", "codes", 5, keys=2, values=3), random.Random(0))
     prompt = build(30, random.Random(1))
