@@ -81,7 +81,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--judged-policy",
         default="fastkvzip",
-        help="the policy in --judged's results that ran the gates (default: fastkvzip)",
+        help="the setting in --judged's results that ran the gates, as kvevict report labels it (default: "
+        "fastkvzip, its unquantized context-only runs; 'fastkvzip (int4)' its int4 ones)",
     )
     parser.set_defaults(run=run, extra=BENCH)
 

@@ -16,22 +16,29 @@ from typing import Any
 
 from safetensors import safe_open
 
+from kvevict.bench.report import policy_label
 from kvevict.gates import load_gates, save_gates
 
 KEY = "held_out_scores"
 """The metadata entry holding the judgement (a JSON object)."""
 
+SETTINGS = ("interval", "query_aware")
+"""Run settings a judged policy's label names where a row has them, besides its quantization."""
+
 
 def judgement(rows: Iterable[dict[str, Any]], policy: str) -> dict[str, Any]:
     """Mean scores (in %) of ``policy`` at each keep and of ``full``, per task, on the samples both ran; and
-    ``policy``'s mean over every task as a share (%) of the full cache's, per keep; the prompts' lengths."""
-    rows = list(rows)
+    ``policy``'s mean over every task as a share (%) of the full cache's, per keep; the prompts' lengths.
+
+    Settings are told apart as ``kvevict report`` labels them: ``policy`` names the unquantized, context-only runs
+    (``"fastkvzip (int4)"`` the int4 ones), and ``full`` is always the unquantized full cache, so a results file that
+    also holds quantized or query-aware runs of the same policy is not merged into one setting."""
+    rows = [row for row in rows if policy_label(row, SETTINGS) in (policy, "full")]
     scores: dict[tuple[str, Any], dict[tuple[str, int], float]] = defaultdict(dict)
     for row in rows:
-        if row["policy"] in (policy, "full") and row["score"] is not None:
-            scores[(row["policy"], None if row["policy"] == "full" else row["keep"])][row["task"], row["index"]] = row[
-                "score"
-            ]
+        if row["score"] is not None:
+            setting = ("full", None) if row["policy"] == "full" else (policy, row["keep"])
+            scores[setting][row["task"], row["index"]] = row["score"]
     full = scores.pop(("full", None), {})
     if not full or not scores:
         raise ValueError(f"the results hold no samples of both 'full' and {policy!r}; bench them together")
@@ -45,7 +52,7 @@ def judgement(rows: Iterable[dict[str, Any]], policy: str) -> dict[str, Any]:
         return round(100 * sum(chosen) / len(chosen), 1)
 
     tasks = sorted({task for task, _ in samples})
-    lengths = sorted({row["length"] for row in rows if row["policy"] == policy})
+    lengths = sorted({row["length"] for row in rows if row["policy"] != "full"})
     return {
         "policy": policy,
         "lengths": lengths,

@@ -73,3 +73,14 @@ def test_recording_writes_the_judgement_and_keeps_the_gates_and_the_recipe(tmp_p
 def test_results_whose_settings_share_no_sample_are_refused_in_one_line() -> None:
     with pytest.raises(ValueError, match="'full' and 'fastkvzip' ran no sample in common; bench them together"):
         judgement([row("full", "a", 0, 1.0), row("fastkvzip", "b", 1, 1.0, 0.1)], "fastkvzip")
+
+
+def test_quantized_and_query_aware_runs_of_the_policy_are_settings_of_their_own() -> None:
+    def int4(record: dict) -> dict:
+        return record | {"quant": "int4", "score": 0.0}
+
+    others = [int4(r) for r in ROWS] + [r | {"query_aware": True, "score": 0.0} for r in ROWS if r["policy"] != "full"]
+    assert judgement([*ROWS, *others], "fastkvzip") == judgement(ROWS, "fastkvzip")
+    quantized = judgement([*ROWS, *others], "fastkvzip (int4)")
+    assert quantized["policy"] == "fastkvzip (int4)" and quantized["samples"] == 3
+    assert quantized["tasks"]["a"] == {"full": 100.0, "0.25": 0.0, "0.1": 0.0}  # against the unquantized full cache
