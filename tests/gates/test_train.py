@@ -268,10 +268,10 @@ def shipped_run(filename: str) -> dict[str, str]:
 
 
 def test_the_shipped_smollm2_gates_record_their_recipe_and_top_is_recorded_when_used() -> None:
-    """SmolLM2's gates are trained with ``--data phrased --teacher answers --count 128 --length 1024,2048
-    --listwise 1`` (docs/fastkvzip.md, round 33): their metadata is that command's. ``--top`` is recorded,
+    """SmolLM2's gates are trained with ``--data phrased --teacher answers --count 256 --length 1024,2048
+    --listwise 1`` (docs/fastkvzip.md, round 34): their metadata is that command's. ``--top`` is recorded,
     ``--order 0``, ``--listwise 0`` and ``--teacher kvzip`` are not (gates trained before the options hold none)."""
-    shipped = {"data": "phrased", "teacher": "answers", "count": 128, "length": (1024, 2048), "listwise": 1.0}
+    shipped = {"data": "phrased", "teacher": "answers", "count": 256, "length": (1024, 2048), "listwise": 1.0}
     run = shipped_run("llama-L30-D576-H9-KV3.safetensors")
     assert recorded(TrainConfig(model="smollm2", **shipped)) == run
     assert recorded(TrainConfig(model="smollm2", **shipped | {"order": 0.5})) == run | {"order": "0.5"}
