@@ -227,10 +227,9 @@ def haystack_lines(haystack: Haystack, size: int, rng: random.Random) -> list[st
     words = essay_words()
     start = rng.randrange(len(words))
     span = 30 * size
-    sentences = split_sentences(" ".join(islice(cycle(words), start, start + span)))
-    while len(sentences) < size:  # a window of long sentences: read on, so every needle has a sentence to follow
+    # a window of long sentences: read on, so every needle has a sentence to follow
+    while len(sentences := split_sentences(" ".join(islice(cycle(words), start, start + span)))) < size:
         span *= 2
-        sentences = split_sentences(" ".join(islice(cycle(words), start, start + span)))
     sentences = sentences[:size]
     if haystack == "dialogue":
         return [f"{SPEAKERS[i % len(SPEAKERS)]}: {sentence}" for i, sentence in enumerate(sentences)]
