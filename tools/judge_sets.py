@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvevict.bench.needles import TASKS, Family, NeedleTask
-from kvevict.bench.report import policy_label
+from kvevict.bench.report import sample_scores
 from kvevict.gates.judged import SETTINGS
 
 
@@ -118,10 +117,7 @@ def bench_args(name: str, out: Path, extra: Sequence[str] = ()) -> list[str]:
 def answers(rows: Sequence[dict]) -> dict[tuple[str, float | None], float]:
     """Answers (summed scores) per setting (the policy labelled as `train-gates --judged` labels it: quantized,
     query-aware or interval runs named) and keep, over the samples every setting ran."""
-    ran: dict[tuple[str, float | None], dict[tuple[str, int], float]] = defaultdict(dict)
-    for row in rows:
-        if row.get("score") is not None:
-            ran[policy_label(row, SETTINGS), row.get("keep")][row["task"], row["index"]] = row["score"]
+    ran = sample_scores(rows, SETTINGS)
     common = set.intersection(*(set(scores) for scores in ran.values())) if ran else set()
     return {setting: sum(scores[sample] for sample in common) for setting, scores in ran.items()}
 

@@ -62,6 +62,18 @@ def policy_label(record: dict[str, Any], shown: Collection[str] = ()) -> str:
     return label
 
 
+def sample_scores(
+    records: Iterable[dict[str, Any]], shown: Collection[str] = ()
+) -> dict[tuple[str, float | None], dict[tuple[str, int], float]]:
+    """Each setting's score per sample: keyed by the policy as :func:`policy_label` names it (with the ``shown`` run
+    settings) and its keep, then by the sample's task and index. Records without a score are left out."""
+    scores: dict[tuple[str, float | None], dict[tuple[str, int], float]] = defaultdict(dict)
+    for record in records:
+        if record.get("score") is not None:
+            scores[policy_label(record, shown), record.get("keep")][record["task"], record["index"]] = record["score"]
+    return dict(scores)
+
+
 def summarize(records: Iterable[dict[str, Any]]) -> list[ReportRow]:
     """Rows per (task, setting, budget), then an ``average`` over tasks for every setting
     present in each task; each with its score as a share of ``full`` on the same tasks.

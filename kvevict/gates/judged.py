@@ -9,14 +9,13 @@ gates keep at a quarter and a tenth of the cache (docs/fastkvzip.md).
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from safetensors import safe_open
 
-from kvevict.bench.report import policy_label
+from kvevict.bench.report import policy_label, sample_scores
 from kvevict.gates import load_gates, save_gates
 
 KEY = "held_out_scores"
@@ -34,11 +33,7 @@ def judgement(rows: Iterable[dict[str, Any]], policy: str) -> dict[str, Any]:
     (``"fastkvzip (int4)"`` the int4 ones), and ``full`` is always the unquantized full cache, so a results file that
     also holds quantized or query-aware runs of the same policy is not merged into one setting."""
     rows = [row for row in rows if policy_label(row, SETTINGS) in (policy, "full")]
-    scores: dict[tuple[str, Any], dict[tuple[str, int], float]] = defaultdict(dict)
-    for row in rows:
-        if row["score"] is not None:
-            setting = ("full", None) if row["policy"] == "full" else (policy, row["keep"])
-            scores[setting][row["task"], row["index"]] = row["score"]
+    scores = sample_scores(rows, SETTINGS)
     full = scores.pop(("full", None), {})
     if not full or not scores:
         raise ValueError(f"the results hold no samples of both 'full' and {policy!r}; bench them together")

@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from kvevict.bench.report import ReportRow, format_report, plot_report, summarize
+from kvevict.bench.report import ReportRow, format_report, plot_report, sample_scores, summarize
 from kvevict.bench.store import ResultStore
 
 RUN = Path(__file__).parent / "data" / "report_run"
@@ -89,3 +89,23 @@ def test_an_interval_or_query_awareness_is_a_separate_row_where_runs_mix(tmp_pat
 def test_a_keep_is_labelled_as_given_not_rounded_to_a_whole_percent() -> None:
     labels = [ReportRow("t", "p", None, keep, 1, 0.0, 0.0, {}).budget_label for keep in (0.125, 0.1, 0.15, None)]
     assert labels == ["12.5%", "10%", "15%", "all"]
+
+
+def test_sample_scores_key_settings_by_label_and_keep_and_skip_unscored_rows() -> None:
+    def row(policy: str, keep: float | None, index: int, score: float | None, **settings) -> dict:
+        return {"policy": policy, "keep": keep, "task": "t", "index": index, "score": score, **settings}
+
+    rows = [
+        row("full", None, 0, 1.0),
+        row("full", None, 1, None),  # a failed sample: no score to pool
+        row("fastkvzip", 0.1, 0, 0.5),
+        row("fastkvzip", 0.1, 0, 0.25, quant="int4"),
+        row("fastkvzip", 0.1, 0, 0.0, query_aware=True),
+    ]
+    assert sample_scores(rows) == {
+        ("full", None): {("t", 0): 1.0},
+        ("fastkvzip", 0.1): {("t", 0): 0.0},  # query-awareness not shown: the later row of the same setting wins
+        ("fastkvzip (int4)", 0.1): {("t", 0): 0.25},
+    }
+    assert sample_scores(rows, ("query_aware",))["fastkvzip (query-aware)", 0.1] == {("t", 0): 0.0}
+    assert sample_scores(rows, ("query_aware",))["fastkvzip", 0.1] == {("t", 0): 0.5}
