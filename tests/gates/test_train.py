@@ -305,10 +305,10 @@ def test_an_unknown_data_source_or_teacher_is_refused_in_one_line(field) -> None
     assert "\n" not in str(error.value)
 
 
-def test_gemmas_shipped_gates_record_their_recipe() -> None:
-    """Gemma-3-270M's gates are trained with ``--data phrased --teacher answers --count 48 --length 1024,2048``
-    (docs/fastkvzip.md, round 26): their metadata is that command's."""
-    shipped = {"data": "phrased", "teacher": "answers", "count": 48, "length": (1024, 2048)}
+def test_gemmas_shipped_gates_record_smollm2s_recipe() -> None:
+    """Gemma-3-270M's gates are trained with SmolLM2's recipe, ``--data phrased --teacher answers --count 256
+    --length 1024,2048 --listwise 1`` (docs/fastkvzip.md, round 35): their metadata is that command's."""
+    shipped = {"data": "phrased", "teacher": "answers", "count": 256, "length": (1024, 2048), "listwise": 1.0}
     assert recorded(TrainConfig(model="gemma3", **shipped)) == shipped_run("gemma3_text-L18-D640-H4-KV1.safetensors")
 
 
