@@ -1,5 +1,6 @@
-"""The seven needle sets Fast KVzip's gates are judged on (docs/fastkvzip.md, rounds 21-33): RULER's phrasing
-with the held-out families, then six sets in twelve phrasings no training context has, 192 samples at 2k.
+"""The eight needle sets Fast KVzip's gates are judged on (docs/fastkvzip.md, rounds 21-36): RULER's phrasing
+with the held-out families, then seven sets in fourteen phrasings no training context has, 216 samples at 2k.
+The first seven (192 samples) hold at most four needles a context, the eighth (round 36) eight.
 
     python tools/judge_sets.py run all --policies full,fastkvzip --out results/judged
     python tools/judge_sets.py pool results/judged      # answers per set and policy, and the pooled share of full's
@@ -46,6 +47,7 @@ _R27 = ("Please take note: whoever asks about {key} should be told the {noun} {v
 _FIFTH = ("Footnote on {key}: the {noun} on file reads {value}.", "{key} | {noun}: {value} | verified")
 _SIXTH = ("Ledger entry: {noun} {value} belongs to {key}.", "{key} -- {noun} on record: {value}")
 _SEVENTH = ("Logged: {noun} {value} (holder: {key})", "As for {key}, the {noun} they picked is {value}.")
+_EIGHTH = ("Registry note: the {noun} assigned to {key} is {value}.", "{key} >> {noun} >> {value}")
 
 SETS: dict[str, JudgingSet] = {
     "judging": JudgingSet((), 4, 0),
@@ -100,6 +102,16 @@ SETS: dict[str, JudgingSet] = {
         ("lists_h", Family("lists", "numbers", _SEVENTH[1], noun="bin number")),
         ("code_g", Family("code", "numbers", _SEVENTH[0], noun="release number", intro=2)),
         ("dialogue_h", Family("dialogue", "numbers", _SEVENTH[1], noun="table number")),
+    ),
+    # eight needles a context, as compress-once-ask-many's documents hold (docs/measurements.md)
+    "eighth": _set(
+        "fresh8", 4, 29,
+        ("essay_i", Family("essay", "numbers", _EIGHTH[0], keys=8, noun="account number")),
+        ("essay_j", Family("essay", "numbers", _EIGHTH[1], keys=8, noun="desk number", intro=2)),
+        ("lists_i", Family("lists", "numbers", _EIGHTH[0], keys=8, noun="lot number", intro=3)),
+        ("dialogue_j", Family("dialogue", "numbers", _EIGHTH[1], keys=8, noun="cabin number")),
+        ("noise_i", Family("noise", "numbers", _EIGHTH[0], keys=8, noun="pin")),
+        ("code_j", Family("code", "numbers", _EIGHTH[1], keys=4, values=2, noun="build number", intro=1)),
     ),
 }  # fmt: skip
 

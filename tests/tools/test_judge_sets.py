@@ -1,4 +1,4 @@
-"""tools/judge_sets.py: the seven needle sets the gates are judged on, and their pooled share of the full cache's
+"""tools/judge_sets.py: the eight needle sets the gates are judged on, and their pooled share of the full cache's
 answers (docs/fastkvzip.md, round 33)."""
 
 import importlib.util
@@ -17,17 +17,23 @@ sys.modules["judge_sets"] = judge_sets  # its dataclass looks its module up
 spec.loader.exec_module(judge_sets)
 
 
-def test_the_sets_hold_192_samples_in_phrasings_no_training_context_has_and_are_not_registered_on_import() -> None:
+def test_the_sets_hold_216_samples_in_phrasings_no_training_context_has_and_are_not_registered_on_import() -> None:
     tasks = [task for judged in judge_sets.SETS.values() for task in judged.tasks]
     samples = sum(
         judged.samples * (len(judged.tasks) or len(judge_sets.JUDGING)) for judged in judge_sets.SETS.values()
     )
-    assert samples == 192 and len({task.name for task in tasks}) == len(tasks)
+    assert samples == 216 and len({task.name for task in tasks}) == len(tasks)
     templates = {task.family.template for task in tasks}
-    assert len(templates) == 12 and not templates & (set(GENERATED_BOTH_ORDERS) | set(PHRASINGS))
+    assert len(templates) == 14 and not templates & (set(GENERATED_BOTH_ORDERS) | set(PHRASINGS))
     registered = all_tasks()
     assert not any(task.name in registered for task in tasks)
     assert all(name in registered for name in judge_sets.JUDGING)
+
+
+def test_the_eighth_set_hides_eight_needles_in_every_context() -> None:
+    assert [task.family.keys * task.family.values for task in judge_sets.SETS["eighth"].tasks] == [8] * 6
+    assert all(task.family.keys * task.family.values <= 4 for name, judged in judge_sets.SETS.items()
+               if name != "eighth" for task in judged.tasks)  # fmt: skip
 
 
 def test_bench_args_register_a_sets_tasks_with_its_seed_and_samples(monkeypatch, tmp_path) -> None:
@@ -76,8 +82,8 @@ def test_pool_sums_the_sets_and_shares_against_the_full_caches_answers(tmp_path)
 
 def test_an_unknown_set_or_a_folder_without_results_is_refused_in_one_line(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
-        judge_sets.main(["run", "sixth,eighth", "--out", str(tmp_path)])
-    assert "unknown set 'eighth'; use 'all' or some of judging," in capsys.readouterr().err
+        judge_sets.main(["run", "sixth,ninth", "--out", str(tmp_path)])
+    assert "unknown set 'ninth'; use 'all' or some of judging," in capsys.readouterr().err
     with pytest.raises(SystemExit, match="no results under") as error:
         judge_sets.main(["pool", str(tmp_path)])
     assert "\n" not in str(error.value)
