@@ -178,7 +178,15 @@ PHRASED = Space(
 PHRASED_BOTH_ORDERS = replace(PHRASED, phrasings=GENERATED_BOTH_ORDERS)
 """:data:`PHRASED` with the values of 81 of its 270 templates named before their keys
 (``kvevict train-gates --data phrased-both-orders``, :data:`GENERATED_BOTH_ORDERS`)."""
-SPACES: dict[str, Space] = {"varied": TRAINING, "phrased": PHRASED, "phrased-both-orders": PHRASED_BOTH_ORDERS}
+PHRASED_DENSE = replace(PHRASED, shapes=(*PHRASED.shapes, (6, 1), (8, 1)))
+""":data:`PHRASED` with contexts of six and eight keys as well (a quarter of the needled contexts), as documents
+asked many questions hold (``kvevict train-gates --data phrased-dense``)."""
+SPACES: dict[str, Space] = {
+    "varied": TRAINING,
+    "phrased": PHRASED,
+    "phrased-both-orders": PHRASED_BOTH_ORDERS,
+    "phrased-dense": PHRASED_DENSE,
+}
 """The needle data ``kvevict train-gates --data`` draws its contexts from, by name."""
 
 

@@ -59,8 +59,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         choices=DATA,
         default=defaults.data,
         help="offline contexts: RULER's (default), varied needle families over four haystacks, the same in "
-        "hundreds of phrasings (phrased), or with 30 %% of them naming the value before its key "
-        "(phrased-both-orders)",
+        "hundreds of phrasings (phrased), with 30 %% of them naming the value before its key "
+        "(phrased-both-orders), or with contexts of six and eight keys too (phrased-dense)",
     )
     parser.add_argument(
         "--teacher",

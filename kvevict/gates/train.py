@@ -91,7 +91,8 @@ class TrainConfig:
     needles of a family drawn at random; docs/fastkvzip.md, round 20), ``phrased`` (the same from
     :data:`kvevict.bench.needles.PHRASED`: hundreds of needle phrasings, more value formats and nouns) or
     ``phrased-both-orders`` (:data:`kvevict.bench.needles.PHRASED_BOTH_ORDERS`: 30 % of the phrasings name the
-    value before its key)."""
+    value before its key) or ``phrased-dense`` (:data:`kvevict.bench.needles.PHRASED_DENSE`: contexts of six and
+    eight keys too)."""
     teacher: str = "kvzip+"
     """What the gates learn to predict: ``kvzip+``'s scores (``kvzip[plus=true]``: each score weighted by
     ``‖W_O v‖ / ‖h‖``; they keep more needles at keep 0.10 than gates distilled from ``kvzip``'s,
@@ -111,8 +112,8 @@ class TrainConfig:
             )
 
 
-DATA = ("ruler", "varied", "phrased", "phrased-both-orders")
-NEEDLED = ("varied", "phrased", "phrased-both-orders")
+DATA = ("ruler", "varied", "phrased", "phrased-both-orders", "phrased-dense")
+NEEDLED = ("varied", "phrased", "phrased-both-orders", "phrased-dense")
 """Data of needle families (:func:`varied_contexts`, :data:`kvevict.bench.needles.SPACES`), whose answers are
 known."""
 _NEEDLED_CHOICES = f"{', '.join(NEEDLED[:-1])} or {NEEDLED[-1]}"

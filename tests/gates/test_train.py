@@ -149,6 +149,16 @@ def test_contexts_phrased_in_both_orders_are_drawn_with_the_seed_from_their_own_
     assert recorded(config)["data"] == "phrased-both-orders"
 
 
+def test_dense_contexts_add_six_and_eight_keys_to_the_phrased_shapes(tokenizer) -> None:
+    from kvevict.bench.needles import PHRASED, PHRASED_DENSE
+
+    assert PHRASED_DENSE.shapes == (*PHRASED.shapes, (6, 1), (8, 1))
+    assert PHRASED_DENSE.phrasings == PHRASED.phrasings and PHRASED_DENSE.haystacks == PHRASED.haystacks
+    config = TrainConfig(model="smollm2", count=16, length=(1024,), data="phrased-dense", teacher="answers")
+    readings = [len(read) for _, read in varied_contexts(tokenizer, config)]
+    assert max(readings) >= 6 and readings[3::4] == [0, 0, 0, 0]  # every fourth context a haystack alone
+
+
 def test_each_needle_context_carries_every_keys_question_and_answer_to_read(tokenizer) -> None:
     """``--teacher answers`` reads, after each needle context, every key's question, answer prefix and values;
     a haystack alone has nothing to read, and a key whose needle was cut off with the context's end is not asked."""
@@ -200,7 +210,7 @@ def test_an_answers_teacher_refuses_text_files_before_collecting(tmp_path, token
 
     config = TrainConfig(model="smollm2", teacher="answers", data="phrased")
     with pytest.raises(
-        ValueError, match="which text files lack; use --data varied, phrased or phrased-both-orders$"
+        ValueError, match="which text files lack; use --data varied, phrased, phrased-both-orders or phrased-dense$"
     ) as error:
         build(tiny_model(), tokenizer, config, tmp_path, files=[tmp_path / "essay.txt"], progress=False)
     assert "\n" not in str(error.value) and not (tmp_path / "data").exists()
