@@ -89,7 +89,7 @@ class TrainConfig:
     """Where the offline contexts come from: ``ruler`` (essay windows and RULER task contexts in turn),
     ``varied`` (:data:`kvevict.bench.needles.TRAINING`: every fourth a haystack without needles, the others
     needles of a family drawn at random; docs/fastkvzip.md, round 20), ``phrased`` (the same from
-    :data:`kvevict.bench.needles.PHRASED`: hundreds of needle phrasings, more value formats and nouns) or
+    :data:`kvevict.bench.needles.PHRASED`: hundreds of needle phrasings, more value formats and nouns),
     ``phrased-both-orders`` (:data:`kvevict.bench.needles.PHRASED_BOTH_ORDERS`: 30 % of the phrasings name the
     value before its key) or ``phrased-dense`` (:data:`kvevict.bench.needles.PHRASED_DENSE`: contexts of six and
     eight keys too)."""
