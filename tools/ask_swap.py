@@ -108,6 +108,21 @@ def needle_positions(tokenizer: Any, context: torch.Tensor, document: Sequence[A
     return torch.tensor(sorted(set(positions)))
 
 
+def needles_held(cache: kvevict.EvictionCache, needles: torch.Tensor) -> dict[str, float]:
+    """Where ``cache``'s entries went: the share of them on needle sentences (``on needles``), and the
+    share of the needle tokens each head holds, averaged over every layer's heads (``needles per head``)."""
+    kept = on_needles = 0
+    per_head: list[float] = []
+    for layer in cache.eviction_layers:
+        positions = layer.positions[0]
+        valid = torch.ones_like(positions, dtype=torch.bool) if layer.valid is None else layer.valid[0]
+        for head, real in zip(positions, valid, strict=True):
+            hit = torch.isin(head[real], needles).sum().item()
+            kept, on_needles = kept + int(real.sum()), on_needles + hit
+            per_head.append(hit / len(needles))
+    return {"on needles": on_needles / kept, "needles per head": sum(per_head) / len(per_head)}
+
+
 def answers(
     model: Any, tokenizer: Any, cache: kvevict.EvictionCache, document: Sequence[Any], scratch: Path, new_tokens: int
 ) -> list[float]:
@@ -129,16 +144,18 @@ def answers(
 
 def run_document(
     model: Any, tokenizer: Any, document: Sequence[Any], keep: float, new_tokens: int = 16
-) -> dict[str, list[float]]:
-    """Every setting's scores on one document's questions (answers of at most ``new_tokens``)."""
+) -> dict[str, dict[str, Any]]:
+    """Every setting's scores on one document's questions (``scores``; answers of at most ``new_tokens``),
+    and where its entries went (``held``, :func:`needles_held`)."""
     context, _ = split_prompt(tokenizer, document[0].context)
     needles = needle_positions(tokenizer, context, document)
-    result: dict[str, list[float]] = {}
+    result: dict[str, dict[str, Any]] = {"scores": {}, "held": {}}
     with tempfile.TemporaryDirectory() as scratch:
 
         def ask(setting: str, build: Callable[[], tuple[kvevict.EvictionCache, Any]]) -> Any:
             cache, counts = build()
-            result[setting] = answers(model, tokenizer, cache, document, Path(scratch), new_tokens)
+            result["held"][setting] = needles_held(cache, needles)
+            result["scores"][setting] = answers(model, tokenizer, cache, document, Path(scratch), new_tokens)
             return counts
 
         repeat_counts = ask("kvzip", lambda: compressed(model, context, REPEAT, keep))
@@ -180,9 +197,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         with out.open("a") as file:
             file.write(json.dumps(record) + "\n")
     records = [json.loads(line) for line in out.read_text().splitlines()]
+    print(f"{'setting':>28}  score  entries on needles  needle tokens per head")
     for setting in SETTINGS:
         scores = [s for r in records for s in r["scores"][setting]]
-        print(f"{setting:>28}: {100 * sum(scores) / max(1, len(scores)):5.1f}")
+        held = [r["held"][setting] for r in records]
+        share, per_head = (
+            100 * sum(h[k] for h in held) / max(1, len(held)) for k in ("on needles", "needles per head")
+        )
+        print(f"{setting:>28}  {100 * sum(scores) / max(1, len(scores)):5.1f}  {share:17.1f} %  {per_head:20.1f} %")
     return 0
 
 
