@@ -191,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         record = {
             "document": i,
             "keep": args.keep,
-            "scores": run_document(model, tokenizer, document, args.keep, args.new_tokens),
+            **run_document(model, tokenizer, document, args.keep, args.new_tokens),
         }
         out.parent.mkdir(parents=True, exist_ok=True)
         with out.open("a") as file:

@@ -2,6 +2,7 @@
 ranked first in every head (docs/fastkvzip.md, round 37)."""
 
 import importlib.util
+import json
 import sys
 import warnings
 from pathlib import Path
@@ -85,3 +86,28 @@ def test_needles_held_counts_the_entries_on_the_given_tokens() -> None:
     assert held == {"needles per head": 1.0, "on needles": 5 * sum(len(layer) for layer in kept) / entries}
     per_head = [len(set(head) & set(first.tolist())) / 5 for layer in kept_positions(plain) for head in layer]
     assert ask_swap.needles_held(plain, first)["needles per head"] == sum(per_head) / len(per_head)
+
+
+def test_a_run_records_every_setting_per_document_and_a_rerun_skips_finished_documents(
+    smollm2, tmp_path, capsys, monkeypatch
+) -> None:
+    monkeypatch.setattr(ask_swap.kvevict, "load_model", lambda name: smollm2)  # loaded once per session
+    out = tmp_path / "swap.jsonl"
+    argv = ["--documents", "1", "--questions", "2", "--length", "300", "--new-tokens", "2", "--keep", "0.5"]
+    assert ask_swap.main([*argv, "--out", str(out)]) == 0
+    (record,) = map(json.loads, out.read_text().splitlines())
+    assert record["document"] == 0 and set(record["scores"]) == set(record["held"]) == set(ask_swap.SETTINGS)
+    assert all(len(scores) == 2 for scores in record["scores"].values())
+    assert all(held["needles per head"] == 1.0 for name, held in record["held"].items() if "needles first" in name)
+    assert ask_swap.main([*argv, "--out", str(out)]) == 0
+    assert len(out.read_text().splitlines()) == 1
+    assert "kvzip ranking, gates counts" in capsys.readouterr().out
+
+
+def test_bad_arguments_are_refused_with_what_is_allowed(capsys) -> None:
+    with pytest.raises(SystemExit):
+        ask_swap.main(["--keep", "1.5", "--out", "x.jsonl"])
+    assert "--keep must be in (0, 1), got 1.5" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ask_swap.main(["--questions", "0", "--out", "x.jsonl"])
+    assert "--questions must be a positive integer, got 0" in capsys.readouterr().err
