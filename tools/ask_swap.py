@@ -8,7 +8,9 @@ from a copy of that compressed cache (saved and loaded, so no question sees anot
 - ``gates ranking, kvzip counts``: each head keeps as many entries as ``kvzip`` gave it, the gates' best
   of them; ``kvzip ranking, gates counts`` the other way round (the allocation against the ranking);
 - ``kvzip, needles first`` and ``fastkvzip, needles first``: the scorer's own, with every token of every
-  needle sentence ranked above the rest in every head (what keeping the needles everywhere does).
+  needle sentence ranked above the rest in every head (what keeping the needles everywhere does);
+- ``answers teacher``: the shipped gates' teacher as the scorer (``train-gates --teacher answers``: KVzip+'s
+  scores with every question and its answer teacher-forced in place of the repeat), in KVzip's pool.
 
     python tools/ask_swap.py --documents 6 --keep 0.1 --out results/ask-swap.jsonl
 
@@ -32,6 +34,7 @@ from tqdm import tqdm
 import kvevict
 from kvevict.bench.documents import ManyNeedles, documents, score
 from kvevict.bench.ruler import NEEDLE
+from kvevict.gates.train import ReadingKVzip
 from kvevict.generation import greedy_after, prefill, question_ids, split_prompt, stop_tokens_of
 from kvevict.policies.base import Method, Stages
 from kvevict.policies.fastkvzip import FastKVzip
@@ -45,6 +48,7 @@ SETTINGS = (
     "kvzip ranking, gates counts",
     "kvzip, needles first",
     "fastkvzip, needles first",
+    "answers teacher",
 )
 FIRST = 10.0
 """Added to a needle token's score by ``needles first``: above any score either scorer gives (≤ 1)."""
@@ -72,7 +76,7 @@ def variant(scorer: type[Method]) -> type[Method]:
     return Variant
 
 
-GATES, REPEAT = variant(FastKVzip), variant(KVzip)
+GATES, REPEAT, READING = variant(FastKVzip), variant(KVzip), variant(ReadingKVzip)
 
 
 def compressed(
@@ -84,7 +88,7 @@ def compressed(
     first: torch.Tensor | None = None,
     **params: object,
 ) -> tuple[kvevict.EvictionCache, list[torch.Tensor]]:
-    """``context`` ``[1, n]`` compressed at ``keep`` by ``scorer`` (:data:`GATES` or :data:`REPEAT`, with
+    """``context`` ``[1, n]`` compressed at ``keep`` by ``scorer`` (:data:`GATES`, :data:`REPEAT` or :data:`READING`, with
     ``params``) in its pool, or in another pass's per-head ``counts``; and the counts it used."""
     cache = kvevict.EvictionCache(model, Policy(scorer(CountsFrom(counts), first, **params), []), keep=keep)
     with torch.inference_mode():
@@ -121,6 +125,21 @@ def needles_held(cache: kvevict.EvictionCache, needles: torch.Tensor) -> dict[st
             kept, on_needles = kept + int(real.sum()), on_needles + hit
             per_head.append(hit / len(needles))
     return {"on needles": on_needles / kept, "needles per head": sum(per_head) / len(per_head)}
+
+
+def readings(tokenizer: Any, document: Sequence[Any]) -> list[torch.Tensor]:
+    """What the answers teacher reads of a document (as ``train-gates`` builds it): each question, its answer
+    prefix and its answer, ``[1, r]`` each."""
+    return [
+        torch.cat(
+            [
+                question_ids(tokenizer, sample.question, sample.answer_prefix),
+                tokenizer(f" {sample.answers[0]}.", add_special_tokens=False, return_tensors="pt").input_ids,
+            ],
+            dim=-1,
+        )
+        for sample in document
+    ]
 
 
 def answers(
@@ -164,6 +183,11 @@ def run_document(
         ask("kvzip ranking, gates counts", lambda: compressed(model, context, REPEAT, keep, gates_counts))
         ask("kvzip, needles first", lambda: compressed(model, context, REPEAT, keep, first=needles))
         ask("fastkvzip, needles first", lambda: compressed(model, context, GATES, keep, first=needles))
+        read = readings(tokenizer, document)
+        ask(
+            "answers teacher",
+            lambda: compressed(model, context, READING, keep, readings=read, plus=True, precision="fp32"),
+        )
     return result
 
 

@@ -111,3 +111,12 @@ def test_bad_arguments_are_refused_with_what_is_allowed(capsys) -> None:
     with pytest.raises(SystemExit):
         ask_swap.main(["--questions", "0", "--out", "x.jsonl"])
     assert "--questions must be a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_the_teachers_readings_are_each_question_then_its_answer(tokenizer) -> None:
+    document = documents(tokenizer, length=400, count=1, questions=3, seed=1)[0]
+    read = ask_swap.readings(tokenizer, document)
+    assert len(read) == 3
+    for reading, sample in zip(read, document, strict=True):
+        text = tokenizer.decode(reading[0])
+        assert sample.question in text and text.endswith(f"{sample.answer_prefix} {sample.answers[0]}.")
