@@ -2,7 +2,7 @@
 
 Each document (RULER's noise with ``--questions`` needles, every one asked; ``kvevict bench throughput
 --workload ask``'s documents) is compressed once per setting at ``--keep``, and each question is answered
-from a copy of that compressed cache (saved and loaded, so no question sees another's tokens). Six settings:
+from a copy of that compressed cache (saved and loaded, so no question sees another's tokens). Seven settings:
 
 - ``kvzip`` and ``fastkvzip``: as a user gets them (one pool over every layer and head, no floor);
 - ``gates ranking, kvzip counts``: each head keeps as many entries as ``kvzip`` gave it, the gates' best
@@ -51,7 +51,7 @@ SETTINGS = (
     "answers teacher",
 )
 FIRST = 10.0
-"""Added to a needle token's score by ``needles first``: above any score either scorer gives (≤ 1)."""
+"""Added to a needle token's score by ``needles first``: above any score the gates or KVzip give (≤ 1)."""
 
 
 def variant(scorer: type[Method]) -> type[Method]:
@@ -88,8 +88,9 @@ def compressed(
     first: torch.Tensor | None = None,
     **params: object,
 ) -> tuple[kvevict.EvictionCache, list[torch.Tensor]]:
-    """``context`` ``[1, n]`` compressed at ``keep`` by ``scorer`` (:data:`GATES`, :data:`REPEAT` or :data:`READING`, with
-    ``params``) in its pool, or in another pass's per-head ``counts``; and the counts it used."""
+    """``context`` ``[1, n]`` compressed at ``keep`` by ``scorer`` (:data:`GATES`, :data:`REPEAT` or
+    :data:`READING`, with ``params``) in its pool, or in another pass's per-head ``counts``; and the counts it
+    used."""
     cache = kvevict.EvictionCache(model, Policy(scorer(CountsFrom(counts), first, **params), []), keep=keep)
     with torch.inference_mode():
         prefill(model, context, cache)
