@@ -28,14 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from answer_oracle import CountsFrom  # tools/ (the directory of this script)
+from answer_oracle import CountsFrom, answered  # tools/ (the directory of this script)
 from tqdm import tqdm
 
 import kvevict
 from kvevict.bench.documents import ManyNeedles, documents, score
 from kvevict.bench.ruler import NEEDLE
-from kvevict.gates.train import ReadingKVzip
-from kvevict.generation import greedy_after, prefill, question_ids, split_prompt, stop_tokens_of
+from kvevict.gates.train import ReadingKVzip, answer_reading
+from kvevict.generation import prefill, question_ids, split_prompt
 from kvevict.policies.base import Method, Stages
 from kvevict.policies.fastkvzip import FastKVzip
 from kvevict.policies.kvzip import KVzip
@@ -128,36 +128,34 @@ def needles_held(cache: kvevict.EvictionCache, needles: torch.Tensor) -> dict[st
     return {"on needles": on_needles / kept, "needles per head": sum(per_head) / len(per_head)}
 
 
-def readings(tokenizer: Any, document: Sequence[Any]) -> list[torch.Tensor]:
-    """What the answers teacher reads of a document (as ``train-gates`` builds it): each question, its answer
-    prefix and its answer, ``[1, r]`` each."""
-    return [
-        torch.cat(
-            [
-                question_ids(tokenizer, sample.question, sample.answer_prefix),
-                tokenizer(f" {sample.answers[0]}.", add_special_tokens=False, return_tensors="pt").input_ids,
-            ],
-            dim=-1,
-        )
-        for sample in document
-    ]
+def tails(tokenizer: Any, document: Sequence[Any]) -> list[torch.Tensor]:
+    """What follows the compressed document for each question (:func:`~kvevict.generation.question_ids`):
+    the question, the end of the user turn, the generation prompt and the answer prefix, ``[1, t]`` each."""
+    return [question_ids(tokenizer, sample.question, sample.answer_prefix) for sample in document]
+
+
+def readings(tokenizer: Any, document: Sequence[Any], asked: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """What the answers teacher reads of a document, as ``train-gates`` builds it
+    (:func:`~kvevict.gates.train.answer_reading`): each question's tail in ``asked``, then its answer."""
+    return [answer_reading(tokenizer, tail, sample.answers) for tail, sample in zip(asked, document, strict=True)]
 
 
 def answers(
-    model: Any, tokenizer: Any, cache: kvevict.EvictionCache, document: Sequence[Any], scratch: Path, new_tokens: int
+    model: Any,
+    tokenizer: Any,
+    cache: kvevict.EvictionCache,
+    document: Sequence[Any],
+    asked: Sequence[torch.Tensor],
+    scratch: Path,
+    new_tokens: int,
 ) -> list[float]:
-    """Each question's score, its answer at most ``new_tokens`` long, from a copy of ``cache`` (which is
-    closed: freed)."""
+    """Each question's score, its answer at most ``new_tokens`` long after its tail in ``asked``, from a copy
+    of ``cache`` (which is closed: freed)."""
     path = cache.save(scratch / "document.kv")
     cache.close()
-    stops, scores = stop_tokens_of(model), []
-    for sample in document:
-        copy = kvevict.EvictionCache.load(path, model)
-        tail = question_ids(tokenizer, sample.question, sample.answer_prefix)
-        try:
-            tokens = greedy_after(model, copy, tail, new_tokens, stops)
-        finally:
-            copy.close()
+    scores = []
+    for sample, tail in zip(document, asked, strict=True):
+        tokens = answered(model, kvevict.EvictionCache.load(path, model), tail, new_tokens)
         scores.append(score(tokenizer.decode(tokens, skip_special_tokens=True), sample))
     return scores
 
@@ -169,13 +167,14 @@ def run_document(
     and where its entries went (``held``, :func:`needles_held`)."""
     context, _ = split_prompt(tokenizer, document[0].context)
     needles = needle_positions(tokenizer, context, document)
+    asked = tails(tokenizer, document)
     result: dict[str, dict[str, Any]] = {"scores": {}, "held": {}}
     with tempfile.TemporaryDirectory() as scratch:
 
         def ask(setting: str, build: Callable[[], tuple[kvevict.EvictionCache, Any]]) -> Any:
             cache, counts = build()
             result["held"][setting] = needles_held(cache, needles)
-            result["scores"][setting] = answers(model, tokenizer, cache, document, Path(scratch), new_tokens)
+            result["scores"][setting] = answers(model, tokenizer, cache, document, asked, Path(scratch), new_tokens)
             return counts
 
         repeat_counts = ask("kvzip", lambda: compressed(model, context, REPEAT, keep))
@@ -184,7 +183,7 @@ def run_document(
         ask("kvzip ranking, gates counts", lambda: compressed(model, context, REPEAT, keep, gates_counts))
         ask("kvzip, needles first", lambda: compressed(model, context, REPEAT, keep, first=needles))
         ask("fastkvzip, needles first", lambda: compressed(model, context, GATES, keep, first=needles))
-        read = readings(tokenizer, document)
+        read = readings(tokenizer, document, asked)
         ask(
             "answers teacher",
             lambda: compressed(model, context, READING, keep, readings=read, plus=True, precision="fp32"),

@@ -35,6 +35,7 @@ import multiprocessing
 import os
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -228,18 +229,18 @@ def varied_contexts(tokenizer: Any, config: TrainConfig) -> list[tuple[torch.Ten
             ids = tokenizer.encode(sample.context, add_special_tokens=False)
             kept = tokenizer.decode(ids[:length])  # a context cut to its length may lose a needle: not asked about
             readings = [
-                torch.cat(
-                    [
-                        split_prompt(tokenizer, sample.context, question, prefix)[1],
-                        _ids(tokenizer, f" {', '.join(values)}."),
-                    ],
-                    -1,
-                )
+                answer_reading(tokenizer, split_prompt(tokenizer, sample.context, question, prefix)[1], values)
                 for question, prefix, values in sample.metadata["readings"]
                 if all(value in kept for value in values)
             ]
         found.append((torch.tensor([ids[:length]]), readings))
     return found
+
+
+def answer_reading(tokenizer: Any, tail: torch.Tensor, values: Sequence[str]) -> torch.Tensor:
+    """What the answers teacher reads for one question: its ``tail`` ``[1, t]`` (the question, the end of the user
+    turn, the generation prompt and the answer prefix) teacher-forced, then its answer, `` v1, v2.``."""
+    return torch.cat([tail, _ids(tokenizer, f" {', '.join(values)}.")], -1)
 
 
 def _ids(tokenizer: Any, text: str) -> torch.Tensor:

@@ -115,7 +115,7 @@ def test_bad_arguments_are_refused_with_what_is_allowed(capsys) -> None:
 
 def test_the_teachers_readings_are_each_question_then_its_answer(tokenizer) -> None:
     document = documents(tokenizer, length=400, count=1, questions=3, seed=1)[0]
-    read = ask_swap.readings(tokenizer, document)
+    read = ask_swap.readings(tokenizer, document, ask_swap.tails(tokenizer, document))
     assert len(read) == 3
     for reading, sample in zip(read, document, strict=True):
         text = tokenizer.decode(reading[0])
