@@ -34,6 +34,7 @@ from kvevict.policies.params import Param, choice, declare, flag, integer
 from kvevict.signals import (
     COLUMN_SUM_CHUNK,
     LogitSpec,
+    SlidingWindow,
     as_dtype,
     as_float32,
     as_spec,
@@ -71,6 +72,7 @@ def reconstruction_scores(
     query_weights: torch.Tensor | None = None,
     chunk: int = COLUMN_SUM_CHUNK,
     products: torch.dtype | None = None,
+    window: SlidingWindow | None = None,
 ) -> torch.Tensor:
     """KVzip's score of the first ``context`` entries from one repeat pass, ``[B, Hkv, context]`` fp32.
 
@@ -80,10 +82,13 @@ def reconstruction_scores(
     each probability first multiplied by ``value_weights[b, h, i]`` and ``query_weights[b, j]``
     when given (KVzip+). Queries are taken ``chunk`` at a time: never an ``r × n`` matrix.
     ``products``: the dtype of the query–key products (:func:`attention_logits`; None: fp32).
+    ``window``: a sliding layer's; each repeat query sees only the entries inside it, as the
+    model's own attention does (an entry no repeat query sees scores 0).
     """
     best = query.new_zeros(*query.shape[:2], context, dtype=torch.float32)
-    for start, stop, rows, visible, _ in query_chunks(query, keys, None, chunk):
-        probs = attention_rows(rows, visible, scaling, products=products)[..., :context]  # [B, Hq, rows, context]
+    for start, stop, rows, keys_seen, _ in query_chunks(query, keys, None, chunk):
+        inside = None if window is None else window.visible(start, stop, keys_seen.shape[-2])
+        probs = attention_rows(rows, keys_seen, scaling, visible=inside, products=products)[..., :context]
         if query_weights is not None:
             probs = probs * query_weights[:, None, start:stop, None]
         if value_weights is not None:
@@ -457,6 +462,7 @@ class KVzip(Method):
                     value_weights=value_weights,
                     query_weights=query_weights,
                     products=products,
+                    window=SlidingWindow.of(view, view.num_new),
                 )
             old = memo.get(SCORES)
             memo[SCORES] = scores if old is None else torch.maximum(old, scores)

@@ -209,6 +209,28 @@ def test_scores_match_the_models_attention_while_it_repeats_the_context(plus: bo
         assert torch.equal(layer.positions.sort(dim=-1).values, expected)  # slots are not in position order
 
 
+def test_a_sliding_layer_scores_what_its_repeat_queries_see_through_the_window() -> None:
+    """A sliding layer's repeat queries see only the entries inside their window, so an entry's score is
+    the max of the probabilities the model gives it there (taken from the eager attention of one plain
+    forward over context + repeat), not of probabilities over every entry the layer holds."""
+    model = tiny_model("gemma3", attn="eager")  # a sliding layer of window 48, then a full layer
+    n, budget = 40, 12  # every context entry is inside the window of the first few repeat queries
+    ids = prompt(n)
+    policy = kvevict.make_policy("kvzip", per_layer=True, precision="fp32")  # bf16 would round the probabilities
+    cache = kvevict.EvictionCache(model, policy, budget=budget)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no tokenizer for the tiny model: the bare context is repeated
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache)
+            out = model(input_ids=torch.cat([ids, ids], dim=-1), output_attentions=True)
+    for idx, layer in enumerate(cache.eviction_layers):
+        probs = out.attentions[idx][:, :, n:, :n].float()  # repeat queries over context entries
+        scores = probs.amax(dim=2).reshape(1, 2, 2, n).amax(dim=2)
+        scores[..., :4] = float("inf")  # sinks
+        expected = scores.topk(budget, dim=-1).indices.sort(dim=-1).values
+        assert torch.equal(layer.positions.sort(dim=-1).values, expected), f"layer {idx}"
+
+
 def test_a_layer_the_repeat_pass_grew_but_kvzip_does_not_evict_gives_the_room_back() -> None:
     model = tiny_model("gemma3")  # a sliding layer of window 48, then a full layer
     cache = kvevict.EvictionCache(model, kvevict.make_policy("kvzip", per_layer=True), budget=56)
