@@ -9,7 +9,8 @@ input is a repeat instruction and the context itself, fed over the cache in chun
     s_i = max over repeat queries j and the query heads h of the group of  A_h(j, i)
 
 where ``A`` is the repeat query's attention probability (softmax over the context entries
-plus the repeat tokens, causal within the repeat). With ``plus=True`` the probability is
+plus the repeat tokens, causal within the repeat; in a sliding-window layer, over those inside
+the query's window, as the model reads them). With ``plus=True`` the probability is
 weighted by ``‖W_O^h v_i‖₂ / ‖h_j‖₂`` (the value as head ``h`` writes it to the residual
 stream, over the norm of that stream at the repeat token: the decoder layer's input). The
 repeat pass's own entries are dropped afterwards (:meth:`EvictionCache.scoring_pass`), the
