@@ -173,6 +173,15 @@ def test_repeat_chunks_restart_from_the_end_of_the_previous_chunk() -> None:
     assert [c.tolist()[0] for c in chunks] == [[1, 3, 10, 11], [2, 11, 3, 12, 13], [2, 13, 3, 14]]
 
 
+def kept_by_reconstruction(probs: torch.Tensor, budget: int) -> torch.Tensor:
+    """The positions ``[1, 2, budget]`` (sorted) each KV head of a tiny model keeps under a per-head budget, from
+    its repeat queries' probabilities over the context ``[1, 4, r, n]``: the 4 sinks, then the top of the max over
+    the queries and the GQA group of 2."""
+    scores = probs.amax(dim=2).reshape(1, 2, 2, probs.shape[-1]).amax(dim=2)
+    scores[..., :4] = float("inf")  # sinks
+    return scores.topk(budget, dim=-1).indices.sort(dim=-1).values
+
+
 @pytest.mark.parametrize("plus", [False, True])
 def test_scores_match_the_models_attention_while_it_repeats_the_context(plus: bool) -> None:
     """Per-layer budgets: each head keeps its sinks and the top reconstruction scores, taken
@@ -203,9 +212,7 @@ def test_scores_match_the_models_attention_while_it_repeats_the_context(plus: bo
             o_proj = model.model.layers[idx].self_attn.o_proj.weight
             norms = torch.stack([values[:, h] @ o_proj[:, h * 16 : (h + 1) * 16].T for h in range(4)], 1).norm(dim=-1)
             probs = probs * norms[:, :, None, :] / inputs[idx][:, n:].norm(dim=-1)[:, None, :, None]
-        scores = probs.amax(dim=2).reshape(1, 2, 2, n).amax(dim=2)
-        scores[..., :4] = float("inf")  # sinks
-        expected = scores.topk(budget, dim=-1).indices.sort(dim=-1).values
+        expected = kept_by_reconstruction(probs, budget)
         assert torch.equal(layer.positions.sort(dim=-1).values, expected)  # slots are not in position order
 
 
@@ -225,9 +232,7 @@ def test_a_sliding_layer_scores_what_its_repeat_queries_see_through_the_window()
             out = model(input_ids=torch.cat([ids, ids], dim=-1), output_attentions=True)
     for idx, layer in enumerate(cache.eviction_layers):
         probs = out.attentions[idx][:, :, n:, :n].float()  # repeat queries over context entries
-        scores = probs.amax(dim=2).reshape(1, 2, 2, n).amax(dim=2)
-        scores[..., :4] = float("inf")  # sinks
-        expected = scores.topk(budget, dim=-1).indices.sort(dim=-1).values
+        expected = kept_by_reconstruction(probs, budget)
         assert torch.equal(layer.positions.sort(dim=-1).values, expected), f"layer {idx}"
 
 
