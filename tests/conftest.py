@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -154,10 +155,26 @@ def build_policy(name: str, **params):
         params.setdefault("gates", "initial")
     if name.split("[")[0].split("+")[-1] == "qfilters":
         params.setdefault("filters", tiny_qfilters())
+    if "repeat=shuffled" in name:  # the repeat's sentences are found by their text
+        params.setdefault("tokenizer", tiny_tokenizer())
     if name.split("[")[0].split("+")[-1] == "duoattention":
         params.setdefault("roles", tiny_duo_gates())
         params.setdefault("sinks", 4)
     return kvevict.make_policy(name, **params)
+
+
+@functools.cache
+def tiny_tokenizer():
+    """A word-level tokenizer over the tiny models' vocabulary (the library's, no model's):
+    ``[UNK]`` is 0, every eighth token ends a sentence (``w7.``, ``w15.``, ...), the rest are words."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0} | {f"w{index}" + ("." if index % 8 == 7 else ""): index for index in range(1, VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")  # (joins words with spaces)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
 
 
 def head_positions(layer, row: int) -> list[list[int]]:

@@ -17,6 +17,11 @@ repeat pass's own entries are dropped afterwards (:meth:`EvictionCache.scoring_p
 sinks are kept, and the bottom entries of all layers and heads together are evicted (one
 pool of ``L·H·B``, no per-head floor, as the paper) or, with ``per_layer=True``, each head
 keeps its own budget.
+
+``repeat=shuffled`` (not the paper's) repeats the context's sentences in a seeded random order
+instead of in order, so the repeat must find each sentence's next words by their content, as a
+question finds its answer, rather than copy on from the previous position (docs/fastkvzip.md,
+round 40).
 """
 
 from __future__ import annotations
@@ -61,6 +66,11 @@ per KV head at 2k) stay in a core's cache through the block's six passes; 256 sp
 on this CPU, docs/fastkvzip.md)."""
 FIRST_INSTRUCTION = "\n\nRepeat the previous context exactly."
 NEXT_INSTRUCTION = "\n\nRepeat the part of the previous context exactly, starting with"
+SENTENCE_ENDS = (".", "!", "?")
+"""A token ends a sentence (``repeat=shuffled``) when its text, stripped of trailing spaces, ends with one of these
+or it holds a line break."""
+SHUFFLE_SEED = 0
+"""The seed of ``repeat=shuffled``'s sentence order: the same context always gets the same repeat."""
 
 
 def reconstruction_scores(
@@ -189,6 +199,33 @@ def attend_and_score(
     return output, group_reduce(best, hkv, "max")
 
 
+def sentence_ends(tokenizer: Any, token_ids: list[int]) -> list[bool]:
+    """Whether each token ends a sentence (:data:`SENTENCE_ENDS`), from its own text. Blank tokens
+    right after an end (a line break after ``?``) belong to the sentence they follow."""
+    texts = tokenizer.batch_decode([[token] for token in token_ids])
+    ends = ["\n" in text or text.rstrip().endswith(SENTENCE_ENDS) for text in texts]
+    for index in range(len(texts) - 1):
+        if ends[index] and not texts[index + 1].strip():
+            ends[index], ends[index + 1] = False, True
+    return ends
+
+
+def shuffled_sentences(context_ids: torch.Tensor, ends: list[bool], seed: int = SHUFFLE_SEED) -> torch.Tensor:
+    """``context_ids`` ``[1, n]`` with its sentences in a seeded random order (``repeat=shuffled``).
+
+    A sentence runs to a token ``ends`` marks, or to the end of the context. Every token
+    appears once, and a sentence's tokens stay together and in order."""
+    sentences, start = [], 0
+    for index, last in enumerate(ends):
+        if last:
+            sentences.append(context_ids[:, start : index + 1])
+            start = index + 1
+    if start < len(ends):
+        sentences.append(context_ids[:, start:])
+    order = torch.randperm(len(sentences), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.cat([sentences[index] for index in order], dim=-1) if sentences else context_ids
+
+
 def repeat_chunks(
     context_ids: torch.Tensor,
     first: torch.Tensor,
@@ -236,6 +273,10 @@ class KVzip(Method):
     in different orders): on SmolLM2, 99.4–99.6 % of the entries fp32 keeps, and near-tied ones
     otherwise. ``precision=fp32`` keeps the same entries on every CPU.
 
+    ``repeat``: ``context`` (default, the paper's) repeats the context in order; ``shuffled``
+    repeats its sentences (ending at ``.``, ``!``, ``?`` or a line break) in an order seeded by
+    :data:`SHUFFLE_SEED`, each sentence whole (:func:`shuffled_sentences`; needs a tokenizer).
+
     Chunked prefill (``per_layer=True`` only; docs/fastkvzip.md, round 3): after each chunk's
     forward the chunk alone is repeated over the retained entries and the chunk, every entry
     keeps the max of its scores over the repeats it saw (per-token state), and each head is
@@ -258,6 +299,7 @@ class KVzip(Method):
         sinks=integer(4),
         precision=choice("auto", "auto", "fp32", "bf16"),
         instruction=Param(FIRST_INSTRUCTION, "a string", lambda v: isinstance(v, str)),
+        repeat=choice("context", "context", "shuffled"),
     )
 
     def __init__(self, *, tokenizer: Any = None, **params: object):
@@ -313,6 +355,11 @@ class KVzip(Method):
         tokenizer = self._tokenizer if self._tokenizer is not None else tokenizer_of(decoder)
         empty = input_ids.new_zeros(1, 0)
         if tokenizer is None:
+            if self.repeat == "shuffled":
+                raise ValueError(
+                    "kvzip[repeat=shuffled] needs a tokenizer to find the context's sentences; load the model with "
+                    "kvevict.load_model or give kvzip a tokenizer="
+                )
             if self.instruction:
                 warnings.warn(
                     "kvzip: no tokenizer is known for this model, so the repeat pass feeds the bare context without "
@@ -334,6 +381,8 @@ class KVzip(Method):
         start = ids(prefix).shape[-1] if prefix else 0
         template = ids(prefix).to(input_ids.device)
         context = input_ids[:, start:] if start and torch.equal(input_ids[:, :start], template) else input_ids
+        if self.repeat == "shuffled":
+            context = shuffled_sentences(context, sentence_ends(tokenizer, context[0].tolist()))
         first = ids(self.instruction).to(input_ids.device) if self.instruction else empty
         later = ids(NEXT_INSTRUCTION).to(input_ids.device) if self.instruction else empty
         return repeat_chunks(context, first, later, ids(suffix).to(input_ids.device), self.chunk, self.overlap)

@@ -29,6 +29,7 @@ POLICIES = [
     "kvzip[plus=true]",
     "kvzip[per_layer=true]",
     "kvzip[precision=bf16]",
+    "kvzip[repeat=shuffled]",
     "chunk+keydiff",
     "chunk+snapkv[chunk.reuse=2]",
     "rerotate+streamingllm",

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 import kvevict
-from kvevict.policies.kvzip import attend_and_score, causal_attention, reconstruction_scores, repeat_chunks
+from kvevict.policies.kvzip import (
+    attend_and_score,
+    causal_attention,
+    reconstruction_scores,
+    repeat_chunks,
+    sentence_ends,
+    shuffled_sentences,
+)
 from kvevict.signals import causal_mask
 from tests.conftest import (
     assert_next_logits_match_reference,
@@ -317,6 +324,37 @@ def test_kvzip_uses_the_tokenizer_loaded_with_the_model(tokenizer) -> None:
     assert text.endswith("assistant\nalpha beta")  # the template's prefix is not repeated
 
 
+def test_shuffled_sentences_keep_each_sentence_whole_in_a_seeded_order() -> None:
+    context = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17]])
+    ends = [False, True, False, False, True, False, False, False]  # [10 11] [12 13 14] [15 16 17]: the last unended
+    order = torch.randperm(3, generator=torch.Generator().manual_seed(0)).tolist()
+    sentences = [[10, 11], [12, 13, 14], [15, 16, 17]]
+    expected = [token for index in order for token in sentences[index]]
+    assert shuffled_sentences(context, ends).tolist() == [expected]
+    assert sorted(expected) == context[0].tolist() and expected != context[0].tolist()
+    assert shuffled_sentences(context, ends, seed=1).tolist() != [expected]  # another seed, another order
+    assert shuffled_sentences(context, [False] * 8).tolist() == context.tolist()  # one sentence: as it was
+
+
+def test_a_shuffled_repeat_feeds_the_contexts_sentences_out_of_order(tokenizer) -> None:
+    from kvevict.policies.kvzip import KVzip
+
+    sentences = ["Alpha beta.", " Gamma delta!", " Epsilon zeta?\n", "Eta theta.", " Iota kappa.", " Lambda mu."]
+    text = "".join(sentences)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    assert sum(sentence_ends(tokenizer, ids[0].tolist())) == 6
+    model = tiny_model(vocab=len(tokenizer))
+    (plain,) = KVzip(tokenizer=tokenizer).repeat_inputs(model.model, ids)
+    (shuffled,) = KVzip(tokenizer=tokenizer, repeat="shuffled").repeat_inputs(model.model, ids)
+    lead = plain.shape[-1] - ids.shape[-1]
+    assert torch.equal(shuffled[:, :lead], plain[:, :lead])  # the same instruction, then the context reordered
+    assert sorted(shuffled[0, lead:].tolist()) == sorted(ids[0].tolist()) and not torch.equal(shuffled[:, lead:], ids)
+    repeated = tokenizer.decode(shuffled[0, lead:])
+    assert all(sentence.strip() in repeated for sentence in sentences) and repeated != text
+    with pytest.raises(ValueError, match=r"repeat=shuffled\] needs a tokenizer"):
+        KVzip(repeat="shuffled").repeat_inputs(tiny_model().model, ids[:, :4] % 64)
+
+
 def test_bad_parameters_say_what_is_allowed() -> None:
     with pytest.raises(ValueError, match="chunk"):
         kvevict.make_policy("kvzip", chunk=0)
@@ -325,6 +363,8 @@ def test_bad_parameters_say_what_is_allowed() -> None:
     kvevict.make_policy("kvzip", sinks=0, per_layer=True)
     with pytest.raises(ValueError, match="precision.*one of 'auto', 'fp32', 'bf16'"):
         kvevict.make_policy("kvzip", precision="fp16")
+    with pytest.raises(ValueError, match="repeat.*one of 'context', 'shuffled'"):
+        kvevict.make_policy("kvzip", repeat="reversed")
 
 
 def test_a_prompt_in_chunks_is_repeated_and_evicted_chunk_by_chunk() -> None:
