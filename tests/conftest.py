@@ -165,7 +165,7 @@ def build_policy(name: str, **params):
 
 @functools.cache
 def tiny_tokenizer():
-    """A word-level tokenizer over the tiny models' vocabulary (the library's, no model's):
+    """A word-level tokenizer over the tiny models' vocabulary, built with the tokenizers library:
     ``[UNK]`` is 0, every eighth token ends a sentence (``w7.``, ``w15.``, ...), the rest are words."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
