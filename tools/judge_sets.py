@@ -4,6 +4,7 @@ The first seven (192 samples) hold at most four needles a context, the eighth (r
 
     python tools/judge_sets.py run all --policies full,fastkvzip --out results/judged
     python tools/judge_sets.py pool results/judged      # answers per set and policy, and the pooled share of full's
+    python tools/judge_sets.py pool results/judged --policies kvzip   # kvzip and full only, on the samples both ran
 
 ``run`` benches each set into OUT/SET with its own seed and samples (resumable, as `kvevict bench` is); arguments
 after the set and ``--out`` go to the bench (``--model gemma3 --max-new-tokens 32``). The sets are registered only
@@ -15,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvevict.bench.needles import TASKS, Family, NeedleTask
-from kvevict.bench.report import sample_scores
+from kvevict.bench.report import policy_label, sample_scores
 from kvevict.gates.judged import SETTINGS
 
 
@@ -126,23 +127,31 @@ def bench_args(name: str, out: Path, extra: Sequence[str] = ()) -> list[str]:
             "--keep", "0.25,0.1", "--out", str(out / name), *extra]  # fmt: skip
 
 
-def answers(rows: Sequence[dict]) -> dict[tuple[str, float | None], float]:
+def answers(rows: Sequence[dict], policies: Collection[str] = ()) -> dict[tuple[str, float | None], float]:
     """Answers (summed scores) per setting (the policy labelled as `train-gates --judged` labels it: quantized,
-    query-aware or interval runs named) and keep, over the samples every setting ran."""
+    query-aware or interval runs named) and keep, over the samples every setting ran. ``policies``: only these
+    labels' settings and the full cache's (default: all), so a policy run on fewer samples does not shrink the rest."""
+    if policies:
+        rows = [row for row in rows if policy_label(row, SETTINGS) in {*policies, "full"}]
     ran = sample_scores(rows, SETTINGS)
     common = set.intersection(*(set(scores) for scores in ran.values())) if ran else set()
     return {setting: sum(scores[sample] for sample in common) for setting, scores in ran.items()}
 
 
-def pool(out: Path) -> str:
-    """A table of each set's answers per setting, and every setting's pooled share of the full cache's."""
-    per_set = {}
+def pool(out: Path, policies: Collection[str] = ()) -> str:
+    """A table of each set's answers per setting, and every setting's pooled share of the full cache's
+    (``policies``: only these and the full cache, as :func:`answers`)."""
+    per_set, labels = {}, set()
     for name in SETS:
         results = out / name / "results.jsonl"
         if results.exists():
-            per_set[name] = answers([json.loads(line) for line in results.read_text().splitlines() if line.strip()])
+            rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
+            labels |= {policy_label(row, SETTINGS) for row in rows}
+            per_set[name] = answers(rows, policies)
     if not per_set:
         raise SystemExit(f"no results under {out}; run `python tools/judge_sets.py run SETS --out {out}` first")
+    if missing := [name for name in policies if name not in labels]:
+        raise SystemExit(f"no results of {missing[0]!r} under {out}; found {', '.join(sorted(labels))}")
     settings = sorted({setting for found in per_set.values() for setting in found}, key=str)
     if ("full", None) not in settings:
         raise SystemExit(f"no 'full' results under {out}: the shares need the full cache's answers on the same samples")
@@ -164,9 +173,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--out", type=Path, required=True)
     summary = commands.add_parser("pool", help="answers per set and setting, and the pooled share of full's")
     summary.add_argument("out", type=Path)
+    summary.add_argument(
+        "--policies", default="", help="comma-separated policies to pool with the full cache, on the samples all ran"
+    )
     args, extra = parser.parse_known_args(argv)
     if args.command == "pool":
-        print(pool(args.out))
+        print(pool(args.out, [name for name in args.policies.split(",") if name]))
         return 0
     names = list(SETS) if args.sets == "all" else args.sets.split(",")
     if unknown := [name for name in names if name not in SETS]:

@@ -58,6 +58,11 @@ def test_answers_count_only_the_samples_every_setting_ran() -> None:
     assert judge_sets.answers(rows) == {("full", None): 1.5, ("fastkvzip", 0.1): 1.0}
 
 
+def test_answers_of_chosen_policies_count_the_samples_those_ran_not_the_others() -> None:
+    rows = _rows("full", None, [1.0, 0.5, 1.0]) + _rows("fastkvzip", 0.1, [1.0, 0.0]) + _rows("kvzip", 0.1, [0, 1, 1])
+    assert judge_sets.answers(rows, ["kvzip"]) == {("full", None): 2.5, ("kvzip", 0.1): 2.0}
+
+
 def test_answers_keep_a_quantized_setting_apart_from_the_full_precision_one() -> None:
     rows = (
         _rows("full", None, [1.0, 1.0])
@@ -87,3 +92,8 @@ def test_an_unknown_set_or_a_folder_without_results_is_refused_in_one_line(tmp_p
     with pytest.raises(SystemExit, match="no results under") as error:
         judge_sets.main(["pool", str(tmp_path)])
     assert "\n" not in str(error.value)
+    (tmp_path / "sixth").mkdir()
+    rows = _rows("full", None, [1.0]) + _rows("fastkvzip", 0.1, [1.0])
+    (tmp_path / "sixth" / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(SystemExit, match="no results of 'kvzip' under .*; found fastkvzip, full$"):
+        judge_sets.main(["pool", str(tmp_path), "--policies", "kvzip"])
