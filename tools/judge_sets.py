@@ -23,6 +23,7 @@ from pathlib import Path
 from kvevict.bench.needles import TASKS, Family, NeedleTask
 from kvevict.bench.report import policy_label, sample_scores
 from kvevict.gates.judged import SETTINGS
+from kvevict.policies import split_names
 
 
 @dataclass(frozen=True)
@@ -174,11 +175,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = commands.add_parser("pool", help="answers per set and setting, and the pooled share of full's")
     summary.add_argument("out", type=Path)
     summary.add_argument(
-        "--policies", default="", help="comma-separated policies to pool with the full cache, on the samples all ran"
+        "--policies", type=split_names, default=(), help="policies to pool with the full cache, on the samples all ran"
     )
     args, extra = parser.parse_known_args(argv)
     if args.command == "pool":
-        print(pool(args.out, [name for name in args.policies.split(",") if name]))
+        print(pool(args.out, args.policies))
         return 0
     names = list(SETS) if args.sets == "all" else args.sets.split(",")
     if unknown := [name for name in names if name not in SETS]:

@@ -95,5 +95,5 @@ def test_an_unknown_set_or_a_folder_without_results_is_refused_in_one_line(tmp_p
     (tmp_path / "sixth").mkdir()
     rows = _rows("full", None, [1.0]) + _rows("fastkvzip", 0.1, [1.0])
     (tmp_path / "sixth" / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    with pytest.raises(SystemExit, match="no results of 'kvzip' under .*; found fastkvzip, full$"):
-        judge_sets.main(["pool", str(tmp_path), "--policies", "kvzip"])
+    with pytest.raises(SystemExit, match=r"no results of 'kvzip\[a=1,b=2\]' under .*; found fastkvzip, full$"):
+        judge_sets.main(["pool", str(tmp_path), "--policies", "fastkvzip,kvzip[a=1,b=2]"])
