@@ -22,8 +22,8 @@ from pathlib import Path
 
 from kvevict.bench.needles import TASKS, Family, NeedleTask
 from kvevict.bench.report import policy_label, sample_scores
+from kvevict.commands.common import names as policy_names
 from kvevict.gates.judged import SETTINGS
-from kvevict.policies import split_names
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = commands.add_parser("pool", help="answers per set and setting, and the pooled share of full's")
     summary.add_argument("out", type=Path)
     summary.add_argument(
-        "--policies", type=split_names, default=(), help="policies to pool with the full cache, on the samples all ran"
+        "--policies", type=policy_names, default=(), help="policies to pool with the full cache, on the samples all ran"
     )
     args, extra = parser.parse_known_args(argv)
     if args.command == "pool":
