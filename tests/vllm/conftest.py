@@ -71,6 +71,10 @@ def engine(model: Path, policy: str | None = None, blocks: int | None = None, **
     import kvevict.vllm
 
     args = {**ENGINE_ARGS, **({} if blocks is None else {"num_gpu_blocks_override": blocks})}
+    # vLLM collects the whole heap several times while an engine starts (about half a second each with vLLM,
+    # transformers and the tests' models loaded); what lives before it need not be scanned again. Its shutdown
+    # unfreezes it all, so nothing stays uncollectable.
+    gc.freeze()
     if policy is None:
         llm = vllm.LLM(model=str(model), enforce_eager=True, **kvevict.vllm.ENGINE_FLAGS, **args)  # as the plug-in runs
     else:

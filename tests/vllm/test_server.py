@@ -22,6 +22,8 @@ openai = pytest.importorskip("openai")
 
 from tests.vllm.conftest import ENGINE_ARGS, engine
 
+pytestmark = pytest.mark.xdist_group("vllm-serve")  # under `make test`'s workers: one server, on one of them
+
 SETTINGS = {"policy": "tova", "budget": 48, "interval": 8}
 """A decode-time policy that evicts several times within each answer below."""
 NEW_TOKENS = 40
