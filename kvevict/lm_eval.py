@@ -36,6 +36,8 @@ again alone (KVzip in bf16) would pay a prefill more per row: both run one reque
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -56,6 +58,7 @@ from kvevict.policies import make_policy
 
 try:
     from lm_eval.__main__ import cli_evaluate
+    from lm_eval._cli.utils import MergeDictAction
     from lm_eval.api.registry import register_model
     from lm_eval.models.huggingface import HFLM
 except ModuleNotFoundError as err:  # the optional extra
@@ -136,6 +139,24 @@ def _refuse_unknown(args: dict[str, Any]) -> None:
             f"unknown model arg{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
             f"allowed: {', '.join(KVEVICT_ARGS + HARNESS_ARGS)}"
         )
+
+
+class _Refusing(argparse.ArgumentParser):
+    def error(self, message: str):  # a malformed --model_args: one line, as a bad model arg
+        raise ValueError(message)
+
+
+def refuse_bad_model_args(argv: Sequence[str]) -> None:
+    """Refuse what :class:`KvevictLM` would refuse in ``--model_args`` (an argument it does not take,
+    bad eviction settings) before lm-eval indexes its tasks and loads the model: seconds, not tens of
+    seconds. They are parsed by lm-eval's own action, so they are read as lm-eval then reads them."""
+    parser = _Refusing(add_help=False, allow_abbrev=False)
+    parser.add_argument("--model_args", "-a", nargs="+", action=MergeDictAction, default=None)
+    given = parser.parse_known_args(list(argv))[0].model_args or {}
+    _refuse_unknown({name: value for name, value in given.items() if name not in KVEVICT_ARGS})
+    CacheSettings(
+        **{field.name: given[field.name] for field in dataclasses.fields(CacheSettings) if field.name in given}
+    )
 
 
 @register_model("kvevict")
@@ -339,6 +360,8 @@ def main(argv: Sequence[str]) -> int:
     saved = sys.argv
     sys.argv = ["lm-eval", *args]
     try:
+        if args[0] == "run":
+            refuse_bad_model_args(args)
         cli_evaluate()
     except (ValueError, TypeError) as err:  # bad model args, a malformed task: one line
         print(f"kvevict lm-eval: error: {err}", file=sys.stderr)

@@ -43,11 +43,29 @@ def test_without_the_extra_it_exits_2_naming_it(monkeypatch, capsys) -> None:
 
 
 @needs_lm_eval
-def test_the_command_line_refuses_bad_model_args_in_one_line(capsys) -> None:
-    assert cli_main(["lm-eval", "--model_args", "pretrained=smollm2,colour=red", "--tasks", SHORT]) == 2
-    error = capsys.readouterr().err.strip().splitlines()[-1]
-    assert error.startswith("kvevict lm-eval: error: unknown model arg colour; allowed: pretrained,")
+@pytest.mark.parametrize(
+    ("model_args", "message"),
+    [
+        (["pretrained=smollm2,colour=red"], "unknown model arg colour; allowed: pretrained, tokenizer, policy,"),
+        (
+            ["pretrained=smollm2", "policy=snapkv"],
+            "policy 'snapkv' needs model arg budget= (tokens) or keep= (fraction)",
+        ),
+        (["policy=snapkv,budget=0"], "model arg budget must be an integer >= 1, got 0"),
+        (["policy=snapkv,budget"], "argument --model_args: expected `key=value`, got 'budget'"),
+    ],
+)
+def test_the_command_line_refuses_bad_model_args_in_one_line(model_args: list[str], message: str, capsys) -> None:
+    """Before lm-eval looks its tasks up (this one does not exist) or loads the model."""
+    assert cli_main(["lm-eval", "--model_args", *model_args, "--tasks", "no_such_task"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith(f"kvevict lm-eval: error: {message}") and error.count("\n") == 1
+
+
+@needs_lm_eval
+def test_another_model_is_refused_in_one_line(capsys) -> None:
     assert cli_main(["lm-eval", "--model", "hf", "--tasks", SHORT]) == 2
+    assert capsys.readouterr().err == "kvevict lm-eval: error: the model is kvevict (got --model hf)\n"
 
 
 @needs_lm_eval
