@@ -16,7 +16,10 @@ from kvevict.lm_eval import TASKS, KvevictLM
 from tests.conftest import tiny_model
 
 LONG, SHORT, GENERATE, ROLLING = "kvevict_niah_long", "kvevict_niah_short", "kvevict_niah_long_gen", "kvevict_essays"
-pytestmark = pytest.mark.usefixtures("hub_offline")
+pytestmark = [
+    pytest.mark.usefixtures("hub_offline"),
+    pytest.mark.xdist_group("lm-eval"),  # under `make test`'s workers, lm-eval indexes its tasks (~10 s) on one
+]
 
 
 @pytest.fixture(scope="module")
