@@ -235,6 +235,29 @@ def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | str:
     return DTYPES[dtype]
 
 
+def resolve_device(device: str | torch.device | None) -> torch.device | None:
+    """``None`` (where the model loads: the CPU), or a device torch can place the model on here; anything else is
+    refused before the model loads, in one line, rather than by torch half-way (``"gpu"``, ``"cuda"`` on a machine
+    without CUDA, ``"cuda:3"`` on one with two GPUs)."""
+    if device is None:
+        return None
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}; use cpu, cuda, cuda:N or mps") from None
+    available = {
+        "cuda": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "mps": int(torch.backends.mps.is_available()),
+    }
+    if resolved.type in available and (resolved.index or 0) >= available[resolved.type]:
+        count = available[resolved.type]
+        raise ValueError(
+            f"device {str(resolved)!r} is not available: torch sees {count} {resolved.type} device(s) here; use cpu"
+            + (f" or {resolved.type}:0..{count - 1}" if count else "")
+        )
+    return resolved
+
+
 MODEL_SOURCES = (
     "'smollm2' (the embedded SmolLM2-135M-Instruct), a local directory with a config.json, "
     "or a Hugging Face hub id such as 'HuggingFaceTB/SmolLM2-135M-Instruct'"
@@ -286,6 +309,7 @@ def load_model(
     and caches; both offline. Any
     other value is a hub id or a local directory for ``from_pretrained``.
     """
+    device = resolve_device(device)
     source = checkpoint_of(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(

@@ -19,7 +19,14 @@ from transformers import (
 import kvevict
 from kvevict import models
 from kvevict.cli import main
-from kvevict.models import TESTED_MODEL_TYPES, RotaryTable, check_supported, resolve_dtype, smollm2_gguf
+from kvevict.models import (
+    TESTED_MODEL_TYPES,
+    RotaryTable,
+    check_supported,
+    resolve_device,
+    resolve_dtype,
+    smollm2_gguf,
+)
 from tests.conftest import COMMON, greedy, prompt, reference_logits, tiny_model
 
 REFUSED = {
@@ -144,6 +151,35 @@ def test_dtype_names(given, expected) -> None:
 def test_unknown_dtype_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
         resolve_dtype("fp8")
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"), [(None, None), ("cpu", torch.device("cpu")), ("cpu:0", torch.device("cpu:0"))]
+)
+def test_device_names(given, expected) -> None:
+    assert resolve_device(given) == expected
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("gpu", "unknown device 'gpu'; use cpu, cuda, cuda:N or mps"),
+        ("cuda", "device 'cuda' is not available: torch sees 0 cuda device(s) here; use cpu"),
+        ("cuda:2", "device 'cuda:2' is not available: torch sees 2 cuda device(s) here; use cpu or cuda:0..1"),
+        ("mps", "device 'mps' is not available: torch sees 0 mps device(s) here; use cpu"),
+    ],
+)
+def test_a_device_torch_cannot_use_here_is_refused_in_one_line_before_the_model_loads(
+    device: str, message: str, monkeypatch
+) -> None:
+    gpus = 2 if device == "cuda:2" else 0  # as a machine with two GPUs, or none, would say
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    monkeypatch.setattr(kvevict.models, "checkpoint_of", lambda name: pytest.fail("the model was looked up"))
+    with pytest.raises(ValueError) as refused:
+        kvevict.load_model("smollm2", device=device)
+    assert str(refused.value) == message
 
 
 def test_embedded_smollm2_ships_in_the_wheel() -> None:
