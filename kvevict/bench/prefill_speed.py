@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from kvevict.bench.clock import now
 from kvevict.bench.options import comma_separated
 from kvevict.bench.report import markdown_records
 from kvevict.bench.speed import paired_ratio
@@ -34,10 +34,10 @@ from kvevict.policies import make_policy, split_names
 POLICIES = ("snapkv", "expected-attention", "kvzip", "kvzip[precision=fp32]", "fastkvzip", "momentkv")
 
 
-def _seconds(run: Callable[..., object], *args: object, **kwargs: object) -> float:
-    start = time.perf_counter()
+def _seconds(device: torch.device, run: Callable[..., object], *args: object, **kwargs: object) -> float:
+    start = now(device)
     run(*args, **kwargs)
-    return time.perf_counter() - start
+    return now(device) - start
 
 
 def measure(
@@ -72,9 +72,9 @@ def measure(
             for _ in range(repeats):
                 for name in policies:
                     plain = with_cache(DynamicCache())
-                    plain_times[name].append(_seconds(model, input_ids=ids, **plain, logits_to_keep=1))
+                    plain_times[name].append(_seconds(model.device, model, input_ids=ids, **plain, logits_to_keep=1))
                     cache = EvictionCache(model, name, budget=budget, keep=keep)
-                    times[name].append(_seconds(prefill, model, ids, cache, chunk=chunk))
+                    times[name].append(_seconds(model.device, prefill, model, ids, cache, chunk=chunk))
                     kept[name] = cache.kept()
                     cache.close()
                     bar.update()
@@ -126,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time each policy's prefill (compression included) against a plain prefill of the same prompt.",
     )
     parser.add_argument("--model", default="smollm2", help="model name or path (default: the embedded smollm2)")
+    parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where the model loads)")
     parser.add_argument(
         "--policies", default=",".join(POLICIES), help=f"comma-separated policies (default: {','.join(POLICIES)})"
     )
@@ -157,7 +158,7 @@ def main(argv: Sequence[str]) -> int:
     policies = split_names(args.policies)
     for name in policies:
         make_policy(name)  # an unknown policy fails before the model loads
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, device=args.device)
     rows = measure(
         model,
         essay_prompts(tokenizer, args.lengths),

@@ -30,7 +30,6 @@ or a compressed document copied and asked a question); this module only schedule
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -38,6 +37,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
+from kvevict.bench.clock import now
 from kvevict.bench.memory import MIB
 from kvevict.cache import EvictionCache
 from kvevict.compat import with_cache
@@ -150,13 +150,13 @@ class Server:
         served = Served(outputs=[[] for _ in jobs])
         self.layer_bytes = list(estimate)
         pending = list(range(len(jobs)))
-        start = time.perf_counter()
+        start = now(self.model.device)
         while pending or self.waiting is not None or any(row is not None for row in self.rows):
             self._retire(served, jobs)
             while self._admit(pending, jobs, served):
                 pass
             self._step(jobs, served)
-        served.seconds = time.perf_counter() - start
+        served.seconds = now(self.model.device) - start
         if self.batch is not None:
             self.batch.close()
             self.batch, self.rows = None, []
@@ -184,9 +184,9 @@ class Server:
                 + (f", besides the {shared / MIB:.1f} MiB its compressed document holds" if shared else "")
             )
         pending.pop(0)
-        tick = time.perf_counter()
+        tick = now(self.model.device)
         cache, logits = jobs[job].start()
-        served.prefill_s += time.perf_counter() - tick
+        served.prefill_s += now(self.model.device) - tick
         built_bytes = [layer.storage_bytes() for layer in cache.eviction_layers]
         self.layer_bytes = [mine.widest(theirs) for mine, theirs in zip(self.layer_bytes, built_bytes, strict=True)]
         self.room = max(self.room, cache.sequences[0].interval)
@@ -240,11 +240,11 @@ class Server:
             return
         histories = [served.outputs[row.job] for row in self.rows]
         tokens = torch.tensor([[history[-1]] for history in histories], device=self.model.device)
-        tick = time.perf_counter()
+        tick = now(self.model.device)
         logits = self.model(
             input_ids=tokens, position_ids=self.batch.next_positions(), **with_cache(self.batch)
         ).logits[:, -1]
-        served.decode_s += time.perf_counter() - tick
+        served.decode_s += now(self.model.device) - tick
         served.decode_steps += 1
         served.batch_sizes.append(len(self.rows))
         served.peak_bytes = max(served.peak_bytes, self._resident())

@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from kvevict.bench.clock import now
 from kvevict.bench.options import comma_separated
 from kvevict.bench.report import markdown_records
 from kvevict.cache import EvictionCache
@@ -42,9 +42,9 @@ POLICIES = ("streamingllm", "epikv", "tova", "h2o", "lazyeviction", "snapkv")
 
 def _step_seconds(model: PreTrainedModel, cache: object, token: torch.Tensor) -> float:
     """Seconds of one single-token pass through ``cache``."""
-    start = time.perf_counter()
+    start = now(model.device)
     model(input_ids=token, **with_cache(cache), use_cache=True)
-    return time.perf_counter() - start
+    return now(model.device) - start
 
 
 def _evicts(cache: EvictionCache) -> bool:
@@ -157,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", default="smollm2", help="model name or path (default: the embedded smollm2)")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
+    parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where the model loads)")
     parser.add_argument("--entries", type=int, default=512, help="entries held per KV head (default 512)")
     parser.add_argument(
         "--batch-sizes",
@@ -187,7 +188,7 @@ def main(argv: Sequence[str]) -> int:
     policies = split_names(args.policies)
     for name in policies:
         make_policy(name)  # an unknown policy fails before the model loads
-    model, _ = load_model(args.model)
+    model, _ = load_model(args.model, device=args.device)
     # a table per batch size as soon as it is measured: an interrupted run keeps the ones it finished
     for index, batch in enumerate(args.batch_sizes):
         if index:

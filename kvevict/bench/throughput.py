@@ -479,6 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts (default 0)")
     parser.add_argument("--out", type=Path, required=True, help="results directory (created; resumed if it exists)")
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
+    parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where the model loads)")
     return parser
 
 
@@ -504,7 +505,7 @@ def main(argv: Sequence[str]) -> int:
         )
         for new_tokens in args.new_tokens
     ]
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     inputs = workload_inputs(configs[0], tokenizer)
     records = [
         record

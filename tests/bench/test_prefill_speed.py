@@ -48,6 +48,7 @@ def test_the_prompts_are_the_essays_cut_to_each_length() -> None:
         (["--repeats", "0"], "--repeats must be >= 1"),
         (["--keep", "1.5"], "keep"),
         (["--prefill-chunk", "0"], "prefill chunk"),
+        (["--device", "gpu"], "unknown device 'gpu'; use cpu, cuda, cuda:N or mps"),
     ],
 )
 def test_bad_options_are_refused_in_one_line_before_the_model_loads(argv, message: str, capsys) -> None:

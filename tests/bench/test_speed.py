@@ -100,3 +100,11 @@ def test_each_batch_size_is_printed_once_measured_so_an_interrupted_run_keeps_it
         main(["bench", "decode-speed", "--policies", "h2o", "--batch-sizes", "1,8"])
     assert measured == [(1,)]
     assert "| h2o | 1 | 1 | 2.0 | 1.0 | 2.00x |" in capsys.readouterr().out
+
+
+def test_a_device_torch_cannot_use_is_refused_in_one_line(capsys) -> None:
+    assert main(["bench", "decode-speed", "--policies", "h2o", "--device", "gpu"]) == 2
+    assert (
+        capsys.readouterr().err
+        == "kvevict bench decode-speed: error: unknown device 'gpu'; use cpu, cuda, cuda:N or mps\n"
+    )

@@ -171,6 +171,11 @@ def test_command_line_refuses_bad_input(capsys, tmp_path) -> None:
     assert "need --budgets" in capsys.readouterr().err
     assert main(["bench", "throughput", "--keep", "0.2", "--memory-cap", "-1", "--out", str(tmp_path)]) == 2
     assert "memory cap must be a positive number" in capsys.readouterr().err
+    assert main(["bench", "throughput", "--keep", "0.2", "--device", "gpu", "--out", str(tmp_path)]) == 2
+    assert (
+        capsys.readouterr().err
+        == "kvevict bench throughput: error: unknown device 'gpu'; use cpu, cuda, cuda:N or mps\n"
+    )
 
 
 def test_compress_once_ask_many_answers_every_question_from_a_copy_of_its_document(tmp_path, tokenizer) -> None:
