@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +28,22 @@ ENGINE_ARGS = {
     "seed": 0,
 }
 """fp32, blocks of 32 (the CPU kernels' smallest), a small pool."""
+
+
+@pytest.fixture(scope="session", autouse=True)
+def vllm_files_in_pytest_s_directory(tmp_path_factory) -> Iterator[None]:
+    """vLLM leaves a socket (its ZMQ paths) or a rendezvous file (``file://`` init) in the temporary directory
+    for every engine it starts, and ``vllm serve``'s processes too: here they go into pytest's own temporary
+    directory, which pytest prunes, not into ``/tmp``."""
+    directory = str(tmp_path_factory.mktemp("vllm"))
+    saved = tempfile.tempdir, os.environ.get("TMPDIR")
+    tempfile.tempdir = os.environ["TMPDIR"] = directory
+    yield
+    tempfile.tempdir = saved[0]
+    if saved[1] is None:
+        os.environ.pop("TMPDIR")
+    else:
+        os.environ["TMPDIR"] = saved[1]
 
 
 @pytest.fixture(scope="session")
