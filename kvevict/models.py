@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -183,17 +184,26 @@ def dequantise(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+ABANDONED_AFTER_S = 3600
+"""A conversion's work directory untouched this long was left by a process that was killed (one converting now
+writes into it within minutes)."""
+
+
 def converted_once(name: str, gguf_in: Callable[[Path], Path], source: Path) -> Path:
     """``cache_dir() / name``: the GGUF that ``gguf_in(work_directory)`` gives, dequantised to an
     fp32 transformers checkpoint once, and reused while :func:`checkpoint_intact`.
 
     The checkpoint is written in a temporary directory beside the target and renamed into place,
-    its manifest last, so an interrupted conversion leaves nothing that looks whole; a damaged
+    its manifest last, so an interrupted conversion leaves nothing that looks whole (a killed one's work
+    directory is removed by the next conversion, once :data:`ABANDONED_AFTER_S` old); a damaged
     or outdated one is moved aside and converted again."""
     target = cache_dir() / name
     if checkpoint_intact(target, source):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    for left in target.parent.glob(f"{name}.*"):  # a killed conversion's work (a GGUF, a checkpoint: up to GBs)
+        if left.is_dir() and time.time() - left.stat().st_mtime > ABANDONED_AFTER_S:
+            shutil.rmtree(left, ignore_errors=True)
     work = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=target.parent))
     try:
         out = work / "checkpoint"

@@ -1,5 +1,7 @@
 import json
+import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -251,6 +253,23 @@ def test_a_damaged_checkpoint_is_rebuilt_not_trusted(damage, monkeypatch, tmp_pa
     assert models.checkpoint_intact(directory, gguf)
     assert (directory / "config.json").read_text() == '{"converted_from": "m.gguf"}'
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["m"]  # nothing left beside it
+
+
+def test_a_killed_conversion_s_work_is_removed_by_the_next_one_and_a_running_one_s_is_not(
+    monkeypatch, tmp_path
+) -> None:
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "dequantise", fake_conversion)
+    killed, running = tmp_path / "cache" / "m.killed01", tmp_path / "cache" / "m.running"
+    for work in (killed, running):
+        work.mkdir(parents=True)
+        (work / "m.gguf").write_bytes(b"a GGUF being joined")
+    hours_ago = time.time() - 2 * models.ABANDONED_AFTER_S
+    os.utime(killed, (hours_ago, hours_ago))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF weights")
+    models.converted_once("m", lambda work: gguf, source=gguf)
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["m", "m.running"]
 
 
 def test_a_copied_checkpoint_is_trusted_by_its_hashes_and_a_new_gguf_is_converted_again(monkeypatch, tmp_path) -> None:
