@@ -43,7 +43,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -142,7 +142,7 @@ def _refuse_unknown(args: dict[str, Any]) -> None:
 
 
 class _Refusing(argparse.ArgumentParser):
-    def error(self, message: str):  # a malformed --model_args: one line, as a bad model arg
+    def error(self, message: str) -> NoReturn:  # a malformed --model_args: one line, as a bad model arg
         raise ValueError(message)
 
 
