@@ -70,7 +70,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import PreTrainedModel
 
-from kvevict.bench.options import comma_separated
+from kvevict.bench.options import comma_separated, device_option
 from kvevict.bench.report import text_table
 from kvevict.compat import with_cache
 from kvevict.figures import pyplot, save_figure
@@ -414,7 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", type=Path, default=Path("results/memory"), help="results directory")
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
-    parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where the model loads)")
+    device_option(parser)
     return parser
 
 

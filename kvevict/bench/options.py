@@ -34,3 +34,9 @@ def quant_list(text: str) -> tuple[str | None, ...]:
     if not values or any(value is not None and value not in BITS for value in values):
         raise argparse.ArgumentTypeError(f"expected comma-separated {', '.join(BITS)} or none, got {text!r}")
     return values
+
+
+def device_option(parser: argparse.ArgumentParser) -> None:
+    """``--device``: where the model is placed (:func:`kvevict.load_model`, which refuses a device torch cannot
+    use here before the model loads)."""
+    parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where the model loads)")

@@ -22,7 +22,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kvevict.bench.clock import now
-from kvevict.bench.options import comma_separated
+from kvevict.bench.options import comma_separated, device_option
 from kvevict.bench.report import markdown_records
 from kvevict.bench.speed import paired_ratio
 from kvevict.budgets import Budget
@@ -126,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time each policy's prefill (compression included) against a plain prefill of the same prompt.",
     )
     parser.add_argument("--model", default="smollm2", help="model name or path (default: the embedded smollm2)")
-    parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where the model loads)")
+    device_option(parser)
     parser.add_argument(
         "--policies", default=",".join(POLICIES), help=f"comma-separated policies (default: {','.join(POLICIES)})"
     )

@@ -31,7 +31,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from kvevict.bench.clock import now
-from kvevict.bench.options import comma_separated
+from kvevict.bench.options import comma_separated, device_option
 from kvevict.bench.report import markdown_records
 from kvevict.cache import EvictionCache
 from kvevict.compat import with_cache
@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--model", default="smollm2", help="model name or path (default: the embedded smollm2)")
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated policies")
-    parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where the model loads)")
+    device_option(parser)
     parser.add_argument("--entries", type=int, default=512, help="entries held per KV head (default 512)")
     parser.add_argument(
         "--batch-sizes",

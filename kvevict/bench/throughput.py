@@ -42,7 +42,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from kvevict.bench.memory import MIB
-from kvevict.bench.options import comma_separated, quant_list
+from kvevict.bench.options import comma_separated, device_option, quant_list
 from kvevict.bench.report import text_table
 from kvevict.bench.runner import Setting
 from kvevict.bench.serving import Served, Server
@@ -479,7 +479,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated prompts (default 0)")
     parser.add_argument("--out", type=Path, required=True, help="results directory (created; resumed if it exists)")
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
-    parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where the model loads)")
+    device_option(parser)
     return parser
 
 

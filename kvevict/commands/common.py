@@ -10,6 +10,8 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from kvevict.bench.options import device_option
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -112,7 +114,7 @@ def model_args(parser: argparse.ArgumentParser) -> None:
         ),
     )
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16 or auto")
-    parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where the model loads)")
+    device_option(parser)
     parser.add_argument("--attn", default=None, help="base attention kernel: sdpa (default), eager, flash_attention_2")
 
 
