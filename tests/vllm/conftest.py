@@ -41,17 +41,11 @@ def vllm_files_in_pytest_s_directory(tmp_path_factory) -> Iterator[None]:
     for every engine it starts, and ``vllm serve``'s processes too: here they go into pytest's own temporary
     directory, which pytest prunes, not into ``/tmp``."""
     directory = str(tmp_path_factory.mktemp("vllm"))
-    if len(directory) + len("/") + SOCKET_NAME > SOCKET_PATH_MAX:  # a deep temporary directory (macOS's)
+    with pytest.MonkeyPatch.context() as patch:
+        if len(directory) + len("/") + SOCKET_NAME <= SOCKET_PATH_MAX:  # else a deep temporary directory (macOS's)
+            patch.setattr(tempfile, "tempdir", directory)
+            patch.setenv("TMPDIR", directory)
         yield
-        return
-    saved = tempfile.tempdir, os.environ.get("TMPDIR")
-    tempfile.tempdir = os.environ["TMPDIR"] = directory
-    yield
-    tempfile.tempdir = saved[0]
-    if saved[1] is None:
-        os.environ.pop("TMPDIR")
-    else:
-        os.environ["TMPDIR"] = saved[1]
 
 
 @pytest.fixture(scope="session")
