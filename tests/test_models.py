@@ -1,8 +1,8 @@
 import base64
 import hashlib
 import json
-import os
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -259,24 +259,44 @@ def test_a_damaged_checkpoint_is_rebuilt_not_trusted(damage, monkeypatch, tmp_pa
     assert models.converted_once("m", lambda work: gguf, source=source_of_bytes(gguf)) == directory
     assert models.checkpoint_intact(directory, source_of_bytes(gguf))
     assert (directory / "config.json").read_text() == '{"converted_from": "m.gguf"}'
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["m"]  # nothing left beside it
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["m", "m.lock"]  # no work left beside it
 
 
-def test_a_killed_conversion_s_work_is_removed_by_the_next_one_and_a_running_one_s_is_not(
-    monkeypatch, tmp_path
-) -> None:
+def test_a_killed_conversion_s_work_is_removed_by_the_next_one(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
     monkeypatch.setattr(models, "dequantise", fake_conversion)
-    killed, running = tmp_path / "cache" / "m.killed01", tmp_path / "cache" / "m.running"
-    for work in (killed, running):
-        work.mkdir(parents=True)
-        (work / "m.gguf").write_bytes(b"a GGUF being joined")
-    hours_ago = time.time() - 2 * models.ABANDONED_AFTER_S
-    os.utime(killed, (hours_ago, hours_ago))
+    killed = tmp_path / "cache" / "m.killed01"
+    killed.mkdir(parents=True)
+    (killed / "m.gguf").write_bytes(b"a GGUF half joined")
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF weights")
     models.converted_once("m", lambda work: gguf, source=source_of_bytes(gguf))
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["m", "m.running"]
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["m", "m.lock"]
+
+
+def test_processes_that_need_a_checkpoint_at_once_convert_it_once(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "cache"))
+    converted = []
+
+    def slow_conversion(gguf: Path, out: Path) -> None:
+        converted.append(gguf)
+        time.sleep(0.3)  # long enough for the others to find no checkpoint and ask to convert it
+        fake_conversion(gguf, out)
+
+    monkeypatch.setattr(models, "dequantise", slow_conversion)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF weights")
+    got: list[Path] = []
+    needing = [
+        threading.Thread(target=lambda: got.append(models.converted_once("m", lambda w: gguf, source_of_bytes(gguf))))
+        for _ in range(3)
+    ]
+    for thread in needing:
+        thread.start()
+    for thread in needing:
+        thread.join()
+    assert converted == [gguf] and got == [tmp_path / "cache" / "m"] * 3
+    assert models.checkpoint_intact(got[0], source_of_bytes(gguf))
 
 
 def test_a_copied_checkpoint_is_trusted_by_its_hashes_and_a_new_gguf_is_converted_again(monkeypatch, tmp_path) -> None:
