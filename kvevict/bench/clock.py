@@ -7,6 +7,7 @@ work. On the CPU this is ``time.perf_counter()``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -16,3 +17,10 @@ def now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def seconds(device: torch.device, run: Callable[..., object], *args: object, **kwargs: object) -> float:
+    """Seconds ``run(*args, **kwargs)`` takes, the work it queues on ``device`` included."""
+    start = now(device)
+    run(*args, **kwargs)
+    return now(device) - start

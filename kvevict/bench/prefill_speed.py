@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from kvevict.bench.clock import now
+from kvevict.bench.clock import seconds
 from kvevict.bench.options import comma_separated, device_option
 from kvevict.bench.report import markdown_records
 from kvevict.bench.speed import paired_ratio
@@ -32,12 +32,6 @@ from kvevict.generation import check_chunk, prefill
 from kvevict.policies import make_policy, split_names
 
 POLICIES = ("snapkv", "expected-attention", "kvzip", "kvzip[precision=fp32]", "fastkvzip", "momentkv")
-
-
-def _seconds(device: torch.device, run: Callable[..., object], *args: object, **kwargs: object) -> float:
-    start = now(device)
-    run(*args, **kwargs)
-    return now(device) - start
 
 
 def measure(
@@ -72,9 +66,9 @@ def measure(
             for _ in range(repeats):
                 for name in policies:
                     plain = with_cache(DynamicCache())
-                    plain_times[name].append(_seconds(model.device, model, input_ids=ids, **plain, logits_to_keep=1))
+                    plain_times[name].append(seconds(model.device, model, input_ids=ids, **plain, logits_to_keep=1))
                     cache = EvictionCache(model, name, budget=budget, keep=keep)
-                    times[name].append(_seconds(model.device, prefill, model, ids, cache, chunk=chunk))
+                    times[name].append(seconds(model.device, prefill, model, ids, cache, chunk=chunk))
                     kept[name] = cache.kept()
                     cache.close()
                     bar.update()

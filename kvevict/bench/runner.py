@@ -13,8 +13,7 @@ run, :class:`UnitRunner` turns one into records. :class:`BenchRunner` runs them 
 from __future__ import annotations
 
 import copy
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,6 +23,7 @@ import torch
 from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria
 
+from kvevict.bench import clock
 from kvevict.bench.fidelity import fidelity_metrics, reference_logits, replay
 from kvevict.bench.store import ResultStore
 from kvevict.bench.task import Sample, Task
@@ -310,12 +310,14 @@ class UnitRunner:
         shared_seconds = 0.0
         if not self.config.query_aware:  # compress the common context once
             shared = self._cache(setting)
-            shared_seconds = _timed(prefill, self.model, prompts[0].head, shared, None, self.config.prefill_chunk)
+            shared_seconds = clock.seconds(
+                self.model.device, prefill, self.model, prompts[0].head, shared, None, self.config.prefill_chunk
+            )
         for sample, prompt in zip(samples, prompts):
             if shared is None:  # query-aware: compress the prompt but its last token, which starts decoding
                 cache = self._cache(setting)
-                prefill_seconds = _timed(
-                    prefill, self.model, prompt.ids[:, :-1], cache, None, self.config.prefill_chunk
+                prefill_seconds = clock.seconds(
+                    self.model.device, prefill, self.model, prompt.ids[:, :-1], cache, None, self.config.prefill_chunk
                 )
             else:
                 cache, prefill_seconds = copy.deepcopy(shared), shared_seconds
@@ -324,15 +326,15 @@ class UnitRunner:
             if replays_reference(self.config, task, setting):
                 # a fidelity-scored task only replays: its cache then shows the real decode-time memory
                 replayed = cache if task.scored_by_fidelity else copy.deepcopy(cache)
-                start = time.perf_counter()
+                start = clock.now(self.model.device)
                 fidelity = self._fidelity(unit, sample, prompt, replayed)
-                decode_seconds = time.perf_counter() - start
+                decode_seconds = clock.now(self.model.device) - start
             new_ids = None
             if not (task.scored_by_fidelity and not setting.reference):
                 max_new_tokens, constraints = self._generation(sample)
-                start = time.perf_counter()
+                start = clock.now(self.model.device)
                 new_ids = continue_greedy(self.model, self.tokenizer, prompt.ids, cache, max_new_tokens, **constraints)
-                decode_seconds = time.perf_counter() - start
+                decode_seconds = clock.now(self.model.device) - start
             yield self._record(
                 task,
                 setting,
@@ -371,7 +373,7 @@ class UnitRunner:
         every row's memory is read when it ends, as the cache of that sample alone would be."""
         prompts = [PromptIds.of(self.tokenizer, sample) for sample in samples]
         cache = self._cache(setting)
-        start = time.perf_counter()
+        start = clock.now(self.model.device)
         tails = [prompt.ids[:, prompt.head.shape[-1] :] for prompt in prompts]
         heads = [prompt.head for prompt in prompts]
         ids, mask = compress(
@@ -383,15 +385,15 @@ class UnitRunner:
             query_aware=self.config.query_aware,
             chunk=self.config.prefill_chunk,
         )
-        prefill_seconds = time.perf_counter() - start
+        prefill_seconds = clock.now(self.model.device) - start
         at_prefill = [cache.row_memory(row) for row in range(len(samples))]
         ends = _RowEnds(cache, self.model.generation_config.eos_token_id, ids.shape[-1])
         max_new_tokens, constraints = self._generation(samples[0])
-        start = time.perf_counter()
+        start = clock.now(self.model.device)
         new_ids = continue_greedy(
             self.model, self.tokenizer, ids, cache, max_new_tokens, mask, stopping_criteria=[ends], **constraints
         )
-        decode_seconds = time.perf_counter() - start
+        decode_seconds = clock.now(self.model.device) - start
         timing = {"prefill_s": prefill_seconds, "decode_s": decode_seconds, "shared": 1, "batch": len(samples)}
         for row, (sample, prompt) in enumerate(zip(samples, prompts)):
             final = ends.memory.get(row) or cache.row_memory(row)
@@ -508,9 +510,3 @@ class _RowEnds(StoppingCriteria):
         for row in ended.nonzero().flatten().tolist():
             self.memory.setdefault(row, self.cache.row_memory(row))
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-
-def _timed(action: Callable[..., object], *args: object) -> float:
-    start = time.perf_counter()
-    action(*args)
-    return time.perf_counter() - start

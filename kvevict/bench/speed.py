@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from kvevict.bench.clock import now
+from kvevict.bench.clock import seconds
 from kvevict.bench.options import comma_separated, device_option
 from kvevict.bench.report import markdown_records
 from kvevict.cache import EvictionCache
@@ -42,9 +42,7 @@ POLICIES = ("streamingllm", "epikv", "tova", "h2o", "lazyeviction", "snapkv")
 
 def _step_seconds(model: PreTrainedModel, cache: object, token: torch.Tensor) -> float:
     """Seconds of one single-token pass through ``cache``."""
-    start = now(model.device)
-    model(input_ids=token, **with_cache(cache), use_cache=True)
-    return now(model.device) - start
+    return seconds(model.device, model, input_ids=token, **with_cache(cache), use_cache=True)
 
 
 def _evicts(cache: EvictionCache) -> bool:

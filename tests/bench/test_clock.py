@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvevict.bench import clock
 from kvevict.bench.clock import now
 
 
@@ -17,3 +18,12 @@ def test_on_cuda_it_synchronizes_that_device_first(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synchronized.append(device))
     now(torch.device("cuda:1"))
     assert synchronized == [torch.device("cuda:1")]
+
+
+def test_a_call_is_timed_from_a_synchronized_start_to_a_synchronized_end(monkeypatch) -> None:
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("synchronize"))
+    ticks = iter([10.0, 12.5])
+    monkeypatch.setattr(clock.time, "perf_counter", lambda: next(ticks))
+    took = clock.seconds(torch.device("cuda"), lambda *args, **kwargs: events.append(("run", args, kwargs)), 1, k=2)
+    assert took == 2.5 and events == ["synchronize", ("run", (1,), {"k": 2}), "synchronize"]
